@@ -1,0 +1,139 @@
+"""Cost annotation pass: FLOPs (forward, input-grad, weight-grad) and bytes per node."""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from typing import Any, Sequence
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+from pipesplit.meta import NodeCost, node_cost, set_node_cost
+from pipesplit.passes.flops import OpFlops, hint, op_flops, op_name
+
+log = logging.getLogger(__name__)
+
+_SCALAR_TYPES = (int, float, bool, torch.SymInt, torch.SymFloat, torch.SymBool, type(None))
+
+
+def _bytes(val: Any) -> int:
+    total = 0
+    for leaf in pytree.tree_leaves(val):
+        if isinstance(leaf, torch.Tensor):
+            n = 1
+            for d in leaf.shape:
+                n *= hint(d)
+            total += n * leaf.element_size()
+    return total
+
+
+def _is_sendable(val: Any) -> bool:
+    """Tensors, sizes and scalars may cross a stage boundary; tuples and lists may not."""
+    return isinstance(val, (torch.Tensor,) + _SCALAR_TYPES)
+
+
+def _attr(gm: fx.GraphModule, target: str) -> Any:
+    obj: Any = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _subgraph_flops(gm: fx.GraphModule, node: fx.Node) -> OpFlops | None:
+    """FLOPs of a higher-order op (e.g. ``wrap_with_set_grad_enabled``): its body's sum."""
+    bodies = [a for a in node.args if isinstance(a, fx.Node) and a.op == "get_attr"]
+    subs = [_attr(gm, str(b.target)) for b in bodies]
+    subs = [s for s in subs if isinstance(s, fx.GraphModule)]
+    if not subs:
+        return None
+    fwd = 0
+    for sub in subs:
+        for inner in sub.graph.nodes:
+            if inner.op == "call_function":
+                f = op_flops(inner)
+                fwd += f.fwd if f else 0
+    return OpFlops(fwd, {})
+
+
+def annotate_costs(gm: fx.GraphModule, inputs_require_grad: Sequence[bool] = ()) -> fx.GraphModule:
+    """Write a :class:`~pipesplit.meta.NodeCost` into every node's meta; returns ``gm``.
+
+    Gradient work of an operand counts as *weight-gradient* FLOPs when the operand
+    derives from parameters alone, and *input-gradient* FLOPs when it depends on the
+    program's inputs; operands that need no gradient cost nothing backward.
+
+    >>> import torch
+    >>> from pipesplit.capture import capture
+    >>> cap = capture(torch.nn.Linear(8, 4), torch.randn(2, 8))
+    >>> gm = annotate_costs(cap.gm)
+    >>> [node_cost(n).fwd_flops for n in gm.graph.nodes if n.op == "call_function"]
+    [136]
+    """
+    needs_grad: dict[fx.Node, bool] = {}
+    from_input: dict[fx.Node, bool] = {}
+    requires = iter(inputs_require_grad)
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        if node.op == "placeholder":
+            needs_grad[node] = bool(next(requires, False))
+            from_input[node] = True
+            set_node_cost(node, NodeCost(out_bytes=_bytes(val), sendable=_is_sendable(val)))
+            continue
+        if node.op == "get_attr":
+            obj = _attr(gm, str(node.target))
+            is_tensor = isinstance(obj, torch.Tensor)
+            needs_grad[node] = is_tensor and obj.requires_grad
+            from_input[node] = False
+            nbytes = obj.numel() * obj.element_size() if is_tensor else 0
+            set_node_cost(node, NodeCost(param_bytes=nbytes, trainable=needs_grad[node]))
+            continue
+        if node.op == "output":
+            set_node_cost(node, NodeCost())
+            continue
+        inputs = node.all_input_nodes
+        floating = any(
+            isinstance(leaf, torch.Tensor) and leaf.is_floating_point() for leaf in pytree.tree_leaves(val)
+        )
+        needs_grad[node] = floating and any(needs_grad.get(a, False) for a in inputs)
+        from_input[node] = any(from_input.get(a, False) for a in inputs)
+        flops = op_flops(node) if node.op == "call_function" else None
+        if flops is None and node.op == "call_function":
+            flops = _subgraph_flops(gm, node)
+        known = flops is not None
+        if flops is None:  # reported by unknown_ops(); weighted by output size meanwhile
+            n = _bytes(val) // 4
+            flops = OpFlops(n, {i: n for i, a in enumerate(node.args) if isinstance(a, fx.Node)})
+        igrad = wgrad = 0
+        if needs_grad[node]:
+            for i, f in flops.grads.items():
+                arg = node.args[i] if i < len(node.args) else None
+                operands = arg if isinstance(arg, (list, tuple)) else [arg]
+                for a in operands:
+                    if isinstance(a, fx.Node) and needs_grad.get(a, False):
+                        if from_input.get(a, False):
+                            igrad += f
+                        else:
+                            wgrad += f
+        set_node_cost(
+            node,
+            NodeCost(
+                fwd_flops=int(flops.fwd),
+                igrad_flops=int(igrad),
+                wgrad_flops=int(wgrad),
+                out_bytes=_bytes(val),
+                sendable=_is_sendable(val),
+                known=known,
+            ),
+        )
+    return gm
+
+
+def unknown_ops(gm: fx.GraphModule) -> dict[str, int]:
+    """Ops without a FLOP formula, with how many nodes use each (costed by output size)."""
+    counts: Counter[str] = Counter()
+    for node in gm.graph.nodes:
+        if node.op not in ("placeholder", "get_attr", "output") and not node_cost(node).known:
+            counts[op_name(node.target) if node.op == "call_function" else str(node.target)] += 1
+    return dict(counts)

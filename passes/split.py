@@ -1,0 +1,182 @@
+"""Transform pass: cut a graph by a plan into stage GraphModules and a root graph.
+
+The root graph calls each stage module in order; every value that crosses a stage
+boundary goes through an explicit ``comm.send`` / ``comm.recv`` pair, and every
+program input through ``comm.feed``. The last stage returns all program outputs.
+The input graph is never modified.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from pipesplit import comm
+from pipesplit.errors import PlanError
+from pipesplit.passes.chain import COMPUTE_OPS
+from pipesplit.passes.flops import hint
+
+
+@dataclass(frozen=True)
+class Boundary:
+    """One send/recv edge: value ``name`` produced by stage ``src`` and used by stage ``dst``."""
+
+    name: str
+    src: int
+    dst: int
+    kind: str  # "tensor" or "int" (a size) or "scalar"
+    shape: tuple[int | None, ...] | None  # None marks a dynamic (batch) dimension
+    dtype: torch.dtype | None
+    nbytes: int  # at the example's shapes
+
+
+@dataclass
+class StagePiece:
+    """A stage as the split pass builds it, before devices are attached."""
+
+    index: int
+    graph: fx.Graph
+    attrs: dict[str, Any]  # get_attr target -> object (tensor or submodule) the stage needs
+    inputs: list[tuple[str, str, int]]  # (placeholder name, "input" | "stage", flat index | src stage)
+    outputs: list[str]  # names of the values it returns, in order
+    nodes: list[str]
+
+
+@dataclass
+class SplitGraph:
+    stages: list[StagePiece]
+    root: fx.Graph
+    boundaries: list[Boundary]
+    outputs: list[tuple[str, Any]]  # per flat program output: ("value", name) or ("const", literal)
+
+
+def _value_info(node: fx.Node) -> tuple[str, tuple[int | None, ...] | None, torch.dtype | None, int]:
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        shape = tuple(d if isinstance(d, int) else None for d in val.shape)
+        n = 1
+        for d in val.shape:
+            n *= hint(d)
+        return "tensor", shape, val.dtype, n * val.element_size()
+    if isinstance(val, (int, torch.SymInt)):
+        return "int", None, None, 8
+    return "scalar", None, None, 8
+
+
+def split_graph(gm: fx.GraphModule, stages: Sequence[Sequence[str]], devices: Sequence[str]) -> SplitGraph:
+    """Cut ``gm`` into ``len(stages)`` stage graphs and a root graph wiring them."""
+    k = len(stages)
+    last = k - 1
+    stage_of: dict[fx.Node, int] = {}
+    by_name = {n.name: n for n in gm.graph.nodes}
+    for s, names in enumerate(stages):
+        for name in names:
+            stage_of[by_name[name]] = s
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    input_index = {n: i for i, n in enumerate(placeholders)}
+    output_node = next(n for n in gm.graph.nodes if n.op == "output")
+    flat_outputs = list(output_node.args[0])
+
+    # What each stage needs from outside, and which consumer stages each value has.
+    needs: list[dict[fx.Node, None]] = [{} for _ in range(k)]
+    attrs: list[dict[str, None]] = [{} for _ in range(k)]
+    for node in gm.graph.nodes:
+        if node.op not in COMPUTE_OPS:
+            continue
+        s = stage_of[node]
+        for a in node.all_input_nodes:
+            if a.op == "get_attr":
+                attrs[s][str(a.target)] = None
+            elif a.op == "placeholder" or stage_of[a] != s:
+                needs[s][a] = None
+    for out in flat_outputs:
+        if isinstance(out, fx.Node) and not (out.op in COMPUTE_OPS and stage_of[out] == last):
+            needs[last][out] = None
+    consumers: dict[fx.Node, list[int]] = {}
+    for s in range(k):
+        for a in needs[s]:
+            if a.op != "placeholder":
+                consumers.setdefault(a, []).append(s)
+
+    pieces: list[StagePiece] = []
+    for s, names in enumerate(stages):
+        graph = fx.Graph()
+        env: dict[fx.Node, fx.Node] = {}
+        inputs = []
+        for a in needs[s]:
+            ph = graph.placeholder(a.name)
+            ph.meta = dict(a.meta)
+            env[a] = ph
+            inputs.append((a.name, "input", input_index[a]) if a.op == "placeholder" else (a.name, "stage", stage_of[a]))
+        for target in attrs[s]:
+            src = next(n for n in gm.graph.nodes if n.op == "get_attr" and n.target == target)
+            env[src] = graph.get_attr(target)
+            env[src].meta = dict(src.meta)
+        for name in names:
+            node = by_name[name]
+            env[node] = graph.node_copy(node, lambda x: env[x])
+        produced = [by_name[x] for x in names]
+        if s == last:
+            outs = list(dict.fromkeys(o for o in flat_outputs if isinstance(o, fx.Node)))
+        else:
+            outs = [n for n in produced if n in consumers]
+        graph.output(tuple(env[o] for o in outs))
+        graph.lint()
+        attr_objs = {t: _fetch(gm, t) for t in attrs[s]}
+        pieces.append(StagePiece(s, graph, attr_objs, inputs, [o.name for o in outs], list(names)))
+
+    root, boundaries = _root_graph(gm, pieces, placeholders, devices, stage_of, by_name)
+    outputs = [("value", o.name) if isinstance(o, fx.Node) else ("const", o) for o in flat_outputs]
+    return SplitGraph(pieces, root, boundaries, outputs)
+
+
+def _root_graph(
+    gm: fx.GraphModule,
+    pieces: list[StagePiece],
+    placeholders: list[fx.Node],
+    devices: Sequence[str],
+    stage_of: dict[fx.Node, int],
+    by_name: dict[str, fx.Node],
+) -> tuple[fx.Graph, list[Boundary]]:
+    root = fx.Graph()
+    inputs = [root.placeholder(p.name) for p in placeholders]
+    produced: dict[str, fx.Node] = {}  # value name -> root node holding it (on its producer's device)
+    boundaries: list[Boundary] = []
+    for piece in pieces:
+        s, device = piece.index, str(devices[piece.index])
+        args = []
+        for name, kind, where in piece.inputs:
+            if kind == "input":
+                args.append(root.call_function(comm.feed, (inputs[where],), {"index": where, "dst": s, "device": device}))
+                continue
+            sent = root.call_function(comm.send, (produced[name],), {"src": where, "dst": s, "name": name})
+            args.append(root.call_function(comm.recv, (sent,), {"src": where, "dst": s, "name": name, "device": device}))
+            vkind, shape, dtype, nbytes = _value_info(by_name[name])
+            boundaries.append(Boundary(name, where, s, vkind, shape, dtype, nbytes))
+        call = root.call_module(f"stage_{s}", tuple(args))
+        for i, out in enumerate(piece.outputs):
+            produced[out] = root.call_function(operator.getitem, (call, i))
+    last = pieces[-1]
+    root.output(tuple(produced[name] for name in last.outputs))
+    return root, boundaries
+
+
+def _fetch(root: nn.Module, target: str) -> Any:
+    obj: Any = root
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def check_devices(devices: Sequence[Any], num_stages: int) -> list[str]:
+    if len(devices) != num_stages:
+        raise PlanError(
+            f"devices lists {len(devices)} device(s) for {num_stages} stages; give one per stage "
+            "(stages may share a device, e.g. devices=['cuda:0'] * n)."
+        )
+    return [str(torch.device(d)) for d in devices]

@@ -1,0 +1,29 @@
+"""pipesplit: split PyTorch models into balanced pipeline stages."""
+
+from pipesplit.api import compile
+from pipesplit.errors import (
+    CaptureError,
+    CostError,
+    InputError,
+    PipesplitError,
+    PlanError,
+    RuntimeCommError,
+    ScheduleError,
+)
+from pipesplit.plan import Plan
+from pipesplit.program import SplitProgram, Stage
+
+__all__ = [
+    "compile",
+    "Plan",
+    "SplitProgram",
+    "Stage",
+    "PipesplitError",
+    "CaptureError",
+    "CostError",
+    "InputError",
+    "PlanError",
+    "ScheduleError",
+    "RuntimeCommError",
+]
+__version__ = "0.1.0"

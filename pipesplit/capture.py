@@ -1,0 +1,299 @@
+"""Frontend: capture an nn.Module as an unlifted torch.export graph with its specs."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch import nn
+from torch.export import Dim
+
+from pipesplit.errors import CaptureError
+
+log = logging.getLogger(__name__)
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+
+
+@dataclass
+class StateEntry:
+    """One distinct tensor of the model's state (a tied tensor is one entry)."""
+
+    name: str  # canonical name: first name in the model's own order
+    aliases: tuple[str, ...]  # every name the original model knows it by (name first)
+    tensor: torch.Tensor  # the program's own copy (a clone of the user's tensor)
+    is_param: bool
+    persistent: bool
+
+
+@dataclass
+class InputInfo:
+    """One flattened input of the captured program."""
+
+    name: str
+    is_tensor: bool
+    shape: tuple[int | None, ...] | None  # None marks a dynamic dimension
+    dtype: torch.dtype | None
+    example: Any  # the example value itself for non-tensors
+
+
+@dataclass
+class Captured:
+    """What ``capture`` returns: the graph, its pytree specs and the model's state.
+
+    ``gm`` refers to the program's own copies of the parameters and buffers, never
+    the user's tensors, so running it cannot change the user's model.
+    """
+
+    gm: fx.GraphModule
+    in_spec: pytree.TreeSpec
+    out_spec: pytree.TreeSpec
+    inputs: list[InputInfo]
+    example_flat: list[Any]
+    state: list[StateEntry]
+    target_to_entry: dict[str, int]  # get_attr target -> index into state
+    state_keys: dict[str, int]  # the model's state_dict keys, in order -> index into state
+    mutated_targets: set[str]
+    module_paths: set[str]
+    export_seconds: float
+    training: bool
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def mutated_names(self) -> set[str]:
+        return {self.state[self.target_to_entry[t]].name for t in self.mutated_targets if t in self.target_to_entry}
+
+    @property
+    def batch_dynamic(self) -> bool:
+        tensors = [i for i in self.inputs if i.is_tensor and i.shape]
+        return bool(tensors) and all(i.shape[0] is None for i in tensors if i.shape)
+
+
+def _as_args(example_input: Any) -> tuple[Any, ...]:
+    return example_input if isinstance(example_input, tuple) else (example_input,)
+
+
+def _dynamic_shapes(model: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """Mark dim 0 of every tensor input ``Dim.AUTO``: dynamic wherever the model allows."""
+    bound = inspect.signature(model.forward).bind(*args, **kwargs)
+
+    def spec(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.dim() >= 1:
+            return {0: Dim.AUTO}
+        return None
+
+    return {name: pytree.tree_map(spec, value) for name, value in bound.arguments.items()}
+
+
+def _user_frame(exc: BaseException) -> str | None:
+    """The innermost traceback frame outside torch: where the user's code failed."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    cause = exc.__cause__ or exc.__context__
+    while cause is not None:
+        frames += traceback.extract_tb(cause.__traceback__)
+        cause = cause.__cause__ or cause.__context__
+    user = [
+        f for f in frames
+        if not f.filename.startswith((_TORCH_DIR, "<")) and os.sep + "pipesplit" + os.sep not in f.filename
+    ]
+    if not user:
+        return None
+    f = user[-1]
+    return f"{f.filename}:{f.lineno} in {f.name}: {f.line}"
+
+
+def _export_hint(message: str) -> str:
+    low = message.lower()
+    if "data-dependent" in low or "data dependent" in low or "guardondatadependent" in low:
+        return (
+            "the model branches or sizes a tensor on tensor *values*; torch.export needs "
+            "control flow that depends only on shapes. Rewrite the branch with torch.where "
+            "or torch.cond, or move it out of forward()."
+        )
+    if "cache" in low and ("dynamiccache" in low or "past_key_values" in low):
+        return "pass use_cache=False (or config.use_cache=False) so the model returns no KV-cache object."
+    if "constraint" in low or "specializ" in low:
+        return "the model fixes a dimension the example marks dynamic; pass an example with the real shape."
+    return "see the torch.export message above; models must be traceable by torch.export (non-strict)."
+
+
+def _state_entries(model: nn.Module) -> tuple[list[StateEntry], dict[int, int]]:
+    """Distinct state tensors of ``model`` by identity, with every alias name."""
+    entries: list[StateEntry] = []
+    by_id: dict[int, int] = {}
+    non_persistent = {
+        f"{prefix}.{b}" if prefix else b
+        for prefix, mod in model.named_modules(remove_duplicate=False)
+        for b in mod._non_persistent_buffers_set
+    }
+    named = [(n, t, True) for n, t in model.named_parameters(remove_duplicate=False)]
+    named += [(n, t, False) for n, t in model.named_buffers(remove_duplicate=False)]
+    for name, tensor, is_param in named:
+        key = id(tensor)
+        if key in by_id:
+            entry = entries[by_id[key]]
+            entry.aliases = entry.aliases + (name,)
+            continue
+        by_id[key] = len(entries)
+        entries.append(StateEntry(name, (name,), tensor, is_param, name not in non_persistent))
+    return entries, by_id
+
+
+def _own_copy(t: torch.Tensor, is_param: bool) -> torch.Tensor:
+    copy = t.detach().clone()
+    return nn.Parameter(copy, requires_grad=t.requires_grad) if is_param else copy
+
+
+_BATCH_NORM_OPS = {"batch_norm", "native_batch_norm", "_native_batch_norm_legit", "cudnn_batch_norm"}
+
+
+def _mutated_targets(gm: fx.GraphModule) -> set[str]:
+    """get_attr targets that some op writes in place (BatchNorm stats included).
+
+    The training-IR graph lists no buffer mutation for ``batch_norm(training=True)``
+    and its schema carries no write annotation, so that family is matched by name.
+    """
+    out: set[str] = set()
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        schema = node.target._schema
+        written = [
+            i for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write
+        ]
+        name = node.target._schema.name.split("::")[-1]
+        if name in _BATCH_NORM_OPS:
+            training = node.args[5] if len(node.args) > 5 else node.kwargs.get("training", False)
+            if training:
+                written += [3, 4]
+        for i in written:
+            arg = node.args[i] if i < len(node.args) else None
+            if isinstance(arg, fx.Node) and arg.op == "get_attr":
+                out.add(str(arg.target))
+    return out
+
+
+def _input_infos(gm: fx.GraphModule, example_flat: list[Any]) -> list[InputInfo]:
+    infos = []
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node, example in zip(placeholders, example_flat):
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            shape = tuple(d if isinstance(d, int) else None for d in val.shape)
+            infos.append(InputInfo(node.name, True, shape, val.dtype, None))
+        else:
+            infos.append(InputInfo(node.name, False, None, None, example))
+    return infos
+
+
+def capture(model: nn.Module, args: Any, kwargs: dict[str, Any] | None = None) -> Captured:
+    """Export ``model`` on the example inputs; the batch dimension is made dynamic where possible.
+
+    >>> cap = capture(torch.nn.Linear(4, 2), torch.randn(3, 4))
+    >>> [i.shape for i in cap.inputs]
+    [(None, 4)]
+    """
+    if not isinstance(model, nn.Module):
+        raise CaptureError(f"compile() takes an nn.Module, got {type(model).__name__}.")
+    args = _as_args(args)
+    kwargs = dict(kwargs or {})
+    try:
+        dyn = _dynamic_shapes(model, args, kwargs)
+    except TypeError as e:
+        raise CaptureError(
+            f"the example inputs do not fit {type(model).__name__}.forward{inspect.signature(model.forward)}: {e}. "
+            "Pass positional inputs as a tuple and keyword inputs as example_kwargs."
+        ) from None
+    start = time.perf_counter()
+    try:
+        ep = torch.export.export(model, args, kwargs, dynamic_shapes=dyn, strict=False)
+    except Exception as e:  # torch.export raises many unrelated types
+        where = _user_frame(e)
+        first = "\n".join(str(e).strip().splitlines()[:8])
+        raise CaptureError(
+            f"torch.export could not capture {type(model).__name__}: {type(e).__name__}: {first}\n"
+            + (f"  failing code: {where}\n" if where else "")
+            + f"  hint: {_export_hint(str(e))}"
+        ) from e
+    export_seconds = time.perf_counter() - start
+    gm = ep.module(check_guards=False)
+    info = gm.graph._codegen.pytree_info
+    gm.graph._codegen = fx.graph.CodeGen()  # flat in, flat out; specs are kept here
+    gm.recompile()
+
+    entries, by_id = _state_entries(model)
+    target_to_entry: dict[str, int] = {}
+    names_to_entry = {alias: i for i, e in enumerate(entries) for alias in e.aliases}
+    for node in gm.graph.nodes:
+        if node.op != "get_attr":
+            continue
+        obj = _fetch(gm, node.target)
+        if not isinstance(obj, torch.Tensor):
+            continue
+        idx = by_id.get(id(obj), names_to_entry.get(node.target))
+        if idx is None:  # a constant lifted by export (not part of the model's state)
+            entries.append(StateEntry(node.target, (), obj, False, False))
+            idx = len(entries) - 1
+        target_to_entry[node.target] = idx
+    state_keys = {key: by_id[id(t)] for key, t in model.state_dict(keep_vars=True).items() if id(t) in by_id}
+    for e in entries:  # the program's own copies: the user's tensors are never touched
+        e.tensor = _own_copy(e.tensor, e.is_param)
+    for target, idx in target_to_entry.items():
+        _rebind(gm, target, entries[idx].tensor)
+
+    flat, _ = pytree.tree_flatten((args, kwargs))
+    notes = []
+    infos = _input_infos(gm, flat)
+    captured = Captured(
+        gm=gm,
+        in_spec=info.in_spec,
+        out_spec=info.out_spec,
+        inputs=infos,
+        example_flat=flat,
+        state=entries,
+        target_to_entry=target_to_entry,
+        state_keys=state_keys,
+        mutated_targets=_mutated_targets(gm),
+        module_paths={n for n, _ in model.named_modules() if n},
+        export_seconds=export_seconds,
+        training=model.training,
+        notes=notes,
+    )
+    tensor_inputs = [i for i in infos if i.is_tensor and i.shape]
+    if tensor_inputs and not captured.batch_dynamic:
+        pinned = [f"{i.name}[0]={s}" for i, x in zip(infos, flat) if i.is_tensor and i.shape and i.shape[0] is not None
+                  for s in [x.shape[0]]]
+        why = " (an example batch of size 1 always pins it: use a batch of 2 or more)" if any(
+            isinstance(x, torch.Tensor) and x.dim() and x.shape[0] == 1 for x in flat) else ""
+        notes.append(f"the model pins the batch dimension ({', '.join(pinned)}){why}; "
+                     "the program accepts only that batch size")
+        log.warning("pipesplit: %s", notes[-1])
+    return captured
+
+
+def _fetch(root: nn.Module, target: str) -> Any:
+    obj: Any = root
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _rebind(root: nn.Module, target: str, tensor: torch.Tensor) -> None:
+    *prefix, leaf = target.split(".")
+    mod = root
+    for part in prefix:
+        mod = getattr(mod, part)
+    if leaf in mod._parameters:
+        mod._parameters[leaf] = tensor  # type: ignore[assignment]
+    elif leaf in mod._buffers:
+        mod._buffers[leaf] = tensor
+    else:
+        setattr(mod, leaf, tensor)

@@ -1,0 +1,152 @@
+"""DOT views of a split program: one cluster per stage, boundary edges labelled with what they carry."""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from typing import TYPE_CHECKING, Any
+
+import graphviz
+import torch.fx as fx
+
+from pipesplit.errors import PipesplitError
+from pipesplit.meta import node_cost
+from pipesplit.passes.flops import op_name
+from pipesplit.report import human_bytes, human_count
+
+if TYPE_CHECKING:
+    from pipesplit.program import SplitProgram
+
+_COMPUTE = ("call_function", "call_module", "call_method")
+_MAX_GROUPS = 40
+_SHADES = ["#f7fbff", "#deebf7", "#c6dbef", "#9ecae1", "#6baed6"]
+
+
+def _module_path(node: fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack") or {}
+    paths = [p for p, _ in stack.values() if p]
+    return paths[-1] if paths else ""
+
+
+def _group_key(node: fx.Node, depth: int) -> str:
+    path = _module_path(node)
+    return ".".join(path.split(".")[:depth]) if path else "(top)"
+
+
+def _auto_depth(prog: "SplitProgram") -> int:
+    nodes = [n for s in prog.stages for n in s.module.graph.nodes if n.op in _COMPUTE]
+    best = 1
+    for depth in range(1, 8):
+        groups = {(id(n.graph), _group_key(n, depth)) for n in nodes}
+        if len(groups) > _MAX_GROUPS:
+            break
+        best = depth
+    return best
+
+
+def _edge_label(b: Any) -> str:
+    if b.kind != "tensor":
+        return f"{b.name}\\n{b.kind}"
+    shape = "×".join("B" if d is None else str(d) for d in (b.shape or ()))
+    dtype = str(b.dtype).replace("torch.", "")
+    return f"{b.name}\\n[{shape}] {dtype}\\n{human_bytes(b.nbytes)}"
+
+
+def build_dot(prog: "SplitProgram", detail: str = "module", depth: int | None = None) -> graphviz.Digraph:
+    """A ``graphviz.Digraph`` of the program (building it needs no graphviz binary)."""
+    if detail not in ("module", "node"):
+        raise PipesplitError(f"detail must be 'module' or 'node', got {detail!r}.")
+    if detail == "module" and depth is None:
+        depth = _auto_depth(prog)
+    dot = graphviz.Digraph("pipesplit", graph_attr={"rankdir": "TB", "compound": "true", "fontname": "Helvetica"},
+                           node_attr={"shape": "box", "style": "rounded,filled", "fontname": "Helvetica", "fontsize": "10"},
+                           edge_attr={"fontname": "Helvetica", "fontsize": "9"})
+    costs = prog.plan.stage_costs or [0.0] * prog.num_stages
+    top = max(costs) or 1.0
+    where: dict[tuple[int, str], str] = {}  # (stage, value name) -> dot node id
+    dot.node("inputs", "inputs\\n" + ", ".join(i.name for i in prog.inputs), shape="oval", fillcolor="#eeeeee")
+    for stage in prog.stages:
+        s = stage.index
+        shade = _SHADES[min(int(costs[s] / top * (len(_SHADES) - 1) + 0.5), len(_SHADES) - 1)]
+        with dot.subgraph(name=f"cluster_{s}") as sub:
+            sub.attr(label=f"stage {s} · {stage.device} · cost {human_count(costs[s])}", style="filled", fillcolor=shade)
+            graph = stage.module.graph
+            members: dict[str, list[fx.Node]] = {}
+            for n in graph.nodes:
+                if n.op in _COMPUTE:
+                    key = n.name if detail == "node" else _group_key(n, depth or 1)
+                    members.setdefault(key, []).append(n)
+            for key, nodes in members.items():
+                gid = f"s{s}_{key}"
+                if detail == "node":
+                    n = nodes[0]
+                    label = f"{n.name}\\n{op_name(n.target)}\\n{_module_path(n)}"
+                else:
+                    ops = Counter(op_name(n.target) for n in nodes)
+                    common = ", ".join(f"{o}×{c}" if c > 1 else o for o, c in ops.most_common(3))
+                    flops = sum(node_cost(n).total_flops for n in nodes if "pipesplit_cost" in n.meta)
+                    label = f"{key}\\n{len(nodes)} ops: {common}\\n{human_count(flops)} FLOPs"
+                sub.node(gid, label, fillcolor="white")
+                for n in nodes:
+                    where[(s, n.name)] = gid
+            for ph in (n for n in graph.nodes if n.op == "placeholder"):
+                where.setdefault((s, ph.name), f"s{s}_in_{ph.name}")
+            edges = set()
+            for n in graph.nodes:
+                if n.op not in _COMPUTE:
+                    continue
+                for a in n.all_input_nodes:
+                    if a.op in _COMPUTE and where[(s, a.name)] != where[(s, n.name)]:
+                        edges.add((where[(s, a.name)], where[(s, n.name)]))
+            for a, b in sorted(edges):
+                sub.edge(a, b)
+    firsts: dict[tuple[int, str], str] = {}
+    for stage in prog.stages:
+        for n in stage.module.graph.nodes:
+            if n.op in _COMPUTE:
+                for a in n.all_input_nodes:
+                    if a.op == "placeholder":
+                        firsts.setdefault((stage.index, a.name), where[(stage.index, n.name)])
+    for stage in prog.stages:
+        for name, kind, src in stage.inputs:
+            if kind == "input":
+                target = firsts.get((stage.index, name))
+                if target:
+                    dot.edge("inputs", target, label=name, style="dashed")
+    for b in prog.boundaries:
+        head = firsts.get((b.dst, b.name))
+        tail = where.get((b.src, b.name))
+        if head and tail:
+            dot.edge(tail, head, label=_edge_label(b), color="#d62728", fontcolor="#d62728", penwidth="2")
+    dot.node("outputs", "outputs", shape="oval", fillcolor="#eeeeee")
+    last = prog.stages[-1]
+    for name in last.outputs:
+        src = where.get((last.index, name))
+        if src is None:  # passed through the last stage from an earlier one
+            src = next((where[(b.src, name)] for b in prog.boundaries if b.name == name and (b.src, name) in where), None)
+        if src:
+            dot.edge(src, "outputs", style="dashed")
+    return dot
+
+
+def program_dot(prog: "SplitProgram", detail: str = "module", depth: int | None = None) -> str:
+    return build_dot(prog, detail, depth).source
+
+
+def render(prog: "SplitProgram", path: str | os.PathLike[str], detail: str = "module", depth: int | None = None) -> str:
+    """Write the graph to ``path``; the suffix picks the format. Needs graphviz's ``dot`` except for .dot/.gv."""
+    path = os.fspath(path)
+    stem, ext = os.path.splitext(path)
+    fmt = ext.lstrip(".") or "svg"
+    dot = build_dot(prog, detail, depth)
+    if fmt in ("dot", "gv"):
+        with open(path, "w") as f:
+            f.write(dot.source)
+        return path
+    try:
+        return dot.render(outfile=path, format=fmt, cleanup=True)
+    except graphviz.ExecutableNotFound:
+        raise PipesplitError(
+            f"rendering {path} needs graphviz's `dot` program, which is not installed "
+            "(Debian/Ubuntu: apt-get install graphviz). prog.to_dot() gives the DOT text without it."
+        ) from None

@@ -1,0 +1,55 @@
+"""Typed per-node metadata: one key in ``node.meta`` holding a frozen dataclass."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch.fx as fx
+
+from pipesplit.errors import CostError
+
+META_KEY = "pipesplit_cost"
+
+
+@dataclass(frozen=True)
+class NodeCost:
+    """Costs of one graph node, written by ``pipesplit.passes.costs.annotate_costs``.
+
+    FLOPs count multiply and add separately (a multiply-add is 2 FLOPs).
+    """
+
+    fwd_flops: int = 0  # forward
+    igrad_flops: int = 0  # backward, gradient w.r.t. activations (inputs)
+    wgrad_flops: int = 0  # backward, gradient w.r.t. parameters
+    param_bytes: int = 0  # bytes of the parameter/buffer this node reads (get_attr nodes)
+    trainable: bool = False  # a get_attr of a parameter that requires grad
+    out_bytes: int = 0  # bytes of the tensors this node produces
+    sendable: bool = True  # its value may cross a stage boundary (tensors, ints, None)
+    known: bool = True  # False: no formula for the op; FLOPs estimated from output size
+    time_s: float | None = None  # profiled forward time on the stage's device
+
+    @property
+    def bwd_flops(self) -> int:
+        return self.igrad_flops + self.wgrad_flops
+
+    @property
+    def total_flops(self) -> int:
+        return self.fwd_flops + self.igrad_flops + self.wgrad_flops
+
+    def with_time(self, seconds: float) -> "NodeCost":
+        return replace(self, time_s=seconds)
+
+
+def node_cost(node: fx.Node) -> NodeCost:
+    """The node's costs; raises if ``annotate_costs`` has not run on its graph."""
+    cost = node.meta.get(META_KEY)
+    if cost is None:
+        raise CostError(
+            f"node {node.name!r} has no cost annotation: run "
+            "pipesplit.passes.costs.annotate_costs(gm) before planning."
+        )
+    return cost
+
+
+def set_node_cost(node: fx.Node, cost: NodeCost) -> None:
+    node.meta[META_KEY] = cost

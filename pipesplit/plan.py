@@ -1,0 +1,81 @@
+"""Plans as data: which graph node runs in which stage, with the figures that justify it."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from pipesplit.errors import PlanError
+
+PLAN_VERSION = 1
+
+
+@dataclass
+class Plan:
+    """A partition of a captured graph into stages.
+
+    ``stages[s]`` lists the compute-node names of stage ``s`` in graph order. Plans
+    save to JSON and load back; a hand-edited plan is checked against the graph when
+    passed to ``pipesplit.compile(..., plan=...)``.
+    """
+
+    stages: list[list[str]]
+    cost_name: str = "flops"
+    stage_costs: list[float] = field(default_factory=list)
+    bottleneck: float = 0.0
+    lower_bound: float = 0.0
+    stage_memory: list[int] = field(default_factory=list)  # estimated bytes per stage
+    sent_bytes: list[int] = field(default_factory=list)  # boundary bytes each stage sends
+    unknown_ops: dict[str, int] = field(default_factory=dict)
+    source: str = "planner"  # "planner", "split_points" or "loaded"
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    @property
+    def bottleneck_stage(self) -> int:
+        return max(range(len(self.stage_costs)), key=self.stage_costs.__getitem__) if self.stage_costs else 0
+
+    @property
+    def gap(self) -> float:
+        """Relative distance of the bottleneck above the lower bound (0.0 = provably optimal)."""
+        return self.bottleneck / self.lower_bound - 1.0 if self.lower_bound > 0 else 0.0
+
+    def assignment(self) -> dict[str, int]:
+        """node name -> stage index."""
+        return {name: s for s, names in enumerate(self.stages) for name in names}
+
+    def to_json(self) -> str:
+        data: dict[str, Any] = {"version": PLAN_VERSION, **asdict(self)}
+        return json.dumps(data, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise PlanError(f"the plan is not valid JSON: {e}") from None
+        if not isinstance(data, dict) or not isinstance(data.get("stages"), list):
+            raise PlanError('a plan is a JSON object with a "stages" list of node-name lists.')
+        version = data.pop("version", PLAN_VERSION)
+        if version != PLAN_VERSION:
+            raise PlanError(f"plan version {version} is not supported (this pipesplit reads version {PLAN_VERSION}).")
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise PlanError(f"unknown plan fields {unknown}; known fields are {sorted(known)}.")
+        plan = cls(**data)
+        plan.source = "loaded"
+        return plan
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        with open(path, "w") as f:
+            f.write(self.to_json())
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> "Plan":
+        with open(path) as f:
+            return cls.from_json(f.read())

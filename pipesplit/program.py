@@ -1,0 +1,292 @@
+"""The split program: stage modules, their boundaries, and one-process reference execution."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Mapping
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch import nn
+
+from pipesplit.capture import Captured, InputInfo
+from pipesplit.errors import InputError, PlanError
+from pipesplit.passes.split import Boundary, SplitGraph, StagePiece
+from pipesplit.plan import Plan
+
+
+@dataclass
+class Stage:
+    """One pipeline stage: a GraphModule owning its parameters under the original names."""
+
+    index: int
+    module: fx.GraphModule
+    device: torch.device
+    inputs: list[tuple[str, str, int]]  # (name, "input" | "stage", flat input index | source stage)
+    outputs: list[str]
+    nodes: list[str]
+    cost: float = 0.0
+
+    @property
+    def input_names(self) -> list[str]:
+        return [name for name, _, _ in self.inputs]
+
+    def __call__(self, *args: Any) -> tuple[Any, ...]:
+        return self.module(*args)
+
+
+@dataclass
+class _Tied:
+    """A tensor held by stages on several devices: one owner, replicas kept in sync.
+
+    Replica gradients are added into the owner's gradient as soon as they are
+    accumulated, so the tensor has a single gradient; replicas are refreshed from
+    the owner whenever it changed (e.g. after an optimizer step).
+    """
+
+    owner: torch.Tensor
+    replicas: list[torch.Tensor]
+    version: int = -1
+    handles: list[Any] = field(default_factory=list)
+
+    def hook(self) -> None:
+        if not isinstance(self.owner, nn.Parameter) or not self.owner.requires_grad:
+            return
+        owner = self.owner
+
+        def move_grad(p: torch.Tensor) -> None:
+            g = p.grad.to(owner.device)
+            owner.grad = g if owner.grad is None else owner.grad + g
+            p.grad = None
+
+        self.handles = [r.register_post_accumulate_grad_hook(move_grad) for r in self.replicas]
+
+    def sync(self) -> None:
+        if self.owner._version != self.version:
+            with torch.no_grad():
+                for r in self.replicas:
+                    r.copy_(self.owner)
+            self.version = self.owner._version
+
+
+def _attach(module: nn.Module, target: str, obj: Any, persistent: bool = True) -> None:
+    *prefix, leaf = target.split(".")
+    for part in prefix:
+        if not hasattr(module, part):
+            module.add_module(part, nn.Module())
+        module = getattr(module, part)
+    if isinstance(obj, nn.Parameter):
+        module.register_parameter(leaf, obj)
+    elif isinstance(obj, torch.Tensor):
+        module.register_buffer(leaf, obj, persistent=persistent)
+    else:
+        module.add_module(leaf, obj)
+
+
+def _place(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if t.device == device:
+        return t
+    moved = t.detach().to(device, copy=True)  # a replica never aliases the owner
+    return nn.Parameter(moved, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else moved
+
+
+class SplitProgram:
+    """Stage modules with explicit send/recv boundaries, exact against the original model.
+
+    Calling it runs the stages in order on their devices (the reference semantics
+    every runtime matches) and returns outputs with the model's own pytree structure.
+    """
+
+    def __init__(self, captured: Captured, split: SplitGraph, plan: Plan, devices: list[str]):
+        self.plan = plan
+        self.boundaries: list[Boundary] = split.boundaries
+        self.inputs: list[InputInfo] = captured.inputs
+        self.in_spec = captured.in_spec
+        self.out_spec = captured.out_spec
+        self.notes = list(captured.notes)
+        self.training = captured.training
+        self.export_seconds = captured.export_seconds
+        self._captured_gm = captured.gm
+        self._state = captured.state
+        self._state_keys = captured.state_keys
+        self._outputs = split.outputs
+        self._tied: list[_Tied] = []
+        placed: list[dict[torch.device, torch.Tensor]] = [{} for _ in captured.state]
+        self.stages: list[Stage] = []
+        for piece, device_name in zip(split.stages, devices):
+            device = torch.device(device_name)
+            holder = nn.Module()
+            for target, obj in piece.attrs.items():
+                idx = captured.target_to_entry.get(target)
+                if idx is None:  # a submodule, e.g. the body of a higher-order op
+                    _attach(holder, target, obj)
+                    continue
+                entry = captured.state[idx]
+                copy = placed[idx].setdefault(device, _place(entry.tensor, device))
+                _attach(holder, target, copy, entry.persistent)
+            if piece.index == 0:
+                used = set(captured.target_to_entry.values())
+                for idx, entry in enumerate(captured.state):
+                    if idx not in used and entry.aliases:  # unused state stays with stage 0
+                        copy = placed[idx].setdefault(device, _place(entry.tensor, device))
+                        _attach(holder, entry.name, copy, entry.persistent)
+            module = fx.GraphModule(holder, piece.graph, class_name=f"Stage{piece.index}")
+            cost = plan.stage_costs[piece.index] if plan.stage_costs else 0.0
+            self.stages.append(Stage(piece.index, module, device, piece.inputs, piece.outputs, piece.nodes, cost))
+        self._owner: list[torch.Tensor | None] = [next(iter(p.values()), None) for p in placed]
+        for idx, copies in enumerate(placed):
+            if len(copies) > 1:
+                owner = self._owner[idx]
+                assert owner is not None
+                if captured.state[idx].name in captured.mutated_names:
+                    raise PlanError(
+                        f"buffer {captured.state[idx].name!r} is updated in place by stages on different devices "
+                        f"({', '.join(map(str, copies))}); put those stages on one device."
+                    )
+                tied = _Tied(owner, [t for t in copies.values() if t is not owner])
+                tied.hook()
+                self._tied.append(tied)
+        root = nn.Module()
+        for stage in self.stages:
+            root.add_module(f"stage_{stage.index}", stage.module)
+        self.root = fx.GraphModule(root, split.root, class_name="SplitRoot")
+
+    # ----------------------------------------------------------------- running
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    def flatten_inputs(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> list[Any]:
+        """Flatten (args, kwargs) like the example, checking structure and shapes."""
+        flat, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
+        if spec != self.in_spec:
+            raise InputError(
+                "the program was called with inputs of another structure than the example it was compiled with.\n"
+                f"  expected: {self.in_spec}\n  got:      {spec}\n"
+                "Pass the same positional arguments and keyword names as the example."
+            )
+        for value, info in zip(flat, self.inputs):
+            check_input(value, info)
+        return flat
+
+    def run_flat(self, flat: list[Any]) -> list[Any]:
+        """Run on flattened inputs; returns the flat outputs."""
+        for tied in self._tied:
+            tied.sync()
+        values = self.root(*flat)
+        by_name = dict(zip(self.stages[-1].outputs, values))
+        return [by_name[v] if kind == "value" else v for kind, v in self._outputs]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        flat = self.flatten_inputs(args, kwargs)
+        return pytree.tree_unflatten(self.run_flat(flat), self.out_spec)
+
+    # ------------------------------------------------------------------- state
+    def _owned(self) -> Iterator[tuple[int, torch.Tensor]]:
+        for idx, owner in enumerate(self._owner):
+            if owner is not None:
+                yield idx, owner
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """Every parameter once (a tied weight once), under the original model's name."""
+        for idx, owner in self._owned():
+            if self._state[idx].is_param:
+                yield self._state[idx].name, owner  # type: ignore[misc]
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        return (p for _, p in self.named_parameters())
+
+    def named_buffers(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for idx, owner in self._owned():
+            entry = self._state[idx]
+            if not entry.is_param and entry.aliases:
+                yield entry.name, owner
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The original model's state_dict keys (aliases of tied tensors included)."""
+        for tied in self._tied:
+            tied.sync()
+        out = {}
+        for key, idx in self._state_keys.items():
+            owner = self._owner[idx]
+            out[key] = (owner if owner is not None else self._state[idx].tensor).detach()
+        return out
+
+    def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True) -> None:
+        """Copy an original-model state_dict into every stage (and every replica)."""
+        missing = [k for k in self._state_keys if k not in state_dict]
+        unexpected = [k for k in state_dict if k not in self._state_keys]
+        if strict and (missing or unexpected):
+            raise InputError(
+                f"state_dict does not match the model: {len(missing)} missing key(s) {missing[:5]}, "
+                f"{len(unexpected)} unexpected key(s) {unexpected[:5]}. Pass strict=False to load a subset."
+            )
+        with torch.no_grad():
+            for key, idx in self._state_keys.items():
+                if key in state_dict and self._owner[idx] is not None:
+                    self._owner[idx].copy_(state_dict[key])  # type: ignore[union-attr]
+        for tied in self._tied:
+            tied.version = -1
+            tied.sync()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.parameters():
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
+
+    # -------------------------------------------------------------- inspection
+    def report(self) -> str:
+        """A per-stage table: nodes, parameters, FLOPs, cost, memory, bytes sent."""
+        from pipesplit.report import format_report
+
+        return format_report(self)
+
+    def to_dot(self, detail: str = "module", depth: int | None = None) -> str:
+        """The split graph as DOT text (no graphviz binary needed); see :mod:`pipesplit.dot`."""
+        from pipesplit.dot import program_dot
+
+        return program_dot(self, detail=detail, depth=depth)
+
+    def render(self, path: str | os.PathLike[str], detail: str = "module", depth: int | None = None) -> str:
+        """Render the split graph to ``path`` (format from its suffix: .svg, .png, .pdf, .dot)."""
+        from pipesplit.dot import render
+
+        return render(self, path, detail=detail, depth=depth)
+
+    def __repr__(self) -> str:
+        devs = ", ".join(str(s.device) for s in self.stages)
+        return f"SplitProgram({self.num_stages} stages on [{devs}], {len(self.boundaries)} boundaries)"
+
+
+def check_input(value: Any, info: InputInfo) -> None:
+    if not info.is_tensor:
+        if isinstance(value, torch.Tensor):
+            raise InputError(f"input {info.name!r} was compiled as a constant {info.example!r}, got a tensor.")
+        if value != info.example:
+            raise InputError(
+                f"input {info.name!r} was compiled as the constant {info.example!r} and the graph bakes it in; "
+                f"got {value!r}. Compile again with this value."
+            )
+        return
+    if not isinstance(value, torch.Tensor):
+        raise InputError(f"input {info.name!r} must be a tensor, got {type(value).__name__}.")
+    assert info.shape is not None
+    expected = "(" + ", ".join("*" if d is None else str(d) for d in info.shape) + ")"
+    if value.dim() != len(info.shape):
+        raise InputError(f"input {info.name!r} has shape {tuple(value.shape)}; the program takes {expected}.")
+    for dim, (got, want) in enumerate(zip(value.shape, info.shape)):
+        if want is not None and got != want:
+            hint = (
+                " The batch dimension is pinned: compile with an example batch of 2 or more, or check that the "
+                "model does not fix it." if dim == 0 else " The model fixes this dimension at compile time."
+            )
+            raise InputError(
+                f"input {info.name!r} has shape {tuple(value.shape)}; the program takes {expected}: "
+                f"dimension {dim} must be {want}, got {got}.{hint}"
+            )
+    if value.dtype != info.dtype:
+        raise InputError(f"input {info.name!r} has dtype {value.dtype}; the program was compiled for {info.dtype}.")

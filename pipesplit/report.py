@@ -1,0 +1,95 @@
+"""Human-readable per-stage table of a split program."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from pipesplit.meta import node_cost
+
+if TYPE_CHECKING:
+    from pipesplit.program import SplitProgram
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def human_count(n: float) -> str:
+    for unit in ("", "K", "M", "G", "T"):
+        if abs(n) < 1000 or unit == "T":
+            return f"{n:.0f}{unit}" if unit == "" else f"{n:.2f}{unit}"
+        n /= 1000
+    return f"{n:.2f}P"
+
+
+def stage_rows(prog: "SplitProgram") -> list[dict[str, object]]:
+    """One dict of figures per stage (what the report prints)."""
+    plan = prog.plan
+    rows = []
+    for stage in prog.stages:
+        nodes = [n for n in stage.module.graph.nodes if n.op in ("call_function", "call_module", "call_method")]
+        costs = [node_cost(n) for n in nodes if "pipesplit_cost" in n.meta]
+        params = sum(p.numel() for p in stage.module.parameters())
+        rows.append(
+            {
+                "stage": stage.index,
+                "device": str(stage.device),
+                "nodes": len(nodes),
+                "params": params,
+                "fwd_flops": sum(c.fwd_flops for c in costs),
+                "bwd_flops": sum(c.bwd_flops for c in costs),
+                "cost": plan.stage_costs[stage.index] if plan.stage_costs else 0.0,
+                "time_s": sum(c.time_s for c in costs if c.time_s is not None) if any(c.time_s is not None for c in costs) else None,
+                "memory": plan.stage_memory[stage.index] if plan.stage_memory else 0,
+                "sent_bytes": sum(b.nbytes for b in prog.boundaries if b.src == stage.index),
+            }
+        )
+    return rows
+
+
+def format_report(prog: "SplitProgram") -> str:
+    plan = prog.plan
+    rows = stage_rows(prog)
+    head = ["stage", "device", "nodes", "params", "fwd FLOPs", "bwd FLOPs", f"cost ({plan.cost_name})", "time", "memory", "sends"]
+    table = [head]
+    for r in rows:
+        mark = " *" if r["stage"] == plan.bottleneck_stage and len(rows) > 1 else ""
+        table.append(
+            [
+                f"{r['stage']}{mark}",
+                str(r["device"]),
+                str(r["nodes"]),
+                human_count(float(r["params"])),  # type: ignore[arg-type]
+                human_count(float(r["fwd_flops"])),  # type: ignore[arg-type]
+                human_count(float(r["bwd_flops"])),  # type: ignore[arg-type]
+                human_count(float(r["cost"])),  # type: ignore[arg-type]
+                "-" if r["time_s"] is None else f"{float(r['time_s']) * 1e3:.2f} ms",  # type: ignore[arg-type]
+                human_bytes(float(r["memory"])),  # type: ignore[arg-type]
+                human_bytes(float(r["sent_bytes"])),  # type: ignore[arg-type]
+            ]
+        )
+    widths = [max(len(row[i]) for row in table) for i in range(len(head))]
+    lines = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in table]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    total = sum(plan.stage_costs) if plan.stage_costs else 0.0
+    mean = total / max(len(rows), 1)
+    lines.append("")
+    lines.append(
+        f"bottleneck: stage {plan.bottleneck_stage} ({human_count(plan.bottleneck)}), "
+        f"balance {plan.bottleneck / mean if mean else 1.0:.3f}x the mean, "
+        f"lower bound {human_count(plan.lower_bound)}, gap {plan.gap * 100:.1f}%  [plan: {plan.source}]"
+    )
+    lines.append(
+        f"boundaries: {len(prog.boundaries)} send/recv edges, "
+        f"{human_bytes(sum(b.nbytes for b in prog.boundaries))} per example batch"
+    )
+    if plan.unknown_ops:
+        ops = ", ".join(f"{k}×{v}" for k, v in sorted(plan.unknown_ops.items()))
+        lines.append(f"unknown ops (no FLOP formula; costed by output size): {ops}")
+    for note in prog.notes:
+        lines.append(f"note: {note}")
+    return "\n".join(lines)

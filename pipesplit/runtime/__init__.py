@@ -1,0 +1,1 @@
+"""Pipeline runtime: executes split programs under schedules."""

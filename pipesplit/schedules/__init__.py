@@ -1,0 +1,55 @@
+"""Pipeline schedules as pure data: actions, a registry, a validator and a simulator.
+
+>>> from pipesplit.schedules import get_schedule, simulate
+>>> s = get_schedule("1f1b", n_stages=4, n_ranks=4, n_microbatches=8)
+>>> round(simulate(s, stage_costs=1.0).bubble_fraction, 4)
+0.2727
+"""
+
+from pipesplit.schedules import builtin as _builtin  # noqa: F401  (registers the built-ins)
+from pipesplit.schedules import zero_bubble as _zero_bubble  # noqa: F401
+from pipesplit.schedules.actions import Action, ActionKind
+from pipesplit.schedules.io import (
+    load_schedule,
+    save_schedule,
+    schedule_from_csv,
+    schedule_from_text,
+    schedule_to_csv,
+    schedule_to_text,
+)
+from pipesplit.schedules.registry import (
+    ScheduleConstraints,
+    get_schedule,
+    list_schedules,
+    register_schedule,
+    schedule_info,
+    unregister_schedule,
+)
+from pipesplit.schedules.schedule import Schedule, with_communication
+from pipesplit.schedules.simulate import StageCost, simulate
+from pipesplit.schedules.timeline import TimedAction, Timeline
+from pipesplit.schedules.validate import validate
+
+__all__ = [
+    "Action",
+    "ActionKind",
+    "Schedule",
+    "ScheduleConstraints",
+    "StageCost",
+    "TimedAction",
+    "Timeline",
+    "get_schedule",
+    "list_schedules",
+    "load_schedule",
+    "register_schedule",
+    "save_schedule",
+    "schedule_from_csv",
+    "schedule_from_text",
+    "schedule_info",
+    "schedule_to_csv",
+    "schedule_to_text",
+    "simulate",
+    "unregister_schedule",
+    "validate",
+    "with_communication",
+]

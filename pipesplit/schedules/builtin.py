@@ -1,0 +1,95 @@
+"""Built-in schedules with a full backward: GPipe, 1F1B, interleaved 1F1B, looped BFS."""
+
+from __future__ import annotations
+
+from pipesplit.schedules.actions import Action, ActionKind
+from pipesplit.schedules.registry import register_schedule
+from pipesplit.schedules.schedule import Schedule
+
+
+def fwd(stage: int, microbatch: int) -> Action:
+    return Action(stage, ActionKind.FORWARD, microbatch)
+
+
+def bwd(stage: int, microbatch: int) -> Action:
+    return Action(stage, ActionKind.FULL_BACKWARD, microbatch)
+
+
+def looped_stage_to_rank(n_stages: int, n_ranks: int) -> tuple[int, ...]:
+    """Stage s on rank s % n_ranks: each rank holds every n_ranks-th stage."""
+    return tuple(s % n_ranks for s in range(n_stages))
+
+
+@register_schedule("gpipe")
+def gpipe(n_stages: int, n_ranks: int, n_microbatches: int) -> Schedule:
+    """GPipe (Huang et al. 2019): every forward, then every backward.
+
+    Rank r holds stage r and keeps all m microbatches' activations alive.
+    """
+    mbs = range(n_microbatches)
+    per_rank = [[fwd(r, m) for m in mbs] + [bwd(r, m) for m in mbs] for r in range(n_ranks)]
+    return Schedule("gpipe", n_stages, n_ranks, n_microbatches, tuple(range(n_stages)), per_rank)
+
+
+@register_schedule("1f1b")
+def one_f_one_b(n_stages: int, n_ranks: int, n_microbatches: int) -> Schedule:
+    """1F1B (PipeDream-Flush): warm up with forwards, then alternate one forward, one backward.
+
+    Rank r runs p-1-r warm-up forwards, so it holds at most p-r microbatches' activations.
+    """
+    per_rank = []
+    for r in range(n_ranks):
+        warmup = min(n_ranks - 1 - r, n_microbatches)
+        actions = [fwd(r, m) for m in range(warmup)]
+        for k in range(n_microbatches - warmup):
+            actions += [fwd(r, warmup + k), bwd(r, k)]
+        actions += [bwd(r, m) for m in range(n_microbatches - warmup, n_microbatches)]
+        per_rank.append(actions)
+    return Schedule("1f1b", n_stages, n_ranks, n_microbatches, tuple(range(n_stages)), per_rank)
+
+
+@register_schedule("interleaved_1f1b", stages_per_rank=None, microbatches_multiple_of_ranks=True)
+def interleaved_1f1b(n_stages: int, n_ranks: int, n_microbatches: int) -> Schedule:
+    """Interleaved 1F1B (Narayanan et al. 2021, Megatron-LM): v = n_stages / n_ranks chunks per rank.
+
+    Stage s lives on rank s % p. Microbatches go in groups of p: a rank runs the group's
+    forwards on chunk 0, then chunk 1, ... (backwards on the last chunk first). Rank r
+    warms up with 2(p-1-r) + (v-1)p forwards, then alternates forward and backward.
+    """
+    p, v, m = n_ranks, n_stages // n_ranks, n_microbatches
+
+    def slot(r: int, i: int, backward: bool) -> Action:
+        group, within = divmod(i, p * v)
+        chunk = within // p
+        stage = (v - 1 - chunk if backward else chunk) * p + r
+        microbatch = group * p + within % p
+        return bwd(stage, microbatch) if backward else fwd(stage, microbatch)
+
+    per_rank = []
+    total = v * m
+    for r in range(p):
+        warmup = min(total, 2 * (p - 1 - r) + (v - 1) * p if v > 1 else p - 1 - r)
+        actions = [slot(r, i, False) for i in range(warmup)]
+        for k in range(total - warmup):
+            actions += [slot(r, warmup + k, False), slot(r, k, True)]
+        actions += [slot(r, i, True) for i in range(total - warmup, total)]
+        per_rank.append(actions)
+    return Schedule(
+        "interleaved_1f1b", n_stages, p, m, looped_stage_to_rank(n_stages, p), per_rank
+    )
+
+
+@register_schedule("looped_bfs", stages_per_rank=None)
+def looped_bfs(n_stages: int, n_ranks: int, n_microbatches: int) -> Schedule:
+    """Looped breadth-first (Lamy-Poirier 2022): stage s on rank s % p; each local stage
+    runs all its forwards before the next, then backwards in reverse (last stage first,
+    latest microbatch first)."""
+    mbs = range(n_microbatches)
+    stage_to_rank = looped_stage_to_rank(n_stages, n_ranks)
+    per_rank = []
+    for r in range(n_ranks):
+        local = [s for s in range(n_stages) if stage_to_rank[s] == r]
+        actions = [fwd(s, m) for s in local for m in mbs]
+        actions += [bwd(s, m) for s in reversed(local) for m in reversed(mbs)]
+        per_rank.append(actions)
+    return Schedule("looped_bfs", n_stages, n_ranks, n_microbatches, stage_to_rank, per_rank)

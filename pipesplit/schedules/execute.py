@@ -1,0 +1,124 @@
+"""Dependency rules between actions and the in-order executor shared by validate and simulate."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from pipesplit.schedules.actions import Action, ActionKind
+from pipesplit.schedules.schedule import Schedule
+
+F = ActionKind.FORWARD
+B = ActionKind.FULL_BACKWARD
+I = ActionKind.BACKWARD_INPUT  # noqa: E741 - the paper's name for the input-gradient pass
+W = ActionKind.BACKWARD_WEIGHT
+
+Duration = Callable[[Action], float]
+"""Seconds an action occupies its rank."""
+Transfer = Callable[[Action, Action], float]
+"""Delay between the end of a dependency (first argument) and when the action may use it."""
+
+
+def backward_index(schedule: Schedule) -> dict[tuple[int, int], Action]:
+    """Map ``(stage, microbatch)`` to the action producing its input gradient (``B`` or ``I``)."""
+    return {
+        (a.stage, a.microbatch): a
+        for rank in schedule.actions
+        for a in rank
+        if a.kind.is_backward
+    }
+
+
+def requirements(
+    action: Action,
+    schedule: Schedule,
+    backward_of: Mapping[tuple[int, int], Action],
+) -> tuple[Action, ...]:
+    """The actions that must have finished before ``action`` may start.
+
+    Without SEND/RECV actions, cross-rank hand-offs are implicit: ``F(s,m)`` waits on
+    ``F(s-1,m)`` and ``B/I(s,m)`` on ``B/I(s+1,m)`` wherever they run. With them, a
+    cross-rank consumer waits on its local RECV, and the RECV waits on the peer's SEND.
+    """
+    s, m, kind = action.stage, action.microbatch, action.kind
+    comm = schedule.has_communication
+    last = schedule.n_stages - 1
+
+    def grad_of(stage: int) -> Action:
+        return backward_of.get((stage, m), Action(stage, B, m))
+
+    if kind is F:
+        if s == 0:
+            return ()
+        if comm and schedule.crosses_ranks(s, s - 1):
+            return (Action(s, ActionKind.RECV_F, m),)
+        return (Action(s - 1, F, m),)
+    if kind.is_backward:
+        if s == last:
+            return (Action(s, F, m),)
+        if comm and schedule.crosses_ranks(s, s + 1):
+            return (Action(s, F, m), Action(s, ActionKind.RECV_B, m))
+        return (Action(s, F, m), grad_of(s + 1))
+    if kind is W:
+        return (Action(s, I, m),)
+    if kind is ActionKind.SEND_F:
+        return (Action(s, F, m),)
+    if kind is ActionKind.SEND_B:
+        return (grad_of(s),)
+    # RECV_F / RECV_B wait on the peer's matching send.
+    return (action.matching(),)
+
+
+@dataclass(frozen=True)
+class Execution:
+    """Outcome of running every rank's list in order until nothing more can run."""
+
+    timed: tuple[tuple[tuple[Action, float, float], ...], ...]
+    """Per rank, the actions that ran as ``(action, start, end)``, in order."""
+    blocked: tuple[int | None, ...]
+    """Per rank, the position of the first action that could not run (``None``: all ran)."""
+
+    @property
+    def complete(self) -> bool:
+        return all(pos is None for pos in self.blocked)
+
+
+def execute(schedule: Schedule, duration: Duration, transfer: Transfer) -> Execution:
+    """Run each rank's actions in list order, each as soon as its rank and inputs are ready.
+
+    Sends never block; a RECV occupies its rank from when the rank reaches it until the
+    data arrives. The result does not depend on the order ranks are visited in: an
+    action's start only depends on its predecessor on the rank and on its requirements.
+    Actions must be unique (``validate`` checks that first).
+    """
+    backward_of = backward_index(schedule)
+    end: dict[Action, float] = {}
+    timed: list[list[tuple[Action, float, float]]] = [[] for _ in schedule.actions]
+    pointer = [0] * schedule.n_ranks
+    free = [0.0] * schedule.n_ranks
+    waiting: dict[Action, list[int]] = {}  # missing requirement -> ranks whose head waits on it
+    ready_ranks = deque(range(schedule.n_ranks))
+    while ready_ranks:
+        rank = ready_ranks.popleft()
+        actions = schedule.actions[rank]
+        while pointer[rank] < len(actions):
+            action = actions[pointer[rank]]
+            needs = requirements(action, schedule, backward_of)
+            missing = next((n for n in needs if n not in end), None)
+            if missing is not None:
+                waiting.setdefault(missing, []).append(rank)
+                break
+            ready = max((end[n] + transfer(n, action) for n in needs), default=0.0)
+            if action.kind in (ActionKind.RECV_F, ActionKind.RECV_B):
+                start, finish = free[rank], max(free[rank], ready)
+            else:
+                start = max(free[rank], ready)
+                finish = start + duration(action)
+            end[action] = finish
+            free[rank] = finish
+            timed[rank].append((action, start, finish))
+            pointer[rank] += 1
+            ready_ranks.extend(waiting.pop(action, ()))
+    blocked = tuple(p if p < len(a) else None for p, a in zip(pointer, schedule.actions))
+    return Execution(tuple(map(tuple, timed)), blocked)

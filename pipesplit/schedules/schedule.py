@@ -1,0 +1,186 @@
+"""The Schedule value: per-rank ordered action lists, and communication insertion."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+
+from pipesplit.errors import ScheduleError
+from pipesplit.schedules.actions import Action, ActionKind, as_action
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A pipeline schedule as pure data: what each rank runs, in order.
+
+    Construct it directly or with :meth:`from_lists`; check it with
+    :func:`pipesplit.schedules.validate`.
+
+    >>> s = Schedule.from_lists("tiny", [["0F0", "0B0"]])
+    >>> s.n_stages, s.n_ranks, s.n_microbatches
+    (1, 1, 1)
+    """
+
+    name: str
+    """Name of the schedule (the registry name for built-ins)."""
+    n_stages: int
+    """Number of pipeline stages; they form a chain 0..n_stages-1."""
+    n_ranks: int
+    """Number of ranks (devices or processes)."""
+    n_microbatches: int
+    """Number of microbatches per step."""
+    stage_to_rank: tuple[int, ...]
+    """``stage_to_rank[s]`` is the rank that owns stage ``s``."""
+    actions: tuple[tuple[Action, ...], ...]
+    """``actions[r]`` is what rank ``r`` executes, in order."""
+
+    def __post_init__(self) -> None:
+        for field in ("n_stages", "n_ranks", "n_microbatches"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ScheduleError(f"Schedule {self.name!r}: {field} must be an int >= 1, got {value!r}.")
+        # Normalise lists to tuples so the value stays hashable and immutable.
+        object.__setattr__(self, "stage_to_rank", tuple(self.stage_to_rank))
+        object.__setattr__(self, "actions", tuple(tuple(as_action(a) for a in rank) for rank in self.actions))
+        if len(self.stage_to_rank) != self.n_stages:
+            raise ScheduleError(
+                f"Schedule {self.name!r}: stage_to_rank has {len(self.stage_to_rank)} entries but "
+                f"n_stages is {self.n_stages}; give one rank per stage."
+            )
+        bad = [(s, r) for s, r in enumerate(self.stage_to_rank) if not (isinstance(r, int) and 0 <= r < self.n_ranks)]
+        if bad:
+            stage, rank = bad[0]
+            raise ScheduleError(
+                f"Schedule {self.name!r}: stage {stage} is mapped to rank {rank!r}, outside 0..{self.n_ranks - 1} "
+                f"(n_ranks={self.n_ranks}); fix stage_to_rank or n_ranks."
+            )
+        if len(self.actions) != self.n_ranks:
+            raise ScheduleError(
+                f"Schedule {self.name!r}: {len(self.actions)} action lists for n_ranks={self.n_ranks}; "
+                "give exactly one (possibly empty) list per rank."
+            )
+
+    @classmethod
+    def from_lists(
+        cls,
+        name: str,
+        per_rank: Sequence[Sequence[Action | str]],
+        *,
+        n_stages: int | None = None,
+        n_microbatches: int | None = None,
+        stage_to_rank: Sequence[int] | None = None,
+    ) -> Schedule:
+        """Build a schedule from per-rank lists, inferring what is not given.
+
+        ``n_stages`` and ``n_microbatches`` default to one more than the largest index
+        used; ``stage_to_rank`` defaults to the rank each stage's actions appear on.
+
+        >>> Schedule.from_lists("x", [["0F0", "0B0"], ["1F0", "1B0"]]).stage_to_rank
+        (0, 1)
+        """
+        lists = [[as_action(a) for a in rank] for rank in per_rank]
+        flat = [a for rank in lists for a in rank]
+        if n_stages is None:
+            n_stages = max((a.stage for a in flat), default=-1) + 1
+            if stage_to_rank is not None:
+                n_stages = max(n_stages, len(stage_to_rank))
+        if n_microbatches is None:
+            n_microbatches = max((a.microbatch for a in flat), default=-1) + 1
+        if stage_to_rank is None:
+            stage_to_rank = _infer_stage_to_rank(name, lists, n_stages)
+        return cls(name, n_stages, len(lists), n_microbatches, tuple(stage_to_rank), tuple(map(tuple, lists)))
+
+    def rank_stages(self, rank: int) -> tuple[int, ...]:
+        """The stages owned by ``rank``, ascending.
+
+        >>> Schedule.from_lists("x", [["0F0", "3F0"], ["1F0"], ["2F0"]]).rank_stages(0)
+        (0, 3)
+        """
+        if not 0 <= rank < self.n_ranks:
+            raise ScheduleError(f"Schedule {self.name!r}: rank {rank} is outside 0..{self.n_ranks - 1}.")
+        return tuple(s for s, r in enumerate(self.stage_to_rank) if r == rank)
+
+    @cached_property
+    def has_communication(self) -> bool:
+        """Whether any SEND/RECV action is present."""
+        return any(a.is_comm for rank in self.actions for a in rank)
+
+    def compute_only(self) -> Schedule:
+        """This schedule with every SEND/RECV action removed."""
+        stripped = tuple(tuple(a for a in rank if a.is_compute) for rank in self.actions)
+        return dataclasses.replace(self, actions=stripped)
+
+    def crosses_ranks(self, stage: int, other: int) -> bool:
+        """Whether a hand-off between ``stage`` and ``other`` leaves the rank."""
+        return self.stage_to_rank[stage] != self.stage_to_rank[other]
+
+
+def _infer_stage_to_rank(name: str, lists: list[list[Action]], n_stages: int) -> tuple[int, ...]:
+    owner: dict[int, int] = {}
+    for rank, actions in enumerate(lists):
+        for pos, action in enumerate(actions):
+            seen = owner.setdefault(action.stage, rank)
+            if seen != rank:
+                raise ScheduleError(
+                    f"Schedule {name!r}: stage {action.stage} appears on rank {seen} and on rank {rank} "
+                    f"({action} at position {pos}); a stage must live on one rank. Pass stage_to_rank "
+                    "explicitly or move the action."
+                )
+    missing = [s for s in range(n_stages) if s not in owner]
+    if missing:
+        raise ScheduleError(
+            f"Schedule {name!r}: cannot infer the rank of stage(s) {missing}: they have no actions. "
+            "Pass stage_to_rank explicitly."
+        )
+    return tuple(owner[s] for s in range(n_stages))
+
+
+def with_communication(schedule: Schedule) -> Schedule:
+    """Insert SEND/RECV actions for every hand-off between stages on different ranks.
+
+    A send goes right after the compute action that produces the tensor (``F`` sends
+    activations forward, ``B``/``I`` send the input gradient backward); the matching
+    recv goes right before the compute action that consumes it. Hand-offs between
+    stages on the same rank stay local (no action).
+
+    Assumption: sends are non-blocking (buffered ``isend``) and recvs block until the
+    matching send has run. Then a recv waits exactly on what its consumer would wait on
+    in the compute-only schedule, so the result deadlocks if and only if the
+    compute-only schedule does (which :func:`validate` rules out). Existing SEND/RECV
+    actions are dropped and re-inserted, so the function is idempotent.
+
+    >>> s = Schedule.from_lists("x", [["0F0", "0B0"], ["1F0", "1B0"]])
+    >>> [str(a) for a in with_communication(s).actions[0]]
+    ['0F0', '0SEND_F0', '0RECV_B0', '0B0']
+    """
+    last = schedule.n_stages - 1
+    per_rank: list[tuple[Action, ...]] = []
+    for rank_actions in schedule.actions:
+        out: list[Action] = []
+        for action in rank_actions:
+            if action.is_comm:
+                continue
+            s, m = action.stage, action.microbatch
+            if s > last:
+                raise ScheduleError(
+                    f"Schedule {schedule.name!r}: {action} names stage {s} but n_stages is "
+                    f"{schedule.n_stages}; run validate() to find every such action."
+                )
+            if action.kind is ActionKind.FORWARD:
+                if s > 0 and schedule.crosses_ranks(s, s - 1):
+                    out.append(Action(s, ActionKind.RECV_F, m))
+                out.append(action)
+                if s < last and schedule.crosses_ranks(s, s + 1):
+                    out.append(Action(s, ActionKind.SEND_F, m))
+            elif action.kind.is_backward:
+                if s < last and schedule.crosses_ranks(s, s + 1):
+                    out.append(Action(s, ActionKind.RECV_B, m))
+                out.append(action)
+                if s > 0 and schedule.crosses_ranks(s, s - 1):
+                    out.append(Action(s, ActionKind.SEND_B, m))
+            else:
+                out.append(action)
+        per_rank.append(tuple(out))
+    return dataclasses.replace(schedule, actions=tuple(per_rank))
