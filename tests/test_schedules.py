@@ -96,6 +96,15 @@ def test_comm_peer_is_derived_from_the_chain(text: str, peer: int, match: str) -
     assert Action.parse("2F0").peer_stage is None
 
 
+def test_peer_rank_follows_stage_to_rank() -> None:
+    s = get_schedule("zb_v", n_ranks=2, n_microbatches=1)  # stages 0,1,2,3 on ranks 0,1,1,0
+    assert s.peer_rank(Action.parse("2SEND_F0")) == 0
+    assert s.peer_rank(Action.parse("1RECV_F0")) == 0
+    assert s.peer_rank(Action.parse("1F0")) is None
+    with pytest.raises(ScheduleError, match="talks to stage 4, outside 0..3"):
+        s.peer_rank(Action.parse("3SEND_F0"))
+
+
 # --- golden tables -----------------------------------------------------------------------
 
 
@@ -252,7 +261,8 @@ def test_validate_rejects_forward_before_previous_stage() -> None:
 def test_validate_rejects_action_on_wrong_rank(one_f_one_b: Schedule) -> None:
     moved = edit(one_f_one_b, 3, " ".join(str(a) for a in one_f_one_b.actions[3] if str(a) != "3F0"))
     moved = edit(moved, 0, "3F0 " + rows(one_f_one_b)[0])
-    with pytest.raises(ScheduleError, match=r"3F0 \(rank 0, position 0\) is on the wrong rank: stage 3 belongs to rank 3"):
+    wrong = r"3F0 \(rank 0, position 0\) is on the wrong rank: stage 3 belongs to rank 3"
+    with pytest.raises(ScheduleError, match=wrong):
         validate(moved)
 
 
@@ -272,7 +282,8 @@ def test_validate_rejects_missing_and_needless_comm() -> None:
         validate(edit(s, 1, "1F0 1B0 1SEND_B0"))
     local = with_communication(get_schedule("zb_v", n_ranks=2, n_microbatches=1))
     text = rows(local)[1].replace("1F0", "1F0 1SEND_F0", 1)
-    with pytest.raises(ScheduleError, match=r"1SEND_F0 \(rank 1, position \d+\) is not needed: stages 1 and 2 are both on rank 1"):
+    needless = r"1SEND_F0 \(rank 1, position \d+\) is not needed: stages 1 and 2 are both on rank 1"
+    with pytest.raises(ScheduleError, match=needless):
         validate(edit(local, 1, text))
 
 
@@ -315,10 +326,12 @@ def test_unknown_schedule_lists_names_and_suggests() -> None:
 @pytest.mark.parametrize(
     "name, kwargs, message",
     [
-        ("1f1b", dict(n_stages=6, n_ranks=4, n_microbatches=4), r"exactly 1 stage\(s\) per rank.*n_stages=6, n_ranks=4"),
+        ("1f1b", dict(n_stages=6, n_ranks=4, n_microbatches=4),
+         r"exactly 1 stage\(s\) per rank.*n_stages=6, n_ranks=4"),
         ("zb_v", dict(n_stages=6, n_ranks=4, n_microbatches=4), r"exactly 2 stage\(s\) per rank.*Use n_stages=8"),
         ("looped_bfs", dict(n_stages=6, n_ranks=4, n_microbatches=4), r"multiple of n_ranks.*Use n_stages=4 or 8"),
-        ("interleaved_1f1b", dict(n_stages=8, n_ranks=4, n_microbatches=6), r"n_microbatches=6, n_ranks=4.*Use n_microbatches=4 or 8"),
+        ("interleaved_1f1b", dict(n_stages=8, n_ranks=4, n_microbatches=6),
+         r"n_microbatches=6, n_ranks=4.*Use n_microbatches=4 or 8"),
         ("interleaved_1f1b", dict(n_ranks=4, n_microbatches=4), "give both n_stages and n_ranks"),
         ("gpipe", dict(n_ranks=2, n_microbatches=0), "n_microbatches must be an int >= 1, got 0"),
     ],

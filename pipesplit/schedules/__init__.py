@@ -1,10 +1,4 @@
-"""Pipeline schedules as pure data: actions, a registry, a validator and a simulator.
-
->>> from pipesplit.schedules import get_schedule, simulate
->>> s = get_schedule("1f1b", n_stages=4, n_ranks=4, n_microbatches=8)
->>> round(simulate(s, stage_costs=1.0).bubble_fraction, 4)
-0.2727
-"""
+"""Pipeline schedules as pure data: actions, a registry, a validator and a simulator."""
 
 from pipesplit.schedules import builtin as _builtin  # noqa: F401  (registers the built-ins)
 from pipesplit.schedules import zero_bubble as _zero_bubble  # noqa: F401

@@ -112,6 +112,22 @@ class Schedule:
         stripped = tuple(tuple(a for a in rank if a.is_compute) for rank in self.actions)
         return dataclasses.replace(self, actions=stripped)
 
+    def peer_rank(self, action: Action) -> int | None:
+        """The rank a SEND/RECV action talks to (``None`` for compute actions).
+
+        >>> s = Schedule.from_lists("x", [["0F0", "0B0"], ["1F0", "1B0"]])
+        >>> s.peer_rank(Action.parse("0SEND_F0"))
+        1
+        """
+        peer = action.peer_stage
+        if peer is None:
+            return None
+        if not 0 <= peer < self.n_stages:
+            raise ScheduleError(
+                f"Schedule {self.name!r}: {action} talks to stage {peer}, outside 0..{self.n_stages - 1}."
+            )
+        return self.stage_to_rank[peer]
+
     def crosses_ranks(self, stage: int, other: int) -> bool:
         """Whether a hand-off between ``stage`` and ``other`` leaves the rank."""
         return self.stage_to_rank[stage] != self.stage_to_rank[other]

@@ -17,8 +17,10 @@ def validate(schedule: Schedule) -> Schedule:
     rank owning its stage; every ``F(s,m)`` appears exactly once; every ``(s,m)`` has
     exactly one backward, either ``B`` or ``I`` + ``W`` (never mixed); with SEND/RECV
     actions present, every cross-rank hand-off has exactly one send and one recv and no
-    same-rank hand-off has any; finally, running each rank's list in order (compute waits
-    on its inputs, a RECV blocks until its SEND ran, sends never block) runs everything.
+    same-rank hand-off has any; finally, running each rank's list in order runs everything.
+    While running, ``F(s,m)`` waits on ``F(s-1,m)``; ``B/I(s,m)`` on ``F(s,m)`` and
+    ``B/I(s+1,m)``; ``W(s,m)`` on ``I(s,m)``; with SEND/RECV present a cross-rank
+    consumer waits on its local RECV, a RECV blocks until its SEND ran, sends never block.
     Positions in messages are 0-based indexes into ``schedule.actions[rank]``.
 
     >>> from pipesplit.schedules import get_schedule

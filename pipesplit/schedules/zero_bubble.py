@@ -32,7 +32,7 @@ def zb_h1(n_stages: int, n_ranks: int, n_microbatches: int) -> Schedule:
                 actions.append(Action(r, F, warmup + k))
             actions.append(Action(r, I, k))
             pending.append(k)
-            if k >= r + 1:
+            if k >= r:
                 actions.append(Action(r, W, pending.popleft()))
         actions += [Action(r, W, k) for k in pending]
         per_rank.append(actions)
