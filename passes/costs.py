@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from dataclasses import replace
 from typing import Any, Sequence
 
 import torch
@@ -62,7 +63,8 @@ def annotate_costs(gm: fx.GraphModule, inputs_require_grad: Sequence[bool] = ())
 
     Gradient work of an operand counts as *weight-gradient* FLOPs when the operand
     derives from parameters alone, and *input-gradient* FLOPs when it depends on the
-    program's inputs; operands that need no gradient cost nothing backward.
+    program's inputs; operands that need no gradient cost nothing backward, nor do
+    values behind a ``detach`` or a ``no_grad`` block, whose gradient never flows.
 
     >>> import torch
     >>> from pipesplit.capture import capture
@@ -79,7 +81,9 @@ def annotate_costs(gm: fx.GraphModule, inputs_require_grad: Sequence[bool] = ())
         if node.op == "placeholder":
             needs_grad[node] = bool(next(requires, False))
             from_input[node] = True
-            set_node_cost(node, NodeCost(out_bytes=_bytes(val), sendable=_is_sendable(val)))
+            set_node_cost(
+                node, NodeCost(out_bytes=_bytes(val), sendable=_is_sendable(val), requires_grad=needs_grad[node])
+            )
             continue
         if node.op == "get_attr":
             obj = _attr(gm, str(node.target))
@@ -96,7 +100,7 @@ def annotate_costs(gm: fx.GraphModule, inputs_require_grad: Sequence[bool] = ())
         floating = any(
             isinstance(leaf, torch.Tensor) and leaf.is_floating_point() for leaf in pytree.tree_leaves(val)
         )
-        needs_grad[node] = floating and any(needs_grad.get(a, False) for a in inputs)
+        needs_grad[node] = floating and not _stops_grad(node) and any(needs_grad.get(a, False) for a in inputs)
         from_input[node] = any(from_input.get(a, False) for a in inputs)
         flops = op_flops(node) if node.op == "call_function" else None
         if flops is None and node.op == "call_function":
@@ -124,10 +128,33 @@ def annotate_costs(gm: fx.GraphModule, inputs_require_grad: Sequence[bool] = ())
                 wgrad_flops=int(wgrad),
                 out_bytes=_bytes(val),
                 sendable=_is_sendable(val),
+                requires_grad=needs_grad[node],
                 known=known,
             ),
         )
+    reached = _gradient_reaches(gm, needs_grad)
+    for node, needs in needs_grad.items():
+        if needs and node not in reached and node.op != "get_attr":  # its gradient is never computed
+            set_node_cost(node, replace(node_cost(node), igrad_flops=0, wgrad_flops=0, requires_grad=False))
     return gm
+
+
+def _stops_grad(node: fx.Node) -> bool:
+    """The node's value carries no gradient: a detach, or a block run under ``no_grad``."""
+    if node.op != "call_function":
+        return False
+    if node.target is torch.ops.higher_order.wrap_with_set_grad_enabled:
+        return not node.args[0]
+    return op_name(node.target) == "detach"
+
+
+def _gradient_reaches(gm: fx.GraphModule, needs_grad: dict[fx.Node, bool]) -> set[fx.Node]:
+    """Nodes whose gradient backward computes: some path to an output carries it."""
+    reached: set[fx.Node] = set()
+    for node in reversed(gm.graph.nodes):
+        if node.op == "output" or node in reached:
+            reached.update(a for a in node.all_input_nodes if needs_grad.get(a, False))
+    return reached
 
 
 def unknown_ops(gm: fx.GraphModule) -> dict[str, int]:

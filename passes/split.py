@@ -9,7 +9,7 @@ The input graph is never modified.
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
@@ -33,6 +33,8 @@ class Boundary:
     shape: tuple[int | None, ...] | None  # None marks a dynamic (batch) dimension
     dtype: torch.dtype | None
     nbytes: int  # at the example's shapes
+    requires_grad: bool = False  # a gradient flows back along this edge in training
+    sizes: tuple[Any, ...] | None = field(default=None, compare=False, repr=False)  # symbolic shape (or int value)
 
 
 @dataclass
@@ -55,17 +57,21 @@ class SplitGraph:
     outputs: list[tuple[str, Any]]  # per flat program output: ("value", name) or ("const", literal)
 
 
-def _value_info(node: fx.Node) -> tuple[str, tuple[int | None, ...] | None, torch.dtype | None, int]:
+def _expr(d: Any) -> Any:
+    return d if isinstance(d, int) else d.node.expr
+
+
+def _value_info(node: fx.Node) -> tuple[str, tuple[int | None, ...] | None, torch.dtype | None, int, Any]:
     val = node.meta.get("val")
     if isinstance(val, torch.Tensor):
         shape = tuple(d if isinstance(d, int) else None for d in val.shape)
         n = 1
         for d in val.shape:
             n *= hint(d)
-        return "tensor", shape, val.dtype, n * val.element_size()
+        return "tensor", shape, val.dtype, n * val.element_size(), tuple(_expr(d) for d in val.shape)
     if isinstance(val, (int, torch.SymInt)):
-        return "int", None, None, 8
-    return "scalar", None, None, 8
+        return "int", None, None, 8, (_expr(val),)
+    return "scalar", None, None, 8, None
 
 
 def split_graph(gm: fx.GraphModule, stages: Sequence[Sequence[str]], devices: Sequence[str]) -> SplitGraph:
@@ -156,8 +162,9 @@ def _root_graph(
                 continue
             sent = root.call_function(comm.send, (produced[name],), {"src": where, "dst": s, "name": name})
             args.append(root.call_function(comm.recv, (sent,), {"src": where, "dst": s, "name": name, "device": device}))
-            vkind, shape, dtype, nbytes = _value_info(by_name[name])
-            boundaries.append(Boundary(name, where, s, vkind, shape, dtype, nbytes))
+            vkind, shape, dtype, nbytes, sizes = _value_info(by_name[name])
+            grad = bool(getattr(by_name[name].meta.get("pipesplit_cost"), "requires_grad", False))
+            boundaries.append(Boundary(name, where, s, vkind, shape, dtype, nbytes, grad, sizes))
         call = root.call_module(f"stage_{s}", tuple(args))
         for i, out in enumerate(piece.outputs):
             produced[out] = root.call_function(operator.getitem, (call, i))

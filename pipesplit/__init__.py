@@ -12,9 +12,11 @@ from pipesplit.errors import (
 )
 from pipesplit.plan import Plan
 from pipesplit.program import SplitProgram, Stage
+from pipesplit.runtime import Pipeline
 
 __all__ = [
     "compile",
+    "Pipeline",
     "Plan",
     "SplitProgram",
     "Stage",

@@ -25,6 +25,7 @@ class NodeCost:
     trainable: bool = False  # a get_attr of a parameter that requires grad
     out_bytes: int = 0  # bytes of the tensors this node produces
     sendable: bool = True  # its value may cross a stage boundary (tensors, ints, None)
+    requires_grad: bool = False  # its value carries a gradient in training
     known: bool = True  # False: no formula for the op; FLOPs estimated from output size
     time_s: float | None = None  # profiled forward time on the stage's device
 

@@ -28,6 +28,7 @@ class Stage:
     outputs: list[str]
     nodes: list[str]
     cost: float = 0.0
+    attr_targets: tuple[str, ...] = ()  # get_attr targets of its graph
 
     @property
     def input_names(self) -> list[str]:
@@ -50,6 +51,7 @@ class _Tied:
     replicas: list[torch.Tensor]
     version: int = -1
     handles: list[Any] = field(default_factory=list)
+    deferred: bool = False  # while True, replica gradients wait for flush() (multi-threaded runtimes)
 
     def hook(self) -> None:
         if not isinstance(self.owner, nn.Parameter) or not self.owner.requires_grad:
@@ -57,11 +59,21 @@ class _Tied:
         owner = self.owner
 
         def move_grad(p: torch.Tensor) -> None:
-            g = p.grad.to(owner.device)
-            owner.grad = g if owner.grad is None else owner.grad + g
-            p.grad = None
+            if not self.deferred:
+                self._move(p)
 
         self.handles = [r.register_post_accumulate_grad_hook(move_grad) for r in self.replicas]
+
+    def _move(self, p: torch.Tensor) -> None:
+        if p.grad is None:
+            return
+        g = p.grad.to(self.owner.device)
+        self.owner.grad = g if self.owner.grad is None else self.owner.grad + g
+        p.grad = None
+
+    def flush(self) -> None:
+        for r in self.replicas:
+            self._move(r)
 
     def sync(self) -> None:
         if self.owner._version != self.version:
@@ -107,17 +119,37 @@ class SplitProgram:
         self.out_spec = captured.out_spec
         self.notes = list(captured.notes)
         self.training = captured.training
+        self.mutated_targets = set(captured.mutated_targets)
         self.export_seconds = captured.export_seconds
         self._captured_gm = captured.gm
         self._state = captured.state
         self._state_keys = captured.state_keys
         self._outputs = split.outputs
+        self._batch_symbols = {
+            v.meta["val"].shape[0].node.expr
+            for v in captured.gm.graph.nodes
+            if v.op == "placeholder"
+            and isinstance(v.meta.get("val"), torch.Tensor)
+            and v.meta["val"].dim() > 0
+            and not isinstance(v.meta["val"].shape[0], int)
+        }
+        out_node = next(n for n in captured.gm.graph.nodes if n.op == "output")
+        self.output_batched = [
+            isinstance(v, fx.Node)
+            and isinstance(v.meta.get("val"), torch.Tensor)
+            and v.meta["val"].dim() > 0
+            and not isinstance(v.meta["val"].shape[0], int)
+            for v in out_node.args[0]
+        ]
         self._tied: list[_Tied] = []
         placed: list[dict[torch.device, torch.Tensor]] = [{} for _ in captured.state]
         self.stages: list[Stage] = []
+        self.stage_entries: list[dict[int, torch.Tensor]] = []  # per stage: state index -> its tensor
         for piece, device_name in zip(split.stages, devices):
             device = torch.device(device_name)
             holder = nn.Module()
+            entries: dict[int, torch.Tensor] = {}
+            self.stage_entries.append(entries)
             for target, obj in piece.attrs.items():
                 idx = captured.target_to_entry.get(target)
                 if idx is None:  # a submodule, e.g. the body of a higher-order op
@@ -125,16 +157,20 @@ class SplitProgram:
                     continue
                 entry = captured.state[idx]
                 copy = placed[idx].setdefault(device, _place(entry.tensor, device))
+                entries[idx] = copy
                 _attach(holder, target, copy, entry.persistent)
             if piece.index == 0:
                 used = set(captured.target_to_entry.values())
                 for idx, entry in enumerate(captured.state):
                     if idx not in used and entry.aliases:  # unused state stays with stage 0
                         copy = placed[idx].setdefault(device, _place(entry.tensor, device))
+                        entries[idx] = copy
                         _attach(holder, entry.name, copy, entry.persistent)
             module = fx.GraphModule(holder, piece.graph, class_name=f"Stage{piece.index}")
             cost = plan.stage_costs[piece.index] if plan.stage_costs else 0.0
-            self.stages.append(Stage(piece.index, module, device, piece.inputs, piece.outputs, piece.nodes, cost))
+            self.stages.append(
+                Stage(piece.index, module, device, piece.inputs, piece.outputs, piece.nodes, cost, tuple(piece.attrs))
+            )
         self._owner: list[torch.Tensor | None] = [next(iter(p.values()), None) for p in placed]
         for idx, copies in enumerate(placed):
             if len(copies) > 1:
@@ -153,6 +189,33 @@ class SplitProgram:
             root.add_module(f"stage_{stage.index}", stage.module)
         self.root = fx.GraphModule(root, split.root, class_name="SplitRoot")
 
+    def keep_only(self, stages: set[int]) -> None:
+        """Drop every other stage's module and state (a rank of a distributed run keeps its own)."""
+        for stage in self.stages:
+            if stage.index not in stages:
+                stage.module = None  # type: ignore[assignment]
+                self.stage_entries[stage.index] = {}
+        kept = {idx: t for s in sorted(stages) for idx, t in reversed(list(self.stage_entries[s].items()))}
+        self._owner = [kept.get(idx) for idx in range(len(self._owner))]
+        self._tied = []
+        self.root = None  # type: ignore[assignment]
+
+    def state_entry(self, idx: int) -> Any:
+        """The original-model description (names, kind) of state tensor ``idx``."""
+        return self._state[idx]
+
+    def defer_tied_gradients(self, defer: bool) -> None:
+        """While deferred, replica gradients of tied tensors stay put until flush (thread safety)."""
+        for tied in self._tied:
+            tied.deferred = defer
+            if not defer:
+                tied.flush()
+
+    def sync_tied(self) -> None:
+        """Copy each tied tensor's owner into its replicas if the owner changed."""
+        for tied in self._tied:
+            tied.sync()
+
     # ----------------------------------------------------------------- running
     @property
     def num_stages(self) -> int:
@@ -164,20 +227,48 @@ class SplitProgram:
         if spec != self.in_spec:
             raise InputError(
                 "the program was called with inputs of another structure than the example it was compiled with.\n"
-                f"  expected: {self.in_spec}\n  got:      {spec}\n"
+                f"  expected: {self._expected_structure()}\n  got:      {_structure(pytree.tree_map(_shown, (tuple(args), dict(kwargs))))}\n"
                 "Pass the same positional arguments and keyword names as the example."
             )
         for value, info in zip(flat, self.inputs):
             check_input(value, info)
         return flat
 
+    def _expected_structure(self) -> str:
+        if len(self.inputs) != self.in_spec.num_leaves:
+            return str(self.in_spec)
+        return _structure(pytree.tree_unflatten([_Shown(i.name) for i in self.inputs], self.in_spec))
+
     def run_flat(self, flat: list[Any]) -> list[Any]:
         """Run on flattened inputs; returns the flat outputs."""
-        for tied in self._tied:
-            tied.sync()
-        values = self.root(*flat)
-        by_name = dict(zip(self.stages[-1].outputs, values))
+        self.sync_tied()
+        return self.assemble_outputs(self.root(*flat))
+
+    def assemble_outputs(self, last_stage_outputs: tuple[Any, ...]) -> list[Any]:
+        """The flat program outputs from what the last stage returns (constants filled in)."""
+        by_name = dict(zip(self.stages[-1].outputs, last_stage_outputs))
         return [by_name[v] if kind == "value" else v for kind, v in self._outputs]
+
+    def resolve_int(self, boundary: Boundary, batch: int) -> int:
+        """The value of a size that crosses a boundary, for a given (micro)batch size."""
+        assert boundary.sizes is not None
+        return self._eval_size(boundary.sizes[0], batch)
+
+    def resolve_shape(self, boundary: Boundary, batch: int) -> tuple[int, ...]:
+        """A boundary tensor's concrete shape for a given (micro)batch size."""
+        assert boundary.sizes is not None
+        return tuple(self._eval_size(d, batch) for d in boundary.sizes)
+
+    def _eval_size(self, expr: Any, batch: int) -> int:
+        if isinstance(expr, int):
+            return expr
+        free = expr.free_symbols
+        if not free <= self._batch_symbols:
+            raise InputError(
+                f"a boundary size {expr} depends on {sorted(map(str, free - self._batch_symbols))}, not only on the "
+                "batch size; only the batch dimension may vary between calls."
+            )
+        return int(expr.subs({sym: batch for sym in free}))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         flat = self.flatten_inputs(args, kwargs)
@@ -262,6 +353,22 @@ class SplitProgram:
         return f"SplitProgram({self.num_stages} stages on [{devs}], {len(self.boundaries)} boundaries)"
 
 
+class _Shown(str):
+    """Text that prints without quotes, to draw an input structure."""
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+def _shown(x: Any) -> Any:
+    return _Shown(f"Tensor{list(x.shape)}") if isinstance(x, torch.Tensor) else x
+
+
+def _structure(tree: tuple[Any, Any]) -> str:
+    args, kwargs = tree
+    return f"args={args!r}, kwargs={kwargs!r}"
+
+
 def check_input(value: Any, info: InputInfo) -> None:
     if not info.is_tensor:
         if isinstance(value, torch.Tensor):
@@ -277,13 +384,21 @@ def check_input(value: Any, info: InputInfo) -> None:
     assert info.shape is not None
     expected = "(" + ", ".join("*" if d is None else str(d) for d in info.shape) + ")"
     if value.dim() != len(info.shape):
-        raise InputError(f"input {info.name!r} has shape {tuple(value.shape)}; the program takes {expected}.")
+        raise InputError(
+            f"input {info.name!r} has shape {tuple(value.shape)} ({value.dim()} dimensions); "
+            f"the program takes {expected} ({len(info.shape)} dimensions)."
+        )
     for dim, (got, want) in enumerate(zip(value.shape, info.shape)):
         if want is not None and got != want:
-            hint = (
-                " The batch dimension is pinned: compile with an example batch of 2 or more, or check that the "
-                "model does not fix it." if dim == 0 else " The model fixes this dimension at compile time."
-            )
+            if dim != 0:
+                hint = " The model fixes this dimension at compile time."
+            elif want == 1:
+                hint = " The batch dimension is pinned by the example batch of 1: compile with an example batch of 2 or more."
+            else:
+                hint = (
+                    f" The model pins the batch dimension to {want} (e.g. a reshape with a literal batch size; see "
+                    "prog.notes): call it with that batch, or make the model read the batch size from its input."
+                )
             raise InputError(
                 f"input {info.name!r} has shape {tuple(value.shape)}; the program takes {expected}: "
                 f"dimension {dim} must be {want}, got {got}.{hint}"

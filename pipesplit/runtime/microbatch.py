@@ -1,0 +1,104 @@
+"""Splitting flat program inputs into microbatches and merging outputs back."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from pipesplit.capture import InputInfo
+from pipesplit.errors import InputError
+
+
+def batch_size(flat: Sequence[Any], infos: Sequence[InputInfo], batch_dim: int = 0) -> int:
+    """The batch size shared by the inputs that carry the (dynamic) batch dimension."""
+    sizes = {
+        info.name: value.shape[batch_dim]
+        for value, info in zip(flat, infos)
+        if _is_batched(value, info, batch_dim)
+    }
+    if not sizes:
+        raise InputError(
+            "no input has a dynamic batch dimension to split into microbatches "
+            f"(batch_dim={batch_dim}). Compile with an example batch of 2 or more so torch.export keeps it dynamic."
+        )
+    distinct = set(sizes.values())
+    if len(distinct) > 1:
+        raise InputError(f"inputs disagree on the batch size along dim {batch_dim}: {sizes}.")
+    return distinct.pop()
+
+
+def _is_batched(value: Any, info: InputInfo, batch_dim: int) -> bool:
+    return (
+        isinstance(value, torch.Tensor)
+        and info.shape is not None
+        and len(info.shape) > batch_dim
+        and info.shape[batch_dim] is None
+    )
+
+
+def split_microbatches(
+    flat: Sequence[Any], infos: Sequence[InputInfo], n_microbatches: int, batch_dim: int = 0
+) -> list[list[Any]]:
+    """``n_microbatches`` lists of flat inputs; non-batched inputs are shared by all.
+
+    The batch must divide into ``n_microbatches`` equal parts: uneven microbatches
+    would make the pipeline's gradient differ from the full batch's for losses that
+    average over the batch.
+    """
+    if n_microbatches < 1:
+        raise InputError(f"n_microbatches must be at least 1, got {n_microbatches}.")
+    size = batch_size(flat, infos, batch_dim)
+    if size % n_microbatches:
+        raise InputError(
+            f"a batch of {size} does not split into {n_microbatches} equal microbatches "
+            f"({size} % {n_microbatches} = {size % n_microbatches}). Use a batch that is a multiple of "
+            f"{n_microbatches}, or n_microbatches among {[d for d in range(1, size + 1) if size % d == 0]}."
+        )
+    per = size // n_microbatches
+    out: list[list[Any]] = [[] for _ in range(n_microbatches)]
+    for value, info in zip(flat, infos):
+        if _is_batched(value, info, batch_dim):
+            for m, piece in enumerate(value.split(per, dim=batch_dim)):
+                out[m].append(piece)
+        else:
+            for m in range(n_microbatches):
+                out[m].append(value)
+    return out
+
+
+def split_target(target: Any, n_microbatches: int, batch_dim: int = 0) -> list[Any]:
+    """Split a loss target (a tensor or a pytree of tensors) along the batch dimension."""
+    leaves, spec = torch.utils._pytree.tree_flatten(target)
+    pieces: list[list[Any]] = [[] for _ in range(n_microbatches)]
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > batch_dim:
+            if leaf.shape[batch_dim] % n_microbatches:
+                raise InputError(
+                    f"the target's batch of {leaf.shape[batch_dim]} does not split into {n_microbatches} microbatches."
+                )
+            for m, piece in enumerate(leaf.chunk(n_microbatches, dim=batch_dim)):
+                pieces[m].append(piece)
+        else:
+            for m in range(n_microbatches):
+                pieces[m].append(leaf)
+    return [torch.utils._pytree.tree_unflatten(p, spec) for p in pieces]
+
+
+def merge_outputs(per_microbatch: Sequence[Sequence[Any]], batched: Sequence[bool], batch_dim: int = 0) -> list[Any]:
+    """Concatenate batched flat outputs along the batch dimension.
+
+    Outputs without a batch dimension (``batched[i]`` False) must agree across
+    microbatches up to floating-point noise (a shared table) or are averaged (a
+    per-microbatch scalar such as a loss).
+    """
+    merged = []
+    for values, is_batched in zip(zip(*per_microbatch), batched):
+        first = values[0]
+        if isinstance(first, torch.Tensor) and is_batched:
+            merged.append(torch.cat(list(values), dim=batch_dim))
+        elif isinstance(first, torch.Tensor) and first.is_floating_point():
+            merged.append(torch.stack(list(values)).mean(dim=0))
+        else:
+            merged.append(first)
+    return merged

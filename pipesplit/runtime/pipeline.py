@@ -1,0 +1,266 @@
+"""``pipesplit.Pipeline``: train or evaluate a split program under a schedule."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+
+from pipesplit.errors import PipesplitError, ScheduleError
+from pipesplit.program import SplitProgram
+from pipesplit.runtime.microbatch import merge_outputs, split_microbatches, split_target
+from pipesplit.runtime.transport import Aborted, DistTransport, LocalTransport
+from pipesplit.runtime.worker import StageWorker, StepData
+from pipesplit.schedules import ActionKind, Schedule, get_schedule, schedule_info, validate
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+def _resolve_schedule(schedule: str | Schedule, n_stages: int, n_ranks: int | None, n_microbatches: int) -> Schedule:
+    if isinstance(schedule, Schedule):
+        if schedule.n_stages != n_stages:
+            raise ScheduleError(
+                f"schedule {schedule.name!r} is for {schedule.n_stages} stages but the program has {n_stages}."
+            )
+        if schedule.n_microbatches != n_microbatches:
+            raise ScheduleError(
+                f"schedule {schedule.name!r} runs {schedule.n_microbatches} microbatches but n_microbatches="
+                f"{n_microbatches}; make them agree."
+            )
+        return validate(schedule)
+    if n_ranks is None and schedule_info(schedule).constraints.stages_per_rank is None:
+        n_ranks = max(1, n_stages // 2)
+    return get_schedule(schedule, n_stages=n_stages, n_ranks=n_ranks, n_microbatches=n_microbatches)
+
+
+def _forward_only(schedule: Schedule) -> list[list[Any]]:
+    return [[a for a in rank if a.kind is ActionKind.FORWARD] for rank in schedule.actions]
+
+
+class Pipeline:
+    """Runs a :class:`~pipesplit.SplitProgram` as pipeline stages under a schedule.
+
+    In one process (``executor="local"``) every rank of the schedule gets a worker
+    thread (and, on GPU, a CUDA stream per stage), so stages on different devices make
+    progress concurrently. Under ``torchrun`` with an initialised process group
+    (``executor="distributed"``, the default when one exists) each process runs the
+    stages of its own rank and keeps only their parameters.
+
+    >>> import torch, pipesplit
+    >>> model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)])
+    >>> prog = pipesplit.compile(model, torch.randn(4, 8), num_stages=2)
+    >>> pipe = pipesplit.Pipeline(prog, "1f1b", n_microbatches=2,
+    ...                           loss_fn=lambda out, y: torch.nn.functional.mse_loss(out, y))
+    >>> loss = pipe.step(torch.randn(4, 8), target=torch.randn(4, 8))
+    """
+
+    def __init__(
+        self,
+        prog: SplitProgram,
+        schedule: str | Schedule = "1f1b",
+        n_microbatches: int = 4,
+        loss_fn: LossFn | None = None,
+        *,
+        n_ranks: int | None = None,
+        batch_dim: int = 0,
+        loss_reduction: str = "mean",
+        checkpoint: bool = False,
+        timeout: float = 300.0,
+        executor: str = "auto",
+    ):
+        import torch.distributed as dist
+
+        if loss_reduction not in ("mean", "sum"):
+            raise PipesplitError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}.")
+        if executor == "auto":
+            executor = "distributed" if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 else "local"
+        if executor not in ("local", "distributed"):
+            raise PipesplitError(f"executor must be 'local', 'distributed' or 'auto', got {executor!r}.")
+        self.prog, self.loss_fn, self.batch_dim = prog, loss_fn, batch_dim
+        self.n_microbatches, self.loss_reduction, self.timeout = n_microbatches, loss_reduction, timeout
+        self.executor = executor
+        if executor == "distributed":
+            world = dist.get_world_size()
+            if n_ranks is not None and n_ranks != world:
+                raise ScheduleError(f"n_ranks={n_ranks} but the process group has {world} ranks.")
+            n_ranks, self.rank = world, dist.get_rank()
+        else:
+            self.rank = None
+        self.schedule = _resolve_schedule(schedule, prog.num_stages, n_ranks, n_microbatches)
+        if executor == "distributed" and self.schedule.n_ranks != n_ranks:
+            raise ScheduleError(
+                f"schedule {self.schedule.name!r} for {prog.num_stages} stages needs {self.schedule.n_ranks} ranks, "
+                f"but {n_ranks} are running; launch with --nproc-per-node {self.schedule.n_ranks}."
+            )
+        rank_of = self.schedule.stage_to_rank
+        local = [s for s in prog.stages if self.rank is None or rank_of[s.index] == self.rank]
+        if checkpoint:
+            for s in local:
+                if any(t in prog.mutated_targets for t in s.attr_targets):
+                    raise PipesplitError(
+                        f"stage {s.index} updates buffers in place (e.g. BatchNorm running stats); activation "
+                        "checkpointing would update them twice. Disable checkpoint or use eval-mode normalisation."
+                    )
+        if executor == "distributed":
+            tags = {}
+            for b in prog.boundaries:
+                for direction in "FB":
+                    tags[(direction, b.name, b.src, b.dst)] = len(tags)
+            self.transport: Any = DistTransport(timeout, tags, len(tags))
+            self._tied_groups = self._make_tied_groups(rank_of)
+            prog.keep_only({s.index for s in local})
+        else:
+            self.transport = LocalTransport(timeout)
+            self._tied_groups = []
+        streams = {}
+        for s in local:
+            if s.device.type == "cuda":
+                streams[s.index] = torch.cuda.Stream(device=s.device)
+        self.workers = {
+            s.index: StageWorker(prog, s, rank_of, self.transport, checkpointing=checkpoint, stream=streams.get(s.index))
+            for s in local
+        }
+
+    # ---------------------------------------------------------------- parameters
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """This process's parameters under the original model's names (a tied one once)."""
+        if self.executor == "local":
+            yield from self.prog.named_parameters()
+            return
+        seen: set[int] = set()
+        for s in sorted(self.workers):
+            for idx, t in sorted(self.prog.stage_entries[s].items()):
+                entry = self.prog.state_entry(idx)
+                if entry.is_param and idx not in seen:
+                    seen.add(idx)
+                    yield entry.name, t  # type: ignore[misc]
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        return (p for _, p in self.named_parameters())
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.parameters():
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
+
+    # ------------------------------------------------------------------ running
+    def _prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any], target: Any, training: bool) -> StepData:
+        flat = self.prog.flatten_inputs(args, kwargs)
+        inputs = split_microbatches(flat, self.prog.inputs, self.n_microbatches, self.batch_dim)
+        mb = next(x.shape[self.batch_dim] for x, i in zip(inputs[0], self.prog.inputs)
+                  if isinstance(x, torch.Tensor) and i.shape and i.shape[self.batch_dim] is None)
+        if training and self.loss_fn is None:
+            raise PipesplitError("step() needs a loss_fn: Pipeline(prog, ..., loss_fn=lambda out, target: ...).")
+        targets = split_target(target, self.n_microbatches, self.batch_dim) if target is not None else None
+        scale = 1.0 / self.n_microbatches if self.loss_reduction == "mean" else 1.0
+        return StepData(inputs, targets, self.loss_fn, scale, training, mb)
+
+    def step(self, *args: Any, target: Any = None, **kwargs: Any) -> torch.Tensor | None:
+        """Forward and backward over all microbatches; gradients accumulate into ``.grad``.
+
+        Returns the loss of the whole batch (the mean of the microbatch losses for
+        ``loss_reduction="mean"``), on every rank.
+        """
+        data = self._prepare(args, kwargs, target, training=True)
+        self._run(self.schedule.actions, data)
+        loss = sum(data.losses.values()) if data.losses else None
+        return self._share_loss(loss)
+
+    @torch.no_grad()
+    def eval(self, *args: Any, **kwargs: Any) -> Any:
+        """A forward-only pipeline pass; outputs merged back to the full batch (on the last rank)."""
+        data = self._prepare(args, kwargs, None, training=False)
+        self._run(_forward_only(self.schedule), data)
+        if not data.outputs:
+            return None
+        per_mb = [data.outputs[m] for m in range(self.n_microbatches)]
+        merged = merge_outputs(per_mb, self.prog.output_batched, self.batch_dim)
+        return pytree.tree_unflatten(merged, self.prog.out_spec)
+
+    def _run(self, actions: Any, data: StepData) -> None:
+        self.prog.sync_tied()
+        if self.executor == "distributed":
+            for a in actions[self.rank]:
+                if a.kind.is_compute:
+                    self.workers[a.stage].run(a, data)
+            self.transport.flush()
+            if data.training:
+                self._reduce_tied()
+            return
+        self.prog.defer_tied_gradients(True)
+        errors: list[BaseException] = []
+        transport: LocalTransport = self.transport
+
+        def work(rank_actions: Any) -> None:
+            try:
+                for a in rank_actions:
+                    if a.kind.is_compute:
+                        worker = self.workers[a.stage]
+                        if worker.stage.device.type == "cuda":
+                            torch.cuda.set_device(worker.stage.device)
+                        worker.run(a, data)
+            except Aborted:
+                pass
+            except BaseException as e:  # re-raised in the caller's thread
+                errors.append(e)
+                transport.abort(e)
+
+        threads = [threading.Thread(target=work, args=(acts,), daemon=True) for acts in actions]
+        try:
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        finally:
+            self.prog.defer_tied_gradients(False)
+            transport.failed = None
+            for w in self.workers.values():
+                w.saved.clear()
+        for s in (w.stream for w in self.workers.values() if w.stream is not None):
+            s.synchronize()
+        if errors:
+            raise errors[0]
+
+    # -------------------------------------------------------------- distributed
+    def _make_tied_groups(self, rank_of: tuple[int, ...]) -> list[tuple[Any, int]]:
+        import torch.distributed as dist
+
+        groups = []
+        holders: dict[int, set[int]] = {}
+        for s, entries in enumerate(self.prog.stage_entries):
+            for idx in entries:
+                holders.setdefault(idx, set()).add(rank_of[s])
+        for idx in sorted(holders):
+            ranks = sorted(holders[idx])
+            if len(ranks) > 1 and self.prog.state_entry(idx).is_param:
+                group = dist.new_group(ranks)  # every rank creates every group, in the same order
+                if self.rank in ranks:
+                    groups.append((group, idx))
+        return groups
+
+    def _reduce_tied(self) -> None:
+        import torch.distributed as dist
+
+        for group, idx in self._tied_groups:
+            local = next(self.prog.stage_entries[s][idx] for s in sorted(self.workers) if idx in self.prog.stage_entries[s])
+            if local.grad is None:
+                local.grad = torch.zeros_like(local)
+            dist.all_reduce(local.grad, group=group)
+
+    def _share_loss(self, loss: Any) -> torch.Tensor | None:
+        if self.executor == "local":
+            return loss
+        import torch.distributed as dist
+
+        last_rank = self.schedule.stage_to_rank[-1]
+        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        buf = torch.zeros((), dtype=torch.float64, device=device)
+        if self.rank == last_rank and loss is not None:
+            buf.fill_(float(loss))
+        dist.broadcast(buf, src=last_rank)
+        return buf

@@ -1,0 +1,176 @@
+"""One rank's interpreter: runs its schedule actions on its stages for one step."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.utils._pytree as pytree
+from torch.utils.checkpoint import checkpoint
+
+from pipesplit.program import SplitProgram, Stage
+from pipesplit.runtime.transport import Message, Transport
+from pipesplit.schedules import Action, ActionKind
+
+
+@dataclass
+class StepData:
+    """What every worker of one step shares: microbatched inputs, targets, loss, sizes."""
+
+    inputs: list[list[Any]]  # per microbatch: flat program inputs
+    targets: list[Any] | None
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None
+    loss_scale: float
+    training: bool
+    microbatch_size: int
+    outputs: dict[int, list[Any]] = field(default_factory=dict)  # microbatch -> flat outputs (last stage)
+    losses: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass
+class _Saved:
+    inputs: list[tuple[str, int, torch.Tensor]]  # (boundary name, source stage, leaf that needs a grad)
+    tensors: list[torch.Tensor] = field(default_factory=list)  # what backward starts from
+    grads: list[torch.Tensor | None] = field(default_factory=list)
+    outputs: tuple[Any, ...] = ()
+
+
+class StageWorker:
+    """Runs F, B, I and W actions of one stage; communication is implicit around them.
+
+    Sends happen right after the compute that produced a value and never block;
+    receives happen right before the compute that needs it and block (with a
+    timeout), which is the assumption ``pipesplit.schedules.validate`` proves
+    deadlock-freedom under.
+    """
+
+    def __init__(
+        self,
+        prog: SplitProgram,
+        stage: Stage,
+        rank_of: Sequence[int],
+        transport: Transport,
+        *,
+        checkpointing: bool = False,
+        stream: Any = None,
+    ):
+        self.prog, self.stage, self.rank_of = prog, stage, rank_of
+        self.transport, self.checkpointing, self.stream = transport, checkpointing, stream
+        self.is_last = stage.index == prog.num_stages - 1
+        self.index = stage.index
+        self.in_bounds = {(b.name, b.src): b for b in prog.boundaries if b.dst == stage.index}
+        self.consumers: dict[str, list[int]] = {}
+        for b in prog.boundaries:
+            if b.src == stage.index:
+                self.consumers.setdefault(b.name, []).append(b.dst)
+        self.out_bounds = {(b.name, b.dst): b for b in prog.boundaries if b.src == stage.index}
+        self.params = [p for p in stage.module.parameters() if p.requires_grad]
+        self.saved: dict[int, _Saved] = {}
+
+    # ------------------------------------------------------------------ helpers
+    def _ctx(self) -> Any:
+        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+
+    def _like(self, b: Any, data: StepData) -> tuple[tuple[int, ...], torch.dtype, torch.device]:
+        return self.prog.resolve_shape(b, data.microbatch_size), b.dtype, self.stage.device
+
+    def _to_device(self, v: Any) -> Any:
+        if isinstance(v, torch.Tensor) and v.device != self.stage.device:
+            return v.to(self.stage.device, non_blocking=True)
+        return v
+
+    # ------------------------------------------------------------------ actions
+    def run(self, action: Action, data: StepData) -> None:
+        with self._ctx():
+            if action.kind is ActionKind.FORWARD:
+                self.forward(action.microbatch, data)
+            elif action.kind is ActionKind.FULL_BACKWARD:
+                self.backward_input(action.microbatch, data)
+                self.backward_weight(action.microbatch)
+            elif action.kind is ActionKind.BACKWARD_INPUT:
+                self.backward_input(action.microbatch, data, split=True)
+            elif action.kind is ActionKind.BACKWARD_WEIGHT:
+                self.backward_weight(action.microbatch)
+
+    def forward(self, m: int, data: StepData) -> None:
+        args: list[Any] = []
+        saved = _Saved([])
+        for name, kind, where in self.stage.inputs:
+            if kind == "input":
+                args.append(self._to_device(data.inputs[m][where]))
+                continue
+            b = self.in_bounds[(name, where)]
+            msg = Message("F", name, where, self.index, m)
+            if b.kind == "tensor":
+                value = self._to_device(self.transport.recv(msg, self.rank_of[where], self._like(b, data)))
+                if data.training and b.requires_grad:
+                    value = value.detach().requires_grad_(True)
+                    saved.inputs.append((name, where, value))
+            else:  # sizes are known from the microbatch size on every rank
+                value = self.prog.resolve_int(b, data.microbatch_size)
+            args.append(value)
+        grad_mode = torch.enable_grad() if data.training else torch.no_grad()
+        with grad_mode:
+            if self.checkpointing and data.training:
+                outs = checkpoint(self.stage.module, *args, use_reentrant=False)
+            else:
+                outs = self.stage.module(*args)
+            outs = tuple(outs)
+            if self.is_last:
+                flat = self.prog.assemble_outputs(outs)
+                if data.training and data.loss_fn is not None:
+                    out_tree = pytree.tree_unflatten(flat, self.prog.out_spec)
+                    target = data.targets[m] if data.targets is not None else None
+                    loss = data.loss_fn(out_tree, target) * data.loss_scale
+                    data.losses[m] = loss.detach()
+                    saved.tensors, saved.grads = [loss], [None]
+                else:
+                    data.outputs[m] = [o.detach() if isinstance(o, torch.Tensor) else o for o in flat]
+        for name, value in zip(self.stage.outputs, outs):
+            for dst in self.consumers.get(name, ()) if not self.is_last else ():
+                b = self.out_bounds[(name, dst)]
+                if b.kind == "tensor":
+                    self.transport.send(Message("F", name, self.index, dst, m), value.detach(), self.rank_of[dst])
+        if data.training:
+            saved.outputs = outs
+            self.saved[m] = saved
+
+    def _output_grads(self, m: int, saved: _Saved, data: StepData) -> None:
+        if self.is_last:
+            return
+        for name, value in zip(self.stage.outputs, saved.outputs):
+            total = None
+            for dst in self.consumers.get(name, ()):
+                b = self.out_bounds[(name, dst)]
+                if b.kind != "tensor" or not b.requires_grad:
+                    continue
+                like = (tuple(value.shape), value.dtype, self.stage.device)
+                g = self._to_device(self.transport.recv(Message("B", name, self.index, dst, m), self.rank_of[dst], like))
+                total = g if total is None else total + g
+            if total is not None and isinstance(value, torch.Tensor) and value.requires_grad:
+                saved.tensors.append(value)
+                saved.grads.append(total)
+
+    def backward_input(self, m: int, data: StepData, split: bool = False) -> None:
+        saved = self.saved[m]
+        self._output_grads(m, saved, data)
+        leaves = [x for _, _, x in saved.inputs]
+        grads: Sequence[torch.Tensor | None]
+        if not saved.tensors:
+            grads = [None] * len(leaves)
+        elif split:
+            grads = torch.autograd.grad(saved.tensors, leaves, saved.grads, retain_graph=True, allow_unused=True) if leaves else []
+        else:
+            torch.autograd.backward(saved.tensors, saved.grads, inputs=leaves + self.params or None)
+            grads = [x.grad for x in leaves]
+            saved.tensors = []  # the weight gradients are done too
+        for (name, src, x), g in zip(saved.inputs, grads):
+            g = torch.zeros_like(x) if g is None else g
+            self.transport.send(Message("B", name, src, self.index, m), g.detach(), self.rank_of[src])
+
+    def backward_weight(self, m: int) -> None:
+        saved = self.saved.pop(m)
+        if saved.tensors and self.params:
+            torch.autograd.backward(saved.tensors, saved.grads, inputs=self.params)

@@ -1,0 +1,67 @@
+"""Real multi-process runs (gloo, CPU): 2 and 4 ranks under torchrun, and a rank that dies."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "tests", "dist_check.py")
+pytestmark = pytest.mark.slow
+
+
+def torchrun(nproc: int, *args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", SCRIPT, *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+
+
+def _ok(result: subprocess.CompletedProcess[str], nproc: int, schedules: list[str]) -> None:
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    for schedule in schedules:
+        matched = set(re.findall(rf"rank (\d+)/{nproc}: \d+ parameters match over \d+ steps \({schedule}\)", result.stdout))
+        assert matched == {str(r) for r in range(nproc)}, f"{schedule}: expected {nproc} ranks to report a match\n{result.stdout}"
+
+
+def test_two_ranks_every_schedule_with_tied_embeddings():
+    schedules = ["gpipe", "1f1b", "zb_h1", "interleaved_1f1b", "looped_bfs", "zb_v"]
+    _ok(torchrun(2, "--schedule", ",".join(schedules), "--model", "gpt_tied"), 2, schedules)
+
+
+def test_four_ranks_gpt_and_skip_models():
+    schedules = ["gpipe", "1f1b", "zb_h1"]
+    _ok(torchrun(4, "--schedule", ",".join(schedules), "--model", "gpt_tied"), 4, schedules)
+    _ok(torchrun(4, "--schedule", "1f1b", "--model", "long_skip", "--steps", "1"), 4, ["1f1b"])
+
+
+def test_two_ranks_kwarg_first_used_in_the_last_stage():
+    _ok(torchrun(2, "--schedule", "1f1b,zb_v", "--model", "late_kwarg"), 2, ["1f1b", "zb_v"])
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_dead_rank_makes_the_others_fail_naming_it():
+    port = _free_port()
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+                   LOCAL_RANK=str(rank), OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+        cmd = [sys.executable, SCRIPT, "--schedule", "1f1b", "--die-rank", "1", "--timeout", "15"]
+        procs.append(subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    start = time.monotonic()
+    out0, err0 = procs[0].communicate(timeout=300)
+    procs[1].communicate(timeout=60)
+    assert procs[1].returncode == 3
+    assert procs[0].returncode != 0, "the surviving rank must fail, not hang or pass"
+    assert "RuntimeCommError" in err0 and "rank 1" in err0, err0[-3000:]
+    assert time.monotonic() - start < 240

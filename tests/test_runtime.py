@@ -1,0 +1,234 @@
+"""The local pipeline executor: every schedule reproduces the unsplit model's loss and gradients."""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+import torch.utils._pytree as pytree
+
+import pipesplit
+from pipesplit.schedules import Schedule, list_schedules
+from tests.zoo import CASE_BY_NAME
+
+SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zb_h1", "zb_v"]
+MULTI = {"interleaved_1f1b", "looped_bfs", "zb_v"}  # several stages per rank
+
+
+def dot_loss(out, target):
+    """A sum over every float output element times the matching target element."""
+    total = 0.0
+    for o, t in zip(pytree.tree_leaves(out), pytree.tree_leaves(target)):
+        if isinstance(o, torch.Tensor) and o.is_floating_point():
+            total = total + (o * t).sum()
+    return total
+
+
+def make_target(out):
+    return pytree.tree_map(lambda o: torch.randn_like(o) if isinstance(o, torch.Tensor) else o, out)
+
+
+def reference(model, args, kwargs, target):
+    ref = copy.deepcopy(model)
+    loss = dot_loss(ref(*args, **kwargs), target)
+    loss.backward()
+    return ref, loss.detach()
+
+
+def assert_grads(pipe, ref):
+    held = dict(pipe.named_parameters())
+    ref_params = dict(ref.named_parameters())
+    assert held.keys() == ref_params.keys()
+    for name, p in ref_params.items():
+        if p.grad is None:
+            continue
+        assert held[name].grad is not None, f"no gradient for {name}"
+        torch.testing.assert_close(held[name].grad, p.grad, rtol=1e-4, atol=1e-5, msg=f"gradient of {name}")
+
+
+def test_all_builtin_schedules_are_covered():
+    assert set(SCHEDULES) <= set(list_schedules())
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("model_name", ["long_skip", "late_kwarg", "gpt_tied", "dict_tuple_out"])
+def test_schedule_matches_full_batch(schedule, model_name):
+    torch.manual_seed(0)
+    case = CASE_BY_NAME[model_name]
+    model = case.build()
+    stages = 4
+    prog = pipesplit.compile(model, case.inputs(2)[0], example_kwargs=case.inputs(2)[1], num_stages=stages)
+    pipe = pipesplit.Pipeline(prog, schedule, n_microbatches=4, loss_fn=dot_loss, loss_reduction="sum",
+                              n_ranks=2 if schedule in MULTI else None)
+    args, kwargs = case.inputs(8)
+    target = make_target(model(*args, **kwargs))
+    ref, want = reference(model, args, kwargs, target)
+    loss = pipe.step(*args, target=target, **kwargs)
+    torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-4)
+    assert_grads(pipe, ref)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1", "interleaved_1f1b"])
+def test_several_optimizer_steps_stay_equal(schedule):
+    torch.manual_seed(0)
+    model = CASE_BY_NAME["gpt_tied"].build()
+    idx = torch.randint(0, 64, (2, 16))
+    prog = pipesplit.compile(model, idx, num_stages=4)
+
+    def ce(out, y):
+        return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+    pipe = pipesplit.Pipeline(prog, schedule, n_microbatches=4, loss_fn=ce, n_ranks=2 if schedule in MULTI else None)
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    losses = []
+    for step in range(3):
+        x, y = torch.randint(0, 64, (8, 16)), torch.randint(0, 64, (8, 16))
+        loss = pipe.step(x, target=y)
+        want = ce(ref(x), y)
+        want.backward()
+        torch.testing.assert_close(loss, want.detach(), rtol=1e-5, atol=1e-5)
+        assert_grads(pipe, ref)
+        opt.step(), opt_ref.step()
+        pipe.zero_grad(), opt_ref.zero_grad()
+        losses.append(float(loss))
+    x = torch.randint(0, 64, (8, 16))
+    torch.testing.assert_close(pipe.eval(x), ref(x), rtol=1e-4, atol=1e-5)
+
+
+def test_gradient_accumulation_across_steps():
+    torch.manual_seed(0)
+    case = CASE_BY_NAME["long_skip"]
+    model = case.build()
+    prog = pipesplit.compile(model, case.inputs(2)[0], num_stages=3)
+    pipe = pipesplit.Pipeline(prog, "1f1b", n_microbatches=2, loss_fn=dot_loss, loss_reduction="sum")
+    ref = copy.deepcopy(model)
+    for _ in range(2):
+        (x,), _ = case.inputs(4)
+        t = torch.randn(4, 16)
+        pipe.step(x, target=t)
+        dot_loss(ref(x), t).backward()
+    assert_grads(pipe, ref)
+
+
+def test_batchnorm_stats_follow_the_microbatches():
+    """BatchNorm sees each microbatch, as the original model would when run on them in order."""
+    torch.manual_seed(0)
+    case = CASE_BY_NAME["conv_bn"]
+    model = case.build()
+    prog = pipesplit.compile(model, case.inputs(2)[0], num_stages=3)
+    pipe = pipesplit.Pipeline(prog, "gpipe", n_microbatches=2, loss_fn=dot_loss, loss_reduction="sum")
+    (x,), _ = case.inputs(8)
+    t = torch.randn(8, 10)
+    pipe.step(x, target=t)
+    ref = copy.deepcopy(model)
+    for xm, tm in zip(x.chunk(2), t.chunk(2)):
+        dot_loss(ref(xm), tm).backward()
+    assert_grads(pipe, ref)
+    state = prog.state_dict()
+    for name, buf in ref.state_dict().items():
+        torch.testing.assert_close(state[name], buf, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_eval_merges_outputs_like_the_model():
+    torch.manual_seed(0)
+    case = CASE_BY_NAME["dict_tuple_out"]
+    model = case.build()
+    prog = pipesplit.compile(model, case.inputs(2)[0], num_stages=3)
+    pipe = pipesplit.Pipeline(prog, "1f1b", n_microbatches=4)
+    (x,), _ = case.inputs(8)
+    got, want = pipe.eval(x), model(x)
+    assert pytree.tree_structure(got) == pytree.tree_structure(want)
+    for g, w in zip(pytree.tree_leaves(got), pytree.tree_leaves(want)):
+        if isinstance(w, torch.Tensor):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+
+
+def test_activation_checkpointing_keeps_gradients():
+    torch.manual_seed(0)
+    model = CASE_BY_NAME["gpt_tied"].build()
+    prog = pipesplit.compile(model, torch.randint(0, 64, (2, 16)), num_stages=2)
+    pipe = pipesplit.Pipeline(prog, "1f1b", n_microbatches=2, loss_fn=dot_loss, loss_reduction="sum", checkpoint=True)
+    x = torch.randint(0, 64, (4, 16))
+    t = torch.randn(4, 16, 64)
+    ref, want = reference(model, (x,), {}, t)
+    torch.testing.assert_close(pipe.step(x, target=t), want, rtol=1e-5, atol=1e-4)
+    assert_grads(pipe, ref)
+
+
+def test_checkpointing_refuses_stages_that_update_buffers():
+    case = CASE_BY_NAME["conv_bn"]
+    prog = pipesplit.compile(case.build(), case.inputs(2)[0], num_stages=2)
+    with pytest.raises(pipesplit.PipesplitError, match="checkpoint"):
+        pipesplit.Pipeline(prog, "1f1b", n_microbatches=2, loss_fn=dot_loss, checkpoint=True)
+
+
+def test_dropout_trains():
+    torch.manual_seed(0)
+    model = pipesplit.models.GPT(pipesplit.models.GPTConfig(vocab=64, dim=32, layers=2, heads=2, seq=16, dropout=0.5))
+    prog = pipesplit.compile(model, torch.randint(0, 64, (2, 16)), num_stages=2)
+    pipe = pipesplit.Pipeline(prog, "1f1b", n_microbatches=2, loss_fn=dot_loss, loss_reduction="sum")
+    x = torch.randint(0, 64, (4, 16))
+    outs = [pipe.eval(x) for _ in range(2)]
+    assert not torch.equal(outs[0], outs[1]), "dropout should make two training-mode passes differ"
+    pipe.step(x, target=torch.randn(4, 16, 64))
+    grads = [p.grad for p in pipe.parameters()]
+    assert all(g is not None and torch.isfinite(g).all() for g in grads)
+
+
+# ---------------------------------------------------------------- bad input
+def _mlp_pipe(**kw):
+    case = CASE_BY_NAME["mlp"]
+    prog = pipesplit.compile(case.build(), case.inputs(2)[0], num_stages=4)
+    return pipesplit.Pipeline(prog, loss_fn=dot_loss, **kw)
+
+
+def test_batch_that_does_not_split_is_refused_before_work():
+    pipe = _mlp_pipe(schedule="1f1b", n_microbatches=4)
+    with pytest.raises(pipesplit.InputError, match=r"batch of 6 does not split into 4"):
+        pipe.step(torch.randn(6, 16), target=torch.randn(6, 4))
+    assert all(p.grad is None for p in pipe.parameters())
+
+
+def test_too_few_microbatches_for_a_schedule():
+    with pytest.raises(pipesplit.ScheduleError) as info:
+        _mlp_pipe(schedule="interleaved_1f1b", n_microbatches=1, n_ranks=2)
+    assert "microbatch" in str(info.value)
+
+
+def test_unknown_and_invalid_custom_schedules():
+    with pytest.raises(pipesplit.ScheduleError, match="1f1b"):
+        _mlp_pipe(schedule="1f1c", n_microbatches=4)
+    broken = Schedule.from_lists(
+        "broken",
+        [["0F0", "0B0"], ["1F0", "1B0"], ["2F0", "2B0"], ["3B0", "3F0"]],  # stage 3 backward before forward
+        n_stages=4, n_microbatches=1,
+    )
+    with pytest.raises(pipesplit.ScheduleError, match="3B0"):
+        _mlp_pipe(schedule=broken, n_microbatches=1)
+
+
+def test_wrong_input_shape_is_refused():
+    pipe = _mlp_pipe(schedule="gpipe", n_microbatches=2)
+    with pytest.raises(pipesplit.InputError, match="dimension 1 must be 16"):
+        pipe.step(torch.randn(4, 15), target=torch.randn(4, 4))
+
+
+def test_a_stuck_stage_times_out_naming_the_rank():
+    case = CASE_BY_NAME["mlp"]
+    prog = pipesplit.compile(case.build(), case.inputs(2)[0], num_stages=2)
+
+    def slow_loss(out, target):
+        time.sleep(3)
+        return dot_loss(out, target)
+
+    pipe = pipesplit.Pipeline(prog, "1f1b", n_microbatches=2, loss_fn=slow_loss, timeout=0.5)
+    start = time.monotonic()
+    with pytest.raises(pipesplit.RuntimeCommError, match="rank 1") as info:
+        pipe.step(torch.randn(4, 16), target=torch.randn(4, 4))
+    assert time.monotonic() - start < 10
+    assert "gradient" in str(info.value)
