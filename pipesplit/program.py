@@ -239,6 +239,11 @@ class SplitProgram:
             return str(self.in_spec)
         return _structure(pytree.tree_unflatten([_Shown(i.name) for i in self.inputs], self.in_spec))
 
+    def flat_tensor_inputs(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, ...]:
+        """The checked flat inputs that are tensors (what chain-shaped stage 0 takes)."""
+        flat = self.flatten_inputs(args, kwargs)
+        return tuple(v for v, info in zip(flat, self.inputs) if info.is_tensor)
+
     def run_flat(self, flat: list[Any]) -> list[Any]:
         """Run on flattened inputs; returns the flat outputs."""
         self.sync_tied()

@@ -65,3 +65,14 @@ def test_a_dead_rank_makes_the_others_fail_naming_it():
     assert procs[0].returncode != 0, "the surviving rank must fail, not hang or pass"
     assert "RuntimeCommError" in err0 and "rank 1" in err0, err0[-3000:]
     assert time.monotonic() - start < 240
+
+
+def test_torch_pipelining_runs_pipesplit_stages_exactly():
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           os.path.join(ROOT, "tests", "interop_check.py")]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-6000:]
+    for schedule in ("ScheduleGPipe", "Schedule1F1B"):
+        matched = set(re.findall(rf"rank (\d+): \d+ gradients match under torch {schedule}", result.stdout))
+        assert matched == {"0", "1"}, result.stdout

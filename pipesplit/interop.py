@@ -1,0 +1,110 @@
+"""Hand a split program's stages to ``torch.distributed.pipelining`` as chain-shaped stages.
+
+PyTorch's ``PipelineStage`` expects stage ``i`` to take exactly what stage ``i-1``
+returns. pipesplit's stages may instead take values from any earlier stage and
+program inputs anywhere. :func:`chain_modules` wraps each stage so it takes the
+tensors live across its incoming cut and returns those live across its outgoing
+cut (relaying skip connections and late inputs), which PyTorch's schedules can run.
+Sizes that cross a cut are recomputed from the microbatch size instead of sent.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from pipesplit.errors import PipesplitError
+from pipesplit.program import SplitProgram
+
+
+def _live_sets(prog: SplitProgram) -> list[list[tuple[str, str, int]]]:
+    """live[i]: the tensor values entering stage i as (name, "input"|"stage", index|src), in a fixed order."""
+    k = prog.num_stages
+    last_use: dict[tuple[str, str, int], int] = {}
+    for stage in prog.stages:
+        for name, kind, where in stage.inputs:
+            key = (name, kind, where)
+            b = next((b for b in prog.boundaries if b.name == name and b.src == where), None) if kind == "stage" else None
+            if kind == "input" and not prog.inputs[where].is_tensor:
+                continue
+            if b is not None and b.kind != "tensor":
+                continue
+            last_use[key] = max(last_use.get(key, -1), stage.index)
+    live: list[list[tuple[str, str, int]]] = []
+    for i in range(k):
+        entering = []
+        for key, last in last_use.items():
+            name, kind, where = key
+            born = 0 if kind == "input" else where + 1
+            if born <= i <= last:
+                entering.append(key)
+        live.append(sorted(entering, key=lambda t: (t[1] != "input", t[2], t[0])))
+    return live
+
+
+class ChainStage(nn.Module):
+    """Stage ``i`` of a split program with chain-shaped inputs and outputs."""
+
+    def __init__(self, prog: SplitProgram, index: int, live_in: list[Any], live_out: list[Any] | None):
+        super().__init__()
+        self.prog, self.index = prog, index
+        self.stage_module = prog.stages[index].module
+        self.live_in, self.live_out = live_in, live_out
+        self.position = {key: i for i, key in enumerate(live_in)}
+        self.batched = [
+            prog.inputs[w].shape is not None and prog.inputs[w].shape[0] is None if kind == "input"
+            else next(b for b in prog.boundaries if b.name == n and b.src == w).shape[0] is None
+            for n, kind, w in live_in
+        ]
+        self.int_inputs = {
+            (n, w): next(b for b in prog.boundaries if b.name == n and b.src == w)
+            for n, kind, w in prog.stages[index].inputs
+            if kind == "stage" and next(b for b in prog.boundaries if b.name == n and b.src == w).kind != "tensor"
+        }
+
+    def forward(self, *values: torch.Tensor) -> Any:
+        batch = next((v.shape[0] for v, is_b in zip(values, self.batched) if is_b), None)
+        args = []
+        for name, kind, where in self.prog.stages[self.index].inputs:
+            if (name, where) in self.int_inputs:
+                if batch is None:
+                    raise PipesplitError(f"stage {self.index} cannot recompute size {name!r}: no batched input.")
+                args.append(self.prog.resolve_int(self.int_inputs[(name, where)], batch))
+            elif kind == "input" and not self.prog.inputs[where].is_tensor:
+                args.append(self.prog.inputs[where].example)
+            else:
+                args.append(values[self.position[(name, kind, where)]])
+        outs = tuple(self.stage_module(*args))
+        if self.live_out is None:  # the last stage: the program's flat outputs
+            flat = self.prog.assemble_outputs(outs)
+            tensors = tuple(o for o in flat if isinstance(o, torch.Tensor))
+            return tensors[0] if len(tensors) == 1 else tensors
+        produced = {(n, "stage", self.index): v for n, v in zip(self.prog.stages[self.index].outputs, outs)}
+        return tuple(produced[key] if key in produced else values[self.position[key]] for key in self.live_out)
+
+
+def chain_modules(prog: SplitProgram) -> list[ChainStage]:
+    """One chain-shaped module per stage; stage 0 takes the program's flat tensor inputs."""
+    live = _live_sets(prog)
+    first = [(i.name, "input", n) for n, i in enumerate(prog.inputs) if i.is_tensor]
+    modules = []
+    for i in range(prog.num_stages):
+        live_in = first if i == 0 else live[i]
+        live_out = live[i + 1] if i + 1 < prog.num_stages else None
+        modules.append(ChainStage(prog, i, live_in, live_out))
+    return modules
+
+
+def to_pipeline_stage(prog: SplitProgram, stage_index: int, device: Any = None, group: Any = None) -> Any:
+    """A ``torch.distributed.pipelining.PipelineStage`` running stage ``stage_index``.
+
+    Feed PyTorch's schedule the program's flat tensor inputs (``prog.flat_tensor_inputs(...)``)
+    on stage 0; the last stage's output is the program's flat tensor outputs.
+    """
+    from torch.distributed.pipelining import PipelineStage
+
+    module = chain_modules(prog)[stage_index]
+    dev = torch.device(device) if device is not None else prog.stages[stage_index].device
+    return PipelineStage(module, stage_index, prog.num_stages, dev, group=group)
