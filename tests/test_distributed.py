@@ -76,3 +76,14 @@ def test_torch_pipelining_runs_pipesplit_stages_exactly():
     for schedule in ("ScheduleGPipe", "Schedule1F1B"):
         matched = set(re.findall(rf"rank (\d+): \d+ gradients match under torch {schedule}", result.stdout))
         assert matched == {"0", "1"}, result.stdout
+
+
+def test_example_training_script_lowers_the_loss():
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           os.path.join(ROOT, "examples", "train_gpt.py"), "--steps", "16"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-6000:]
+    losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", result.stdout)]
+    assert len(losses) >= 3, result.stdout
+    assert losses[-1] < 0.8 * losses[0], f"the loss did not fall: {losses}"
