@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.utils._pytree as pytree
@@ -66,8 +66,8 @@ class Pipeline:
         *,
         n_ranks: int | None = None,
         batch_dim: int = 0,
-        loss_reduction: str = "mean",
-        checkpoint: bool = False,
+        loss_reduction: str = "mean",  # "mean": loss_fn averages over the batch; "sum": it sums
+        checkpoint: bool | Sequence[int] = False,
         timeout: float = 300.0,
         executor: str = "auto",
     ):
@@ -97,8 +97,12 @@ class Pipeline:
             )
         rank_of = self.schedule.stage_to_rank
         local = [s for s in prog.stages if self.rank is None or rank_of[s.index] == self.rank]
-        if checkpoint:
-            for s in local:
+        ckpt = set(range(prog.num_stages)) if checkpoint is True else set(checkpoint or ())
+        bad = sorted(i for i in ckpt if not 0 <= i < prog.num_stages)
+        if bad:
+            raise PipesplitError(f"checkpoint names stages {bad}; the program has stages 0..{prog.num_stages - 1}.")
+        for s in local:
+            if s.index in ckpt:
                 if any(t in prog.mutated_targets for t in s.attr_targets):
                     raise PipesplitError(
                         f"stage {s.index} updates buffers in place (e.g. BatchNorm running stats); activation "
@@ -120,7 +124,9 @@ class Pipeline:
             if s.device.type == "cuda":
                 streams[s.index] = torch.cuda.Stream(device=s.device)
         self.workers = {
-            s.index: StageWorker(prog, s, rank_of, self.transport, checkpointing=checkpoint, stream=streams.get(s.index))
+            s.index: StageWorker(
+                prog, s, rank_of, self.transport, checkpointing=s.index in ckpt, stream=streams.get(s.index)
+            )
             for s in local
         }
 

@@ -75,7 +75,9 @@ class LocalTransport:
                 self._cond.wait(min(left, 0.05))
             value, event = self._box.pop(msg)
         if event is not None:
-            torch.cuda.current_stream().wait_event(event)
+            stream = torch.cuda.current_stream(value.device)
+            stream.wait_event(event)
+            value.record_stream(stream)  # the producer's allocator must not reuse it while we compute
         return value
 
     def abort(self, error: BaseException) -> None:

@@ -1,0 +1,195 @@
+"""Measure each stage's compute time per microbatch, to feed the schedule simulator.
+
+:func:`measure_stage_costs` runs one microbatch through the stages in order and times,
+for every stage, the three actions the runtime executes (see ``runtime/worker.py``):
+
+- ``forward``: the stage's GraphModule with autograd recording (on the last stage,
+  also the loss when a ``loss_fn`` is given);
+- ``backward_input`` (I): gradients of the stage's incoming boundary tensors, keeping
+  the graph (what a ``BACKWARD_INPUT`` action does; ~0 on a stage whose inputs need no
+  gradient, such as token ids);
+- ``backward_weight`` (W): gradients of the stage's parameters from the same graph
+  (what a ``BACKWARD_WEIGHT`` action does).
+
+A full backward ``B`` is modelled as ``I + W`` (:class:`~pipesplit.schedules.StageCost`);
+the runtime's fused B is one autograd pass, so this slightly overestimates B.
+
+The measurement leaves the program as it found it: gradients are computed with
+``torch.autograd.grad`` (nothing accumulates into ``.grad``), buffers updated in place
+(BatchNorm statistics) are restored, and the RNG state is forked.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.utils._pytree as pytree
+
+from pipesplit.errors import PipesplitError
+from pipesplit.program import SplitProgram
+from pipesplit.runtime.microbatch import split_microbatches, split_target
+from pipesplit.schedules import StageCost
+
+__all__ = ["measure_stage_costs"]
+
+
+class _Clock:
+    """Wall time of a block on one device: perf_counter on CPU, CUDA events (synchronised) on GPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.device = device
+
+    def __call__(self, fn: Callable[[], Any]) -> tuple[float, Any]:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3, out
+        start_s = time.perf_counter()
+        out = fn()
+        return time.perf_counter() - start_s, out
+
+
+def _reduce(samples: Sequence[float], how: str) -> float:
+    return min(samples) if how == "min" else statistics.median(samples)
+
+
+def measure_stage_costs(
+    prog: SplitProgram,
+    *example_args: Any,
+    n_microbatches: int = 1,
+    repeats: int = 5,
+    warmup: int = 2,
+    reduce: str = "median",
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+    target: Any = None,
+    batch_dim: int = 0,
+    **example_kwargs: Any,
+) -> list[StageCost]:
+    """Time every stage's F, I and W on one microbatch; one :class:`StageCost` (seconds) per stage.
+
+    Args:
+        prog: the split program (every stage present, i.e. not a rank's ``keep_only`` copy).
+        example_args, example_kwargs: a full batch, as passed to ``Pipeline.step``; it is
+            cut into ``n_microbatches`` and the first microbatch is timed.
+        n_microbatches: how the pipeline will cut the batch (sets the microbatch size).
+        repeats: timed runs per stage after ``warmup`` untimed ones.
+        reduce: ``"median"`` (default) or ``"min"`` of the repeats.
+        loss_fn, target: the pipeline's loss; when given, the last stage's forward
+            includes it and its backward starts from it, as in ``Pipeline.step``.
+            Without it, backward starts from all-ones output gradients.
+
+    >>> import torch, pipesplit
+    >>> from pipesplit.runtime.measure import measure_stage_costs
+    >>> model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(4)])
+    >>> prog = pipesplit.compile(model, torch.randn(4, 16), num_stages=2)
+    >>> costs = measure_stage_costs(prog, torch.randn(8, 16), n_microbatches=2, repeats=3)
+    >>> len(costs), all(c.forward > 0 for c in costs)
+    (2, True)
+    """
+    if repeats < 1 or warmup < 0:
+        raise PipesplitError(f"measure_stage_costs: need repeats >= 1 and warmup >= 0, got {repeats}, {warmup}.")
+    if reduce not in ("median", "min"):
+        raise PipesplitError(f"measure_stage_costs: reduce must be 'median' or 'min', got {reduce!r}.")
+    if any(s.module is None for s in prog.stages):
+        raise PipesplitError(
+            "measure_stage_costs needs every stage of the program; this one was cut down to one rank's stages "
+            "by a distributed Pipeline. Measure before building the Pipeline, or on a fresh compile."
+        )
+    flat = prog.flatten_inputs(tuple(example_args), example_kwargs)
+    mb_inputs = split_microbatches(flat, prog.inputs, n_microbatches, batch_dim)[0]
+    mb_target = split_target(target, n_microbatches, batch_dim)[0] if target is not None else None
+    prog.sync_tied()
+
+    buffers = [(b, b.detach().clone()) for s in prog.stages for b in s.module.buffers()]
+    cuda_devices = sorted({s.device.index or 0 for s in prog.stages if s.device.type == "cuda"})
+    costs: list[StageCost] = []
+    with torch.random.fork_rng(devices=cuda_devices):
+        try:
+            values: dict[tuple[str, int], Any] = {}  # (boundary name, source stage) -> value
+            for stage in prog.stages:
+                costs.append(_measure_stage(prog, stage, mb_inputs, values, repeats, warmup, reduce, loss_fn, mb_target))
+        finally:
+            with torch.no_grad():
+                for b, saved in buffers:
+                    b.copy_(saved)
+    return costs
+
+
+def _measure_stage(
+    prog: SplitProgram,
+    stage: Any,
+    mb_inputs: list[Any],
+    values: dict[tuple[str, int], Any],
+    repeats: int,
+    warmup: int,
+    reduce: str,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None,
+    target: Any,
+) -> StageCost:
+    device = stage.device
+    clock = _Clock(device)
+    is_last = stage.index == prog.num_stages - 1
+    bounds_in = {(b.name, b.src): b for b in prog.boundaries if b.dst == stage.index}
+    grad_outputs = {b.name for b in prog.boundaries if b.src == stage.index and b.kind == "tensor" and b.requires_grad}
+    params = [p for p in stage.module.parameters() if p.requires_grad]
+
+    def to_dev(v: Any) -> Any:
+        return v.to(device) if isinstance(v, torch.Tensor) and v.device != device else v
+
+    raw = [to_dev(mb_inputs[where] if kind == "input" else values[(name, where)]) for name, kind, where in stage.inputs]
+    wants_grad = [
+        kind == "stage" and isinstance(v, torch.Tensor) and bounds_in[(name, where)].requires_grad
+        for (name, kind, where), v in zip(stage.inputs, raw)
+    ]
+
+    def forward() -> tuple[list[torch.Tensor], tuple[Any, ...], list[torch.Tensor], list[torch.Tensor]]:
+        args = [v.detach().requires_grad_(True) if g else v for v, g in zip(raw, wants_grad)]
+        leaves = [a for a, g in zip(args, wants_grad) if g]
+        with torch.enable_grad():
+            outs = tuple(stage.module(*args))
+            if is_last and loss_fn is not None:
+                tree = pytree.tree_unflatten(prog.assemble_outputs(outs), prog.out_spec)
+                roots, grads = [loss_fn(tree, target)], [torch.ones((), device=device)]
+                return leaves, outs, roots, grads
+        if is_last:
+            roots = [o for o in outs if isinstance(o, torch.Tensor) and o.requires_grad]
+        else:
+            roots = [o for n, o in zip(stage.outputs, outs)
+                     if n in grad_outputs and isinstance(o, torch.Tensor) and o.requires_grad]
+        return leaves, outs, roots, [torch.ones_like(r) for r in roots]
+
+    def input_grads(leaves: list[torch.Tensor], roots: list[torch.Tensor], grads: list[torch.Tensor]) -> Any:
+        if not leaves or not roots:
+            return None
+        return torch.autograd.grad(roots, leaves, grads, retain_graph=True, allow_unused=True)
+
+    def weight_grads(roots: list[torch.Tensor], grads: list[torch.Tensor]) -> Any:
+        if not params or not roots:
+            return None
+        return torch.autograd.grad(roots, params, grads, allow_unused=True)
+
+    f_t: list[float] = []
+    i_t: list[float] = []
+    w_t: list[float] = []
+    outs: tuple[Any, ...] = ()
+    for k in range(warmup + repeats):
+        tf, (leaves, outs, roots, grads) = clock(forward)
+        # The ones-gradients are made inside forward(); their cost is negligible next to the stage.
+        ti, _ = clock(lambda: input_grads(leaves, roots, grads))
+        tw, _ = clock(lambda: weight_grads(roots, grads))
+        del leaves, roots, grads
+        if k >= warmup:
+            f_t.append(tf)
+            i_t.append(ti)
+            w_t.append(tw)
+    for name, value in zip(stage.outputs, outs):
+        values[(name, stage.index)] = value.detach() if isinstance(value, torch.Tensor) else value
+    return StageCost(_reduce(f_t, reduce), _reduce(i_t, reduce), _reduce(w_t, reduce))
