@@ -74,17 +74,36 @@ def _addmm(node: fx.Node) -> OpFlops:  # addmm/baddbmm(bias, a, b)
 
 
 def _einsum(node: fx.Node) -> OpFlops:
-    equation, operands = node.args[0], node.args[1]
+    """Pairwise contractions left to right, as ``torch.einsum`` runs them.
+
+    An index that appears in one operand only (and not in the output) is summed out
+    first, which costs no multiply-adds; each contraction then costs 2 FLOPs per
+    point of the union of its two operands' indices.
+    """
+    equation, operands = str(node.args[0]).replace(" ", ""), node.args[1]
+    lhs, arrow, rhs = equation.partition("->")
+    terms = [t.replace("...", ".") for t in lhs.split(",")]  # "." stands for the ellipsis dims
     sizes: dict[str, int] = {}
-    batch = 1
-    for term, op in zip(equation.split("->")[0].split(","), operands):
-        term, shape = term.strip(), shape_of(op) or ()
-        letters = term.replace("...", "")
-        dims = shape[len(shape) - len(letters):] if term.startswith("...") else shape[: len(letters)]
-        if "..." in term:
-            batch = max(batch, math.prod(shape[: len(shape) - len(letters)]))
-        sizes.update(zip(letters, dims))
-    total = 2 * batch * math.prod(sizes.values())
+    for term, op in zip(terms, operands):
+        shape = shape_of(op) or ()
+        if "." in term:
+            head, tail = term.index("."), len(term) - term.index(".") - 1
+            sizes["."] = max(sizes.get(".", 1), math.prod(shape[head : len(shape) - tail]))
+            shape = shape[:head] + shape[len(shape) - tail :]
+        for letter, d in zip(term.replace(".", ""), shape):
+            sizes[letter] = max(sizes.get(letter, 1), d)
+    letters = [set(t) for t in terms]
+    if arrow:
+        out = set(rhs.replace("...", "."))
+    else:  # implicit output: the indices that appear once, and the ellipsis
+        flat = "".join(terms)
+        out = {c for c in flat if flat.count(c) == 1 or c == "."}
+    kept = [s & out.union(*letters[:i], *letters[i + 1 :]) for i, s in enumerate(letters)]
+    acc, total = kept[0], 0
+    for i in range(1, len(kept)):
+        union = acc | kept[i]
+        total += 2 * math.prod(sizes[c] for c in union)
+        acc = union & out.union(*kept[i + 1 :])
     return OpFlops(total, {1: total})
 
 

@@ -77,6 +77,8 @@ def compile(
     >>> torch.allclose(prog(x), model(x))
     True
     """
+    if num_stages is not None and num_stages < 1:  # fail before the (slow) export
+        raise PlanError(f"num_stages must be at least 1, got {num_stages}.")
     timings: dict[str, float] = {}
     with _timed("capture", timings):
         captured = capture(model, example_input, example_kwargs)

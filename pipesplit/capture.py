@@ -15,6 +15,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
 from torch.export import Dim
+from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from pipesplit.errors import CaptureError
 
@@ -181,13 +182,18 @@ def _mutated_targets(gm: fx.GraphModule) -> set[str]:
     return out
 
 
+def static_dim(d: Any) -> int | None:
+    """The size if it is fixed (export may specialize a SymInt to a constant), else None."""
+    return int(d) if is_concrete_int(d) else None
+
+
 def _input_infos(gm: fx.GraphModule, example_flat: list[Any]) -> list[InputInfo]:
     infos = []
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for node, example in zip(placeholders, example_flat):
         val = node.meta.get("val")
         if isinstance(val, torch.Tensor):
-            shape = tuple(d if isinstance(d, int) else None for d in val.shape)
+            shape = tuple(static_dim(d) for d in val.shape)
             infos.append(InputInfo(node.name, True, shape, val.dtype, None))
         else:
             infos.append(InputInfo(node.name, False, None, None, example))

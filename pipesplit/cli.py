@@ -54,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--layers", type=int, default=12, help="transformer blocks (default 12)")
     demo.add_argument("--dim", type=int, default=128, help="model width (default 128)")
     demo.add_argument("--out", default="demo_out", help="folder for split.dot, split.svg, plan.json")
+    # also accepted after the command; SUPPRESS keeps a `--debug` given before it
+    demo.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show full tracebacks on errors")
     demo.set_defaults(run=_demo)
     return parser
 

@@ -24,7 +24,7 @@ _SHADES = ["#f7fbff", "#deebf7", "#c6dbef", "#9ecae1", "#6baed6"]
 
 def _module_path(node: fx.Node) -> str:
     stack = node.meta.get("nn_module_stack") or {}
-    paths = [p for p, _ in stack.values() if p]
+    paths = [p for p, _ in stack.values() if p and not p.startswith("_empty_nn_module_stack")]  # torch's placeholder
     return paths[-1] if paths else ""
 
 
@@ -64,6 +64,7 @@ def build_dot(prog: "SplitProgram", detail: str = "module", depth: int | None = 
     costs = prog.plan.stage_costs or [0.0] * prog.num_stages
     top = max(costs) or 1.0
     where: dict[tuple[int, str], str] = {}  # (stage, value name) -> dot node id
+    passed: dict[tuple[int, str], str] = {}  # stage inputs no compute node uses (returned as they are)
     dot.node("inputs", "inputs\\n" + ", ".join(i.name for i in prog.inputs), shape="oval", fillcolor="#eeeeee")
     for stage in prog.stages:
         s = stage.index
@@ -91,6 +92,9 @@ def build_dot(prog: "SplitProgram", detail: str = "module", depth: int | None = 
                     where[(s, n.name)] = gid
             for ph in (n for n in graph.nodes if n.op == "placeholder"):
                 where.setdefault((s, ph.name), f"s{s}_in_{ph.name}")
+                if not any(u.op in _COMPUTE for u in ph.users):  # only handed on to the outputs
+                    passed[(s, ph.name)] = where[(s, ph.name)]
+                    sub.node(passed[(s, ph.name)], f"{ph.name}\\n(passed through)", shape="note", fillcolor="white")
             edges = set()
             for n in graph.nodes:
                 if n.op not in _COMPUTE:
@@ -110,11 +114,11 @@ def build_dot(prog: "SplitProgram", detail: str = "module", depth: int | None = 
     for stage in prog.stages:
         for name, kind, src in stage.inputs:
             if kind == "input":
-                target = firsts.get((stage.index, name))
+                target = firsts.get((stage.index, name)) or passed.get((stage.index, name))
                 if target:
                     dot.edge("inputs", target, label=name, style="dashed")
     for b in prog.boundaries:
-        head = firsts.get((b.dst, b.name))
+        head = firsts.get((b.dst, b.name)) or passed.get((b.dst, b.name))
         tail = where.get((b.src, b.name))
         if head and tail:
             dot.edge(tail, head, label=_edge_label(b), color="#d62728", fontcolor="#d62728", penwidth="2")

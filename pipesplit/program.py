@@ -11,7 +11,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
 
-from pipesplit.capture import Captured, InputInfo
+from pipesplit.capture import Captured, InputInfo, static_dim
 from pipesplit.errors import InputError, PlanError
 from pipesplit.passes.split import Boundary, SplitGraph, StagePiece
 from pipesplit.plan import Plan
@@ -131,14 +131,14 @@ class SplitProgram:
             if v.op == "placeholder"
             and isinstance(v.meta.get("val"), torch.Tensor)
             and v.meta["val"].dim() > 0
-            and not isinstance(v.meta["val"].shape[0], int)
+            and static_dim(v.meta["val"].shape[0]) is None
         }
         out_node = next(n for n in captured.gm.graph.nodes if n.op == "output")
         self.output_batched = [
             isinstance(v, fx.Node)
             and isinstance(v.meta.get("val"), torch.Tensor)
             and v.meta["val"].dim() > 0
-            and not isinstance(v.meta["val"].shape[0], int)
+            and static_dim(v.meta["val"].shape[0]) is None
             for v in out_node.args[0]
         ]
         self._tied: list[_Tied] = []
@@ -225,9 +225,10 @@ class SplitProgram:
         """Flatten (args, kwargs) like the example, checking structure and shapes."""
         flat, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
         if spec != self.in_spec:
+            got = _structure(pytree.tree_map(_shown, (tuple(args), dict(kwargs))))
             raise InputError(
                 "the program was called with inputs of another structure than the example it was compiled with.\n"
-                f"  expected: {self._expected_structure()}\n  got:      {_structure(pytree.tree_map(_shown, (tuple(args), dict(kwargs))))}\n"
+                f"  expected: {self._expected_structure()}\n  got:      {got}\n"
                 "Pass the same positional arguments and keyword names as the example."
             )
         for value, info in zip(flat, self.inputs):
@@ -398,7 +399,10 @@ def check_input(value: Any, info: InputInfo) -> None:
             if dim != 0:
                 hint = " The model fixes this dimension at compile time."
             elif want == 1:
-                hint = " The batch dimension is pinned by the example batch of 1: compile with an example batch of 2 or more."
+                hint = (
+                    " The batch dimension is pinned by the example batch of 1: "
+                    "compile with an example batch of 2 or more."
+                )
             else:
                 hint = (
                     f" The model pins the batch dimension to {want} (e.g. a reshape with a literal batch size; see "

@@ -1,0 +1,342 @@
+"""Bad input gets a clear PipesplitError, and the user's model is never changed by a failure."""
+
+from __future__ import annotations
+
+import inspect
+import os
+import re
+from contextlib import contextmanager
+from typing import Iterator
+
+import pytest
+import torch
+from torch import nn
+
+import pipesplit
+from pipesplit.models import gpt
+from tests.test_exact import check_exact
+
+
+@contextmanager
+def unchanged(model: nn.Module) -> Iterator[None]:
+    """The block must leave ``model``'s values, parameter objects and gradients as they were."""
+    values = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    params = dict(model.named_parameters(remove_duplicate=False))
+    buffers = dict(model.named_buffers(remove_duplicate=False))
+    training = model.training
+    yield
+    after = model.state_dict()
+    assert list(after) == list(values), "the model's state_dict keys changed"
+    for key, value in values.items():
+        assert torch.equal(after[key], value), f"the model's {key} changed"
+    now = dict(model.named_parameters(remove_duplicate=False))
+    assert now.keys() == params.keys()
+    assert all(now[n] is p for n, p in params.items()), "a parameter object of the model was replaced"
+    now_buffers = dict(model.named_buffers(remove_duplicate=False))
+    assert all(now_buffers[n] is b for n, b in buffers.items()), "a buffer object of the model was replaced"
+    assert all(p.grad is None for p in model.parameters()), "a .grad appeared on the model"
+    assert model.training == training
+
+
+# ------------------------------------------------------------------ models
+
+
+class Branchy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.a(x)
+        if h.sum() > 0:  # data-dependent: torch.export cannot trace this
+            return self.b(h)
+        return h
+
+
+class TwoInputs(nn.Module):
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.a = nn.Linear(d, d)
+        self.b = nn.Linear(d, d)
+
+    def forward(self, x, y):
+        return self.b(torch.relu(self.a(x)) + y)
+
+
+class PinsBatch(nn.Module):
+    """Reshapes with a literal batch size: export specializes the batch dimension to 4."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.b(self.a(x).view(4, -1).repeat(1, 2))
+
+
+def _line_of(func, text: str) -> int:
+    lines, start = inspect.getsourcelines(func)
+    return start + next(i for i, line in enumerate(lines) if text in line)
+
+
+# ------------------------------------------------------------------ capture
+
+
+def test_data_dependent_branch_names_the_user_line():
+    torch.manual_seed(0)
+    model = Branchy()
+    with unchanged(model), pytest.raises(pipesplit.CaptureError) as info:
+        pipesplit.compile(model, torch.randn(2, 4), num_stages=2)
+    msg = str(info.value)
+    line = _line_of(Branchy.forward, "if h.sum() > 0")
+    assert f"{os.path.abspath(__file__)}:{line}" in msg, msg
+    assert "h.sum() > 0" in msg
+    assert "torch.cond" in msg and "torch.where" in msg
+    assert isinstance(info.value, pipesplit.PipesplitError)
+
+
+def test_non_module_is_refused():
+    with pytest.raises(pipesplit.CaptureError, match=r"nn\.Module.*function"):
+        pipesplit.compile(lambda x: x * 2, torch.randn(2, 4))
+    with pytest.raises(pipesplit.CaptureError, match=r"nn\.Module.*dict"):
+        pipesplit.compile({"weight": torch.randn(4)}, torch.randn(2, 4))
+
+
+@pytest.mark.parametrize(
+    "args, kwargs, says",
+    [
+        ((torch.randn(2, 8), torch.randn(2, 8), torch.randn(2, 8)), None, "too many positional"),
+        ((torch.randn(2, 8),), None, "missing a required argument: 'y'"),
+        ((torch.randn(2, 8), torch.randn(2, 8)), {"z": torch.randn(2, 8)}, "unexpected keyword argument 'z'"),
+    ],
+    ids=["extra_positional", "missing_arg", "unknown_kwarg"],
+)
+def test_example_inputs_must_fit_forward(args, kwargs, says):
+    model = TwoInputs()
+    with unchanged(model), pytest.raises(pipesplit.CaptureError) as info:
+        pipesplit.compile(model, args, example_kwargs=kwargs)
+    msg = str(info.value)
+    assert says in msg
+    assert "TwoInputs.forward(x, y)" in msg, "the message should show the signature"
+    assert "example_kwargs" in msg
+
+
+# --------------------------------------------------------------------- plan
+
+
+def test_zero_stages():
+    model = TwoInputs()
+    with unchanged(model), pytest.raises(pipesplit.PlanError, match=r"num_stages must be at least 1, got 0"):
+        pipesplit.compile(model, (torch.randn(2, 8), torch.randn(2, 8)), num_stages=0)
+
+
+def test_too_many_stages_gives_the_numbers():
+    model = TwoInputs()
+    with unchanged(model), pytest.raises(pipesplit.PlanError) as info:
+        pipesplit.compile(model, (torch.randn(2, 8), torch.randn(2, 8)), num_stages=50)
+    msg = str(info.value)
+    assert "num_stages=50" in msg
+    limit = int(re.search(r"num_stages <= (\d+)", msg).group(1))
+    assert 1 < limit < 50
+    pipesplit.compile(model, (torch.randn(2, 8), torch.randn(2, 8)), num_stages=limit)  # the suggestion works
+
+
+def test_devices_of_the_wrong_length():
+    model = TwoInputs()
+    with unchanged(model), pytest.raises(pipesplit.PlanError, match=r"1 device\(s\) for 2 stages"):
+        pipesplit.compile(model, (torch.randn(2, 8), torch.randn(2, 8)), num_stages=2, devices=["cpu"])
+
+
+# -------------------------------------------------------------------- calls
+
+
+@pytest.fixture(scope="module")
+def two():
+    torch.manual_seed(0)
+    model = TwoInputs()
+    prog = pipesplit.compile(model, (torch.randn(4, 8), torch.randn(4, 8)), num_stages=2)
+    return model, prog
+
+
+@pytest.mark.parametrize(
+    "args, kwargs, got",
+    [
+        ((torch.randn(3, 8), torch.randn(3, 8)), {"z": torch.randn(3, 8)}, "kwargs={'z': Tensor[3, 8]}"),
+        ((torch.randn(3, 8),), {}, "args=(Tensor[3, 8],)"),
+        (([torch.randn(3, 8)], torch.randn(3, 8)), {}, "args=([Tensor[3, 8]], Tensor[3, 8])"),
+    ],
+    ids=["extra_kwarg", "missing_arg", "list_for_tensor"],
+)
+def test_call_with_another_structure(two, args, kwargs, got):
+    _, prog = two
+    with pytest.raises(pipesplit.InputError) as info:
+        prog(*args, **kwargs)
+    lines = str(info.value).splitlines()
+    expected = next(line for line in lines if "expected:" in line)
+    actual = next(line for line in lines if "got:" in line)
+    assert "args=(x, y), kwargs={}" in expected
+    assert got in actual
+
+
+@pytest.mark.parametrize(
+    "x, words",
+    [
+        (torch.randn(3, 8, 1), ["'x'", "(3, 8, 1)", "3 dimensions", "(*, 8)", "2 dimensions"]),
+        (torch.randn(3, 7), ["'x'", "dimension 1", "must be 8", "got 7"]),
+        (torch.randn(3, 8, dtype=torch.float64), ["'x'", "torch.float64", "torch.float32"]),
+        (torch.ones(3, 8, dtype=torch.long), ["'x'", "torch.int64", "torch.float32"]),
+    ],
+    ids=["rank", "feature_dim", "float64", "int64"],
+)
+def test_call_with_a_wrong_tensor(two, x, words):
+    model, prog = two
+    with pytest.raises(pipesplit.InputError) as info:
+        prog(x, torch.randn(3, 8))
+    for word in words:
+        assert word in str(info.value)
+    y = torch.randn(3, 8)
+    good = torch.randn(3, 8)
+    torch.testing.assert_close(prog(good, y), model(good, y))  # a failed call leaves the program usable
+
+
+def test_non_tensor_for_a_tensor_input(two):
+    _, prog = two
+    with pytest.raises(pipesplit.InputError, match=r"'y' must be a tensor, got float"):
+        prog(torch.randn(3, 8), 1.0)
+
+
+# ------------------------------------------------------------ pinned batch
+
+
+def test_model_that_pins_the_batch():
+    torch.manual_seed(0)
+    model = PinsBatch()
+    with unchanged(model):
+        prog = pipesplit.compile(model, torch.randn(4, 8), num_stages=2)
+    assert any("pins the batch" in note and "=4" in note for note in prog.notes), prog.notes
+    assert "pins the batch" in prog.report()
+    assert [i.shape for i in prog.inputs] == [(4, 8)]
+    assert prog.boundaries and all(None not in b.shape for b in prog.boundaries), prog.boundaries
+    x = torch.randn(4, 8)
+    torch.testing.assert_close(prog(x), model(x))
+    with pytest.raises(pipesplit.InputError) as info:
+        prog(torch.randn(3, 8))
+    msg = str(info.value)
+    assert "pins the batch dimension to 4" in msg and "got 3" in msg
+
+
+def test_example_batch_of_one_pins_and_says_so():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    prog = pipesplit.compile(model, torch.randn(1, 4), num_stages=2)
+    assert any("batch of 2 or more" in note for note in prog.notes), prog.notes
+    x = torch.randn(1, 4)
+    torch.testing.assert_close(prog(x), model(x))
+    with pytest.raises(pipesplit.InputError, match=r"batch of 2 or more"):
+        prog(torch.randn(2, 4))
+
+
+def test_batch_stays_dynamic_without_a_note(two):
+    _, prog = two
+    assert prog.notes == []
+    assert [i.shape for i in prog.inputs] == [(None, 8), (None, 8)]
+
+
+# ---------------------------------------------------------------- Hugging Face
+
+
+def _hf_gpt2_default() -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64, n_positions=16))
+    return model.eval()  # dropout off, so the comparison below is exact
+
+
+def test_hf_causal_lm_default_config():
+    pytest.importorskip("transformers")
+    model = _hf_gpt2_default()
+    ids = torch.randint(0, 64, (2, 8))
+    try:
+        with unchanged(model):
+            prog = pipesplit.compile(model, ids, num_stages=2)
+    except pipesplit.CaptureError as e:  # what torch 2.13 + transformers do today: a DynamicCache output
+        assert "use_cache=False" in str(e)
+    else:
+        check_exact(model, (ids,), {}, prog, (torch.randint(0, 64, (3, 8)),), {})
+
+
+def test_hf_causal_lm_without_cache_matches():
+    pytest.importorskip("transformers")
+    model = _hf_gpt2_default()
+    model.config.use_cache = False
+    ids = torch.randint(0, 64, (2, 8))
+    with unchanged(model):
+        prog = pipesplit.compile(model, ids, num_stages=2)
+    check_exact(model, (ids,), {}, prog, (torch.randint(0, 64, (3, 8)),), {})
+
+
+# ------------------------------------------------------------------- state
+
+
+def _small_gpt():
+    torch.manual_seed(0)
+    return gpt(layers=2, dim=16, vocab=32, seq=8, heads=2)
+
+
+def _perturb(model: nn.Module) -> None:
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p))
+
+
+def test_state_dict_keys_follow_the_model_with_tied_weights():
+    model = _small_gpt()
+    prog = pipesplit.compile(model, torch.randint(0, 32, (2, 8)), num_stages=2)
+    want = model.state_dict()
+    got = prog.state_dict()
+    assert list(got) == list(want)
+    assert "tok.weight" in got and "head.weight" in got
+    for key in want:
+        assert torch.equal(got[key], want[key]), key
+    assert got["tok.weight"].data_ptr() == got["head.weight"].data_ptr(), "a tied weight is one tensor"
+
+
+@pytest.mark.parametrize("devices", [None, ["cpu", "cpu:0"]], ids=["one_device", "replicas"])
+def test_load_state_dict_follows_a_changed_model(devices):
+    model = _small_gpt()
+    prog = pipesplit.compile(model, torch.randint(0, 32, (2, 8)), num_stages=2, devices=devices)
+    idx = torch.randint(0, 32, (3, 8))
+    torch.testing.assert_close(prog(idx), model(idx))
+    _perturb(model)
+    assert not torch.allclose(prog(idx), model(idx)), "the program must hold its own copy of the weights"
+    prog.load_state_dict(model.state_dict())
+    torch.testing.assert_close(prog(idx), model(idx), rtol=0, atol=0)
+
+
+def test_load_state_dict_mismatched_keys():
+    model = _small_gpt()
+    prog = pipesplit.compile(model, torch.randint(0, 32, (2, 8)), num_stages=2)
+    before = {k: v.clone() for k, v in prog.state_dict().items()}
+    changed = _small_gpt()
+    _perturb(changed)
+    sd = changed.state_dict()
+    sd.pop("ln_f.weight")
+    sd["bogus.weight"] = torch.zeros(3)
+    with pytest.raises(pipesplit.InputError) as info:
+        prog.load_state_dict(sd)
+    msg = str(info.value)
+    assert "1 missing key(s) ['ln_f.weight']" in msg
+    assert "1 unexpected key(s) ['bogus.weight']" in msg
+    assert "strict=False" in msg
+    for k, v in prog.state_dict().items():  # a refused load changes nothing
+        assert torch.equal(v, before[k]), k
+
+    prog.load_state_dict({"ln_f.bias": torch.full((16,), 0.5), "bogus.weight": torch.zeros(3)}, strict=False)
+    after = prog.state_dict()
+    assert torch.equal(after["ln_f.bias"], torch.full((16,), 0.5))
+    for k, v in after.items():
+        if k != "ln_f.bias":
+            assert torch.equal(v, before[k]), k

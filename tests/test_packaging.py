@@ -1,0 +1,141 @@
+"""The built wheel ships ``passes/`` as ``pipesplit.passes`` and nothing named ``passes``.
+
+Builds the wheel from a copy of the checkout, installs it into a fresh venv and imports
+it from outside the repository, so the editable install cannot hide a packaging mistake.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+IGNORED = shutil.ignore_patterns(".git", "build", "dist", "*.egg-info", "__pycache__", ".venv*", "demo_out",
+                                 ".pytest_cache", ".hypothesis", "*.whl", "*.pyc")
+
+pytestmark = pytest.mark.slow
+
+
+def _pyproject() -> dict:
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        tomllib = pytest.importorskip("tomli")
+    return tomllib.loads((REPO / "pyproject.toml").read_text())
+
+
+def _package_dirs() -> dict[str, Path]:
+    """Each package pyproject.toml lists -> the source folder it is built from."""
+    tool = _pyproject()["tool"]["setuptools"]
+    mapping = tool.get("package-dir", {})
+    out = {}
+    for pkg in tool["packages"]:
+        if pkg in mapping:
+            out[pkg] = REPO / mapping[pkg]
+        else:
+            parent = next((p for p in sorted(mapping, key=len, reverse=True) if pkg.startswith(p + ".")), None)
+            if parent is None:
+                out[pkg] = REPO / pkg.replace(".", "/")
+            else:
+                out[pkg] = REPO / mapping[parent] / pkg[len(parent) + 1:].replace(".", "/")
+    return out
+
+
+def _run(args: list[str], cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    return subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("wheel")
+    src = tmp / "src"
+    shutil.copytree(REPO, src, ignore=IGNORED)  # a stale build/ in the checkout must not leak in
+    done = _run([sys.executable, "-m", "pip", "wheel", ".", "--no-deps", "--no-build-isolation", "-q",
+                 "-w", str(tmp / "dist")], src)
+    assert done.returncode == 0, done.stdout + done.stderr
+    (found,) = (tmp / "dist").glob("pipesplit-*.whl")
+    return found
+
+
+@pytest.fixture(scope="module")
+def venv(wheel, tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("venv") / "env"
+    # --system-site-packages: torch comes from the outer environment; pip too (hence --without-pip)
+    done = _run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(root)], root.parent)
+    assert done.returncode == 0, done.stderr
+    python = root / "bin" / "python"
+    done = _run([str(python), "-m", "pip", "install", "--no-deps", "-q", str(wheel)], root.parent)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return root
+
+
+def test_every_listed_package_has_files_and_every_package_is_listed():
+    dirs = _package_dirs()
+    for pkg, path in dirs.items():
+        assert (path / "__init__.py").is_file(), f"pyproject.toml lists {pkg} but {path} holds no __init__.py"
+    on_disk = {p.parent for top in ("pipesplit", "passes") for p in (REPO / top).rglob("__init__.py")}
+    unlisted = sorted(str(d.relative_to(REPO)) for d in on_disk - set(dirs.values()))
+    assert not unlisted, f"packages missing from pyproject.toml's [tool.setuptools] packages: {unlisted}"
+
+
+def test_wheel_holds_every_module_under_pipesplit(wheel):
+    names = set(zipfile.ZipFile(wheel).namelist())
+    tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
+    assert tops == {"pipesplit"}, f"the wheel installs top-level {sorted(tops)}; only pipesplit belongs there"
+    for pkg, path in _package_dirs().items():
+        for py in path.glob("*.py"):
+            inside = pkg.replace(".", "/") + "/" + py.name
+            assert inside in names, f"{py.relative_to(REPO)} is missing from the wheel (expected at {inside})"
+    assert "pipesplit/py.typed" in names
+    entry_points = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
+    assert "pipesplit = pipesplit.cli:main" in entry_points
+
+
+_PROBE = """
+import importlib, json
+import pipesplit, pipesplit.passes, pipesplit.passes.partition, pipesplit.schedules
+result = {"pipesplit": pipesplit.__file__, "passes": pipesplit.passes.__file__,
+          "partition": pipesplit.passes.partition.__file__, "schedules": pipesplit.schedules.__file__}
+try:
+    importlib.import_module("passes")
+    result["top_level_passes"] = "imported"
+except ImportError as e:
+    result["top_level_passes"] = type(e).__name__
+print(json.dumps(result))
+"""
+
+
+def test_installed_wheel_imports_from_outside_the_repo(venv, tmp_path):
+    done = _run([str(venv / "bin" / "python"), "-c", _PROBE], tmp_path)
+    assert done.returncode == 0, done.stderr
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    site = (venv / "lib").resolve()
+    for key in ("pipesplit", "passes", "partition", "schedules"):
+        path = Path(found[key]).resolve()
+        assert site in path.parents, f"{key} imported from {path}, not from the venv"
+        assert REPO not in path.parents, f"{key} imported from the checkout"
+    assert Path(found["passes"]).parent.name == "passes" and Path(found["passes"]).parent.parent.name == "pipesplit"
+    assert found["top_level_passes"] == "ModuleNotFoundError", "the wheel must not install a top-level `passes`"
+
+
+def test_console_script_in_the_venv(venv, tmp_path):
+    script = venv / "bin" / "pipesplit"
+    assert script.is_file() and os.access(script, os.X_OK)
+    assert str(venv / "bin" / "python") in script.read_text(), "the script should run the venv's python"
+    done = _run([str(script), "--help"], tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "demo" in done.stdout
+
+
+def test_top_level_passes_is_refused_in_a_checkout():
+    done = _run([sys.executable, "-c", "import passes"], REPO)
+    assert done.returncode != 0
+    assert "ImportError: import this package as `pipesplit.passes`" in done.stderr, done.stderr
