@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import operator
+from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
@@ -28,13 +29,26 @@ class Chain:
 
     nodes: list[fx.Node]
     cost: np.ndarray  # float64 per node: the objective's cost
-    mem: np.ndarray  # int64 per node: parameter (+grad) bytes at first use + output bytes
+    mem: np.ndarray  # int64 per node: output bytes + parameter (+grad) bytes of state only it reads
     cut_bytes: np.ndarray  # int64 per position: bytes live across that cut
     allowed: np.ndarray  # bool per position: no tuple/list value crosses it
+    # State read at several positions (tied weights): (bytes, positions). Every stage
+    # that reads it holds a copy, so a stage's memory is its ``mem`` plus these once each.
+    shared: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)
 
     @property
     def n(self) -> int:
         return len(self.nodes)
+
+    def node_memory(self) -> np.ndarray:
+        """Bytes each node alone would hold as a stage."""
+        out = self.mem.copy()
+        for nbytes, positions in self.shared:
+            out[list(positions)] += nbytes
+        return out
+
+    def total_memory(self) -> int:
+        return int(self.mem.sum()) + sum(nbytes for nbytes, _ in self.shared)
 
 
 def build_chain(gm: fx.GraphModule, cost_fn: Callable[[fx.Node], float]) -> Chain:
@@ -46,12 +60,19 @@ def build_chain(gm: fx.GraphModule, cost_fn: Callable[[fx.Node], float]) -> Chai
     mem = np.zeros(n, dtype=np.int64)
     live = np.zeros(n + 2, dtype=np.int64)
     blocked = np.zeros(n + 2, dtype=np.int64)
+    readers: dict[int, tuple[int, set[int]]] = {}  # id(tensor) -> (bytes, positions reading it)
     for node in gm.graph.nodes:
-        if node.op == "get_attr" and node.users:
-            first = min((pos[u] for u in node.users if u in pos), default=None)
-            if first is not None:
-                c = node_cost(node)
-                mem[first] += c.param_bytes * (2 if c.trainable else 1)
+        uses = {pos[u] for u in node.users if u in pos}
+        if node.op == "get_attr" and uses:
+            c = node_cost(node)
+            key = id(operator.attrgetter(str(node.target))(gm))  # tied names share one tensor
+            readers.setdefault(key, (c.param_bytes * (2 if c.trainable else 1), set()))[1].update(uses)
+    shared = []
+    for nbytes, positions in readers.values():
+        if len(positions) == 1:
+            mem[min(positions)] += nbytes
+        else:
+            shared.append((nbytes, tuple(sorted(positions))))
     for i, node in enumerate(nodes):
         c = node_cost(node)
         mem[i] += c.out_bytes
@@ -66,4 +87,4 @@ def build_chain(gm: fx.GraphModule, cost_fn: Callable[[fx.Node], float]) -> Chai
     allowed = np.cumsum(blocked)[: n + 1] == 0
     cut_bytes[0] = cut_bytes[n] = 0
     allowed[0] = allowed[n] = True
-    return Chain(nodes, cost, mem, cut_bytes, allowed)
+    return Chain(nodes, cost, mem, cut_bytes, allowed, shared)

@@ -36,8 +36,7 @@ def _integer_weights(cost: np.ndarray) -> np.ndarray:
     total = float(cost.sum())
     if total < 2**52 and np.all(cost == np.rint(cost)):
         return cost.astype(np.int64)
-    scale = 2**52 / max(total, 1e-300)
-    return np.rint(cost * scale).astype(np.int64)
+    return np.rint(cost / total * 2**52).astype(np.int64)  # divide first: 2**52 / total may overflow
 
 
 class _Solver:
@@ -45,8 +44,8 @@ class _Solver:
         self.n = chain.n
         self.w = _integer_weights(chain.cost)
         self.P = np.concatenate([[0], np.cumsum(self.w)])
-        self.M = np.concatenate([[0], np.cumsum(chain.mem)])
         self.mem_cap = _INF if mem_cap is None else int(mem_cap)
+        self.mem_lo = _memory_starts(chain, self.mem_cap)
         self.allowed = chain.allowed
         self.cut_bytes = chain.cut_bytes.astype(np.float64)
         # prev_allowed[j]: the largest allowed cut position <= j.
@@ -58,7 +57,7 @@ class _Solver:
         start, count = 0, 0
         while start < self.n:
             j = int(np.searchsorted(self.P, self.P[start] + cap, side="right")) - 1
-            j = min(j, int(np.searchsorted(self.M, self.M[start] + self.mem_cap, side="right")) - 1)
+            j = min(j, int(np.searchsorted(self.mem_lo, start, side="right")) - 1)
             j = int(self.prev_allowed[min(j, self.n)])
             if j <= start:
                 return None
@@ -78,61 +77,92 @@ class _Solver:
 
     def fewest_bytes(self, k: int, cap: int) -> tuple[float, list[int]] | None:
         """Exactly ``k`` non-empty stages each <= cap, minimising the summed cut bytes."""
-        n, P, M = self.n, self.P, self.M
+        n, P = self.n, self.P
         j = np.arange(n + 1)
-        lo = np.maximum(np.searchsorted(P, P - cap, side="left"), np.searchsorted(M, M - self.mem_cap, side="left"))
+        lo = np.maximum(np.searchsorted(P, P - cap, side="left"), self.mem_lo)
         hi = j - 1
         inf = np.inf
         dp = np.full(n + 1, inf)
         ok0 = (lo <= 0) & (j >= 1) & self.allowed
         dp[ok0] = 0.0
         dp[ok0 & (j < n)] += self.cut_bytes[ok0 & (j < n)]
-        choices = []
+        window = _RangeMin(lo, hi, n + 1)
+        open_ = self.allowed & (hi >= lo)
+        open_[:1] = False
+        tail = np.where(j < n, self.cut_bytes, 0.0)
+        history = []
         for _ in range(k - 1):
-            best, arg = _range_min(dp, lo, hi)
-            new = np.where(self.allowed & (hi >= lo), best, inf)
-            new[:1] = inf
-            new = new + np.where(j < n, self.cut_bytes, 0.0)
-            choices.append(arg)
-            dp = new
+            history.append(dp)
+            dp = np.where(open_, window.min(dp), inf) + tail
         if not np.isfinite(dp[n]):
             return None
         starts, pos = [n], n
-        for arg in reversed(choices):
-            pos = int(arg[pos])
+        for prev in reversed(history):  # leftmost argmin of the window that gave dp[pos]
+            pos = int(lo[pos]) + int(np.argmin(prev[lo[pos] : hi[pos] + 1]))
             starts.append(pos)
         return float(dp[n]), sorted(set(starts[1:]) | {0})
 
 
-def _range_min(values: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Min and argmin of values[lo[j]..hi[j]] for every j (inf where the range is empty)."""
-    n = len(values)
-    tables, args = [values], [np.arange(n)]
-    span = 1
-    while span * 2 <= n:
-        prev, parg = tables[-1], args[-1]
-        left, right = prev[: n - 2 * span + 1], prev[span : n - span + 1]
-        take_right = right < left
-        tables.append(np.where(take_right, right, left))
-        args.append(np.where(take_right, parg[span : n - span + 1], parg[: n - 2 * span + 1]))
-        span *= 2
-    empty = hi < lo
-    lo_c = np.clip(lo, 0, n - 1)
-    length = np.where(empty, 1, hi - lo + 1)
-    level = np.floor(np.log2(length)).astype(np.int64)
-    best = np.full(len(lo), np.inf)
-    arg = np.zeros(len(lo), dtype=np.int64)
-    for lv in np.unique(level):
-        sel = (level == lv) & ~empty
-        if not sel.any():
-            continue
-        table, targ = tables[lv], args[lv]
-        a = lo_c[sel]
-        b = hi[sel] - (1 << int(lv)) + 1
-        take_b = table[b] < table[a]
-        best[sel] = np.where(take_b, table[b], table[a])
-        arg[sel] = np.where(take_b, targ[b], targ[a])
-    return best, arg
+def _memory_starts(chain: Chain, cap: int) -> np.ndarray:
+    """lo[j]: the first start i whose stage [i, j) holds at most ``cap`` bytes (j if none does).
+
+    Non-decreasing in j. Shared state counts once in every stage that reads it.
+    """
+    M = np.concatenate([[0], np.cumsum(chain.mem)])
+    if not chain.shared:
+        return np.searchsorted(M, M - cap, side="left")
+    reads: list[list[int]] = [[] for _ in range(chain.n)]
+    for s, (_, positions) in enumerate(chain.shared):
+        for p in positions:
+            reads[p].append(s)
+    count = [0] * len(chain.shared)  # reads of each shared tensor inside the window [i, j)
+    lo = np.zeros(chain.n + 1, dtype=np.int64)
+    i = held = 0
+    for j in range(1, chain.n + 1):
+        held += int(chain.mem[j - 1])
+        for s in reads[j - 1]:
+            held += chain.shared[s][0] if count[s] == 0 else 0
+            count[s] += 1
+        while held > cap and i < j:
+            held -= int(chain.mem[i])
+            for s in reads[i]:
+                count[s] -= 1
+                held -= chain.shared[s][0] if count[s] == 0 else 0
+            i += 1
+        lo[j] = i
+    return lo
+
+
+class _RangeMin:
+    """Min of ``values[lo[j]..hi[j]]`` for every j, for fixed ranges and many ``values``.
+
+    A sparse table: level ``l`` holds the minima of the windows of length ``2**l``;
+    a range is the union of two (overlapping) windows of one level. Only the levels
+    the longest range needs are built. Empty ranges (``hi < lo``) give inf.
+    """
+
+    def __init__(self, lo: np.ndarray, hi: np.ndarray, n: int):
+        self.n = n
+        self.empty = hi < lo
+        length = np.where(self.empty, 1, hi - lo + 1)
+        level = np.floor(np.log2(length)).astype(np.int64)
+        self.levels = int(level.max(initial=0)) + 1
+        a = np.where(self.empty, 0, np.clip(lo, 0, n - 1))
+        b = np.where(self.empty, 0, hi - (1 << level) + 1)
+        self.ia, self.ib = level * n + a, level * n + b  # flat indices into the table
+
+    def min(self, values: np.ndarray) -> np.ndarray:
+        n = self.n
+        table = np.empty((self.levels, n))
+        table[0] = values
+        for lv in range(1, self.levels):
+            span = 1 << (lv - 1)
+            np.minimum(table[lv - 1, : n - span], table[lv - 1, span:], out=table[lv, : n - span])
+            table[lv, n - span :] = np.inf  # windows running past the end: never read
+        flat = table.ravel()
+        best = np.minimum(flat[self.ia], flat[self.ib])
+        best[self.empty] = np.inf
+        return best
 
 
 def solve_chain(chain: Chain, num_stages: int, *, mem_cap: int | None = None, slack: float = 0.05) -> ChainSplit:
@@ -158,17 +188,16 @@ def solve_chain(chain: Chain, num_stages: int, *, mem_cap: int | None = None, sl
     if mem_cap is not None:
         need = solver.stages_needed(int(solver.P[-1]))
         if need is None or need > num_stages:
-            biggest = int(chain.mem.max(initial=0))
+            biggest = int(chain.node_memory().max(initial=0))
             what = (
                 f"a single node needs {biggest:,} bytes" if need is None
                 else f"the fewest stages that fit is {need}"
             )
             raise PlanError(
                 f"no split into {num_stages} stages keeps every stage under max_stage_memory={mem_cap:,} bytes: "
-                f"{what} (total {int(chain.mem.sum()):,} bytes). Use more stages or raise max_stage_memory."
+                f"{what} (total {chain.total_memory():,} bytes). Use more stages or raise max_stage_memory."
             )
     best = solver.min_bottleneck(num_stages)
-    scale = float(chain.cost.sum()) / max(int(solver.P[-1]), 1)
     cap = best + int(best * max(slack, 0.0))
     found = solver.fewest_bytes(num_stages, cap)
     assert found is not None, "a feasible bottleneck always admits exactly k stages"
@@ -187,6 +216,9 @@ def solve_chain(chain: Chain, num_stages: int, *, mem_cap: int | None = None, sl
                 hi, starts = mid, trial[1]
             else:
                 lo = mid + 1
-    bounds = list(starts) + [n]
-    seg = [float(chain.cost[a:b].sum()) for a, b in zip(bounds, bounds[1:])]
-    return ChainSplit(tuple(starts), max(seg), best * scale, int(bytes_))
+    return ChainSplit(tuple(starts), _largest_stage(chain, starts), _largest_stage(chain, at_best[1]), int(bytes_))
+
+
+def _largest_stage(chain: Chain, starts: list[int]) -> float:
+    bounds = list(starts) + [chain.n]
+    return max(float(chain.cost[a:b].sum()) for a, b in zip(bounds, bounds[1:]))

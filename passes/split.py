@@ -15,6 +15,7 @@ from typing import Any, Sequence
 import torch
 import torch.fx as fx
 from torch import nn
+from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from pipesplit import comm
 from pipesplit.errors import PlanError
@@ -64,7 +65,7 @@ def _expr(d: Any) -> Any:
 def _value_info(node: fx.Node) -> tuple[str, tuple[int | None, ...] | None, torch.dtype | None, int, Any]:
     val = node.meta.get("val")
     if isinstance(val, torch.Tensor):
-        shape = tuple(d if isinstance(d, int) else None for d in val.shape)
+        shape = tuple(int(d) if is_concrete_int(d) else None for d in val.shape)  # export may pin a SymInt
         n = 1
         for d in val.shape:
             n *= hint(d)
@@ -109,6 +110,10 @@ def split_graph(gm: fx.GraphModule, stages: Sequence[Sequence[str]], devices: Se
             if a.op != "placeholder":
                 consumers.setdefault(a, []).append(s)
 
+    first_attr: dict[str, fx.Node] = {}
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            first_attr.setdefault(str(node.target), node)
     pieces: list[StagePiece] = []
     for s, names in enumerate(stages):
         graph = fx.Graph()
@@ -120,7 +125,7 @@ def split_graph(gm: fx.GraphModule, stages: Sequence[Sequence[str]], devices: Se
             env[a] = ph
             inputs.append((a.name, "input", input_index[a]) if a.op == "placeholder" else (a.name, "stage", stage_of[a]))
         for target in attrs[s]:
-            src = next(n for n in gm.graph.nodes if n.op == "get_attr" and n.target == target)
+            src = first_attr[target]
             env[src] = graph.get_attr(target)
             env[src].meta = dict(src.meta)
         for name in names:

@@ -1,0 +1,144 @@
+"""Shared helpers for the benchmark scripts: machine header, repeat timing, markdown tables."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import platform
+import sys
+import time
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+
+
+def cpu_model() -> str:
+    """The CPU's marketing name (``/proc/cpuinfo`` on Linux, else ``platform``)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def machine() -> dict[str, Any]:
+    """What a benchmark result depends on: CPU, cores, threads, library versions, load."""
+    info: dict[str, Any] = {
+        "cpu": cpu_model(),
+        "cores": os.cpu_count() or 1,
+        "usable_cores": usable_cores(),
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "numpy": np.__version__,
+        "os": f"{platform.system()} {platform.release()}",
+    }
+    if torch.cuda.is_available():
+        info["gpu"] = ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
+    return info
+
+
+def load_average() -> str:
+    try:
+        return " / ".join(f"{x:.2f}" for x in os.getloadavg())
+    except (AttributeError, OSError):
+        return "n/a"
+
+
+def now() -> str:
+    """The date and time in UTC, to the minute."""
+    return _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+
+
+CLOCKS: dict[str, Callable[[], float]] = {
+    "cpu": time.process_time,  # this process's CPU time: steadier on a shared machine
+    "wall": time.perf_counter,
+}
+CLOCK_NOTES = {
+    "cpu": "process CPU time (time.process_time), which other processes on the machine disturb less than wall time",
+    "wall": "wall time (time.perf_counter)",
+}
+
+
+def header(title: str, command: str | None = None, notes: Sequence[str] = ()) -> str:
+    """A markdown block naming the benchmark, the date, the machine, the command and ``notes``."""
+    m = machine()
+    cores = f"{m['cores']} logical cores" + (
+        f" ({m['usable_cores']} usable)" if m["usable_cores"] != m["cores"] else ""
+    )
+    lines = [
+        f"## {title}",
+        "",
+        f"- date: {now()}",
+        f"- machine: {m['cpu']}, {cores}; {m['os']}" + (f"; GPU: {m['gpu']}" if "gpu" in m else ""),
+        f"- software: Python {m['python']}, torch {m['torch']}, numpy {m['numpy']}; "
+        f"torch threads: {m['torch_threads']}",
+        f"- load average at start (1/5/15 min): {load_average()}",
+    ]
+    if command is None:
+        command = "python " + " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:])
+    lines.append(f"- command: `{command}`")
+    lines += [f"- {note}" for note in notes]
+    return "\n".join(lines)
+
+
+def best_of(
+    fn: Callable[[], Any], repeats: int = 3, clock: Callable[[], float] = time.perf_counter
+) -> tuple[float, Any]:
+    """Minimum time (by ``clock``) of ``repeats`` calls of ``fn``, and the last call's result."""
+    best, result = float("inf"), None
+    for _ in range(max(1, repeats)):
+        start = clock()
+        result = fn()
+        best = min(best, clock() - start)
+    return best, result
+
+
+def seconds(x: float) -> str:
+    """Seconds with three significant figures (``0.00123``, ``1.23``, ``123``)."""
+    if x == 0:
+        return "0"
+    if abs(x) >= 100:
+        return f"{x:.0f}"
+    return f"{x:.3g}" if abs(x) >= 0.001 else f"{x:.2e}"
+
+
+def ratio(x: float) -> str:
+    """A ratio with three significant figures (``0.0652``, ``6.6``, ``19.3``)."""
+    return f"{x:.3g}"
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], align: str | None = None) -> str:
+    """A GitHub markdown table; ``align`` has one letter per column (``l``, ``r``, ``c``).
+
+    >>> print(markdown_table(["a", "b"], [[1, "x"]], "rl"))
+    | a | b |
+    |--:|:--|
+    | 1 | x |
+    """
+    align = align or "l" + "r" * (len(headers) - 1)
+    if len(align) != len(headers):
+        raise ValueError(f"align has {len(align)} letters for {len(headers)} columns")
+    rule = {"l": ":--", "r": "--:", "c": ":-:"}
+    out = ["| " + " | ".join(str(h) for h in headers) + " |", "|" + "|".join(rule[a] for a in align) + "|"]
+    for row in rows:
+        if len(row) != len(headers):
+            raise ValueError(f"a row has {len(row)} cells for {len(headers)} columns: {row!r}")
+        out.append("| " + " | ".join(str(c) for c in row) + " |")
+    return "\n".join(out)
+
+
+def emit(text: str = "") -> None:
+    """Print and flush (benchmarks run long; show each table as soon as it is done)."""
+    print(text, flush=True)
