@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Collection
 
 import numpy as np
 import torch.fx as fx
@@ -35,6 +35,9 @@ class Chain:
     # State read at several positions (tied weights): (bytes, positions). Every stage
     # that reads it holds a copy, so a stage's memory is its ``mem`` plus these once each.
     shared: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)
+    # Output bytes per node (the activation part of ``mem``): a schedule that keeps
+    # several microbatches in flight on a stage holds this several times.
+    act: np.ndarray | None = None
 
     @property
     def n(self) -> int:
@@ -51,8 +54,19 @@ class Chain:
         return int(self.mem.sum()) + sum(nbytes for nbytes, _ in self.shared)
 
 
-def build_chain(gm: fx.GraphModule, cost_fn: Callable[[fx.Node], float]) -> Chain:
-    """Lay out ``gm``'s compute nodes as a chain; ``annotate_costs`` must have run."""
+def build_chain(
+    gm: fx.GraphModule,
+    cost_fn: Callable[[fx.Node], float],
+    *,
+    state_factor: float = 2.0,
+    recompute: Collection[str] = (),
+) -> Chain:
+    """Lay out ``gm``'s compute nodes as a chain; ``annotate_costs`` must have run.
+
+    ``state_factor`` multiplies the bytes of trainable parameters (weights + gradients
+    by default; add optimizer state for training memory). Values named in
+    ``recompute`` are rebuilt by each stage that needs them, so they never cross a cut.
+    """
     nodes = compute_nodes(gm)
     n = len(nodes)
     pos = {node: i for i, node in enumerate(nodes)}
@@ -66,7 +80,8 @@ def build_chain(gm: fx.GraphModule, cost_fn: Callable[[fx.Node], float]) -> Chai
         if node.op == "get_attr" and uses:
             c = node_cost(node)
             key = id(operator.attrgetter(str(node.target))(gm))  # tied names share one tensor
-            readers.setdefault(key, (c.param_bytes * (2 if c.trainable else 1), set()))[1].update(uses)
+            nbytes = int(c.param_bytes * (state_factor if c.trainable else 1))
+            readers.setdefault(key, (nbytes, set()))[1].update(uses)
     shared = []
     for nbytes, positions in readers.values():
         if len(positions) == 1:
@@ -77,7 +92,7 @@ def build_chain(gm: fx.GraphModule, cost_fn: Callable[[fx.Node], float]) -> Chai
         c = node_cost(node)
         mem[i] += c.out_bytes
         last = max((pos.get(u, n) for u in node.users), default=i)  # the output node counts as n
-        if last > i:
+        if last > i and node.name not in recompute:
             live[i + 1] += c.out_bytes
             live[last + 1] -= c.out_bytes
             if not c.sendable:
@@ -87,4 +102,5 @@ def build_chain(gm: fx.GraphModule, cost_fn: Callable[[fx.Node], float]) -> Chai
     allowed = np.cumsum(blocked)[: n + 1] == 0
     cut_bytes[0] = cut_bytes[n] = 0
     allowed[0] = allowed[n] = True
-    return Chain(nodes, cost, mem, cut_bytes, allowed, shared)
+    act = np.array([node_cost(node).out_bytes for node in nodes], dtype=np.int64)
+    return Chain(nodes, cost, mem, cut_bytes, allowed, shared, act)

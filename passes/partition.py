@@ -10,6 +10,7 @@ carry the fewest bytes, then the smallest bottleneck that keeps those bytes.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
 
@@ -103,12 +104,14 @@ class _Solver:
         return float(dp[n]), sorted(set(starts[1:]) | {0})
 
 
-def _memory_starts(chain: Chain, cap: int) -> np.ndarray:
+def _memory_starts(chain: Chain, cap: int, mem: np.ndarray | None = None) -> np.ndarray:
     """lo[j]: the first start i whose stage [i, j) holds at most ``cap`` bytes (j if none does).
 
     Non-decreasing in j. Shared state counts once in every stage that reads it.
+    ``mem`` overrides ``chain.mem`` (e.g. activations weighted by microbatches in flight).
     """
-    M = np.concatenate([[0], np.cumsum(chain.mem)])
+    mem = chain.mem if mem is None else mem
+    M = np.concatenate([[0], np.cumsum(mem)])
     if not chain.shared:
         return np.searchsorted(M, M - cap, side="left")
     reads: list[list[int]] = [[] for _ in range(chain.n)]
@@ -119,12 +122,12 @@ def _memory_starts(chain: Chain, cap: int) -> np.ndarray:
     lo = np.zeros(chain.n + 1, dtype=np.int64)
     i = held = 0
     for j in range(1, chain.n + 1):
-        held += int(chain.mem[j - 1])
+        held += int(mem[j - 1])
         for s in reads[j - 1]:
             held += chain.shared[s][0] if count[s] == 0 else 0
             count[s] += 1
         while held > cap and i < j:
-            held -= int(chain.mem[i])
+            held -= int(mem[i])
             for s in reads[i]:
                 count[s] -= 1
                 held -= chain.shared[s][0] if count[s] == 0 else 0
@@ -175,28 +178,7 @@ def solve_chain(chain: Chain, num_stages: int, *, mem_cap: int | None = None, sl
     >>> solve_chain(c, 4, slack=0).bottleneck
     8.0
     """
-    n = chain.n
-    if num_stages < 1:
-        raise PlanError(f"num_stages must be at least 1, got {num_stages}.")
-    cuts = int(chain.allowed[1:n].sum())
-    if num_stages - 1 > cuts:
-        raise PlanError(
-            f"num_stages={num_stages} needs {num_stages - 1} cuts but the graph has only {cuts} places to cut "
-            f"({n} compute nodes; a cut cannot separate a tuple from its getitems). Use num_stages <= {cuts + 1}."
-        )
-    solver = _Solver(chain, mem_cap)
-    if mem_cap is not None:
-        need = solver.stages_needed(int(solver.P[-1]))
-        if need is None or need > num_stages:
-            biggest = int(chain.node_memory().max(initial=0))
-            what = (
-                f"a single node needs {biggest:,} bytes" if need is None
-                else f"the fewest stages that fit is {need}"
-            )
-            raise PlanError(
-                f"no split into {num_stages} stages keeps every stage under max_stage_memory={mem_cap:,} bytes: "
-                f"{what} (total {chain.total_memory():,} bytes). Use more stages or raise max_stage_memory."
-            )
+    solver = _checked_solver(chain, num_stages, mem_cap)
     best = solver.min_bottleneck(num_stages)
     cap = best + int(best * max(slack, 0.0))
     found = solver.fewest_bytes(num_stages, cap)
@@ -219,6 +201,147 @@ def solve_chain(chain: Chain, num_stages: int, *, mem_cap: int | None = None, sl
     return ChainSplit(tuple(starts), _largest_stage(chain, starts), _largest_stage(chain, at_best[1]), int(bytes_))
 
 
+def _checked_solver(chain: Chain, num_stages: int, mem_cap: int | None) -> "_Solver":
+    """A solver for ``chain``, after checking that ``num_stages`` and ``mem_cap`` can be met at all."""
+    n = chain.n
+    if num_stages < 1:
+        raise PlanError(f"num_stages must be at least 1, got {num_stages}.")
+    cuts = int(chain.allowed[1:n].sum())
+    if num_stages - 1 > cuts:
+        raise PlanError(
+            f"num_stages={num_stages} needs {num_stages - 1} cuts but the graph has only {cuts} places to cut "
+            f"({n} compute nodes; a cut cannot separate a tuple from its getitems). Use num_stages <= {cuts + 1}."
+        )
+    solver = _Solver(chain, mem_cap)
+    if mem_cap is not None:
+        need = solver.stages_needed(int(solver.P[-1]))
+        if need is None or need > num_stages:
+            biggest = int(chain.node_memory().max(initial=0))
+            what = (
+                f"a single node needs {biggest:,} bytes" if need is None
+                else f"the fewest stages that fit is {need}"
+            )
+            raise PlanError(
+                f"no split into {num_stages} stages keeps every stage under max_stage_memory={mem_cap:,} bytes: "
+                f"{what} (total {chain.total_memory():,} bytes). Use more stages or raise max_stage_memory."
+            )
+    return solver
+
+
 def _largest_stage(chain: Chain, starts: list[int]) -> float:
     bounds = list(starts) + [chain.n]
     return max(float(chain.cost[a:b].sum()) for a, b in zip(bounds, bounds[1:]))
+
+
+@dataclass(frozen=True)
+class StageLimits:
+    """Limits that differ per stage: memory (activations times microbatches in flight) and pins.
+
+    ``mem_lo[s]`` is :func:`_memory_starts` for stage ``s``'s memory; stage ``s`` must
+    start within ``[start_lo[s], start_hi[s]]``.
+    """
+
+    mem_lo: tuple[np.ndarray, ...] | None = None
+    start_lo: np.ndarray | None = None
+    start_hi: np.ndarray | None = None
+
+
+def stage_memory_limits(chain: Chain, cap: int, in_flight: Sequence[int]) -> tuple[np.ndarray, ...]:
+    """Per-stage memory windows when stage ``s`` holds ``in_flight[s]`` microbatches of activations."""
+    act = chain.act if chain.act is not None else np.zeros(chain.n, dtype=np.int64)
+    state = chain.mem - act
+    cache: dict[int, np.ndarray] = {}
+    for k in in_flight:
+        if k not in cache:
+            cache[k] = _memory_starts(chain, cap, state + max(k, 1) * act)
+    return tuple(cache[k] for k in in_flight)
+
+
+def _limited_bytes(solver: "_Solver", k: int, cap: int, limits: StageLimits) -> tuple[float, list[int]] | None:
+    """Like ``_Solver.fewest_bytes`` with per-stage memory windows and start ranges."""
+    n, P = solver.n, solver.P
+    j = np.arange(n + 1)
+    base = np.maximum(np.searchsorted(P, P - cap, side="left"), solver.mem_lo)
+    tail = np.where(j < n, solver.cut_bytes, 0.0)
+
+    def window(s: int) -> tuple[np.ndarray, np.ndarray]:
+        lo = base if limits.mem_lo is None else np.maximum(base, limits.mem_lo[s])
+        hi = j - 1
+        if limits.start_lo is not None and limits.start_hi is not None and s > 0:
+            lo = np.maximum(lo, limits.start_lo[s])
+            hi = np.minimum(hi, limits.start_hi[s])
+        return lo, hi
+
+    lo0, _ = window(0)
+    dp = np.full(n + 1, np.inf)
+    ok = (lo0 <= 0) & (j >= 1) & solver.allowed
+    dp[ok] = tail[ok]
+    history = []
+    for s in range(1, k):
+        lo, hi = window(s)
+        open_ = solver.allowed & (hi >= lo)
+        open_[:1] = False
+        history.append((dp, lo, hi))
+        dp = np.where(open_, _RangeMin(lo, hi, n + 1).min(dp), np.inf) + tail
+    if not np.isfinite(dp[n]):
+        return None
+    starts, pos = [n], n
+    for prev, lo, hi in reversed(history):
+        pos = int(lo[pos]) + int(np.argmin(prev[lo[pos] : hi[pos] + 1]))
+        starts.append(pos)
+    return float(dp[n]), sorted(set(starts[1:]) | {0})
+
+
+def solve_candidates(
+    chain: Chain,
+    num_stages: int,
+    slacks: Sequence[float],
+    *,
+    limits: StageLimits = StageLimits(),
+    mem_cap: int | None = None,
+) -> list[ChainSplit]:
+    """Splits to choose from: for each slack, the fewest cut bytes within that much of the best bottleneck.
+
+    With per-stage limits the best bottleneck is found by bisection on the exact DP
+    (to a relative precision of 1e-6); without them, exactly (see :func:`solve_chain`).
+    """
+    solver = _checked_solver(chain, num_stages, mem_cap)
+    if not any(x is not None for x in (limits.mem_lo, limits.start_lo)):
+
+        def feasible(cap: int) -> tuple[float, list[int]] | None:
+            return solver.fewest_bytes(num_stages, cap)
+
+        best = solver.min_bottleneck(num_stages)
+    else:
+
+        def feasible(cap: int) -> tuple[float, list[int]] | None:
+            return _limited_bytes(solver, num_stages, cap, limits)
+
+        lo = solver.min_bottleneck(num_stages)  # a bound: limits only remove splits
+        total = int(solver.P[-1])
+        if feasible(total) is None:
+            raise PlanError(
+                f"no split into {num_stages} stages meets the per-stage limits (memory with microbatches in flight, "
+                "pins) even ignoring balance. Use more stages, fewer microbatches in flight, activation "
+                "checkpointing, a larger max_stage_memory, or fewer pins."
+            )
+        step = max(1, lo // 100)
+        hi = lo
+        while feasible(hi) is None:  # gallop up, then bisect
+            lo, hi = hi + 1, min(total, hi + step)
+            step *= 2
+        while hi - lo > max(1, hi >> 20):
+            mid = (lo + hi) // 2
+            if feasible(mid) is None:
+                lo = mid + 1
+            else:
+                hi = mid
+        best = hi
+    out = []
+    for slack in sorted(set(slacks) | {0.0}):
+        found = feasible(best + int(best * max(slack, 0.0)))
+        if found is not None:
+            bytes_, starts = found
+            out.append(ChainSplit(tuple(starts), _largest_stage(chain, starts), _largest_stage(chain, starts), int(bytes_)))
+    optimal = min(c.bottleneck for c in out)
+    return [ChainSplit(c.starts, c.bottleneck, optimal, c.cut_bytes) for c in out]

@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import difflib
-from typing import Any, Callable, Sequence, Union
+from typing import Any, Callable, Mapping, Sequence, Union
 
 import torch.fx as fx
 
 from pipesplit.errors import CostError, PlanError
 from pipesplit.meta import NodeCost, node_cost
 from pipesplit.passes.chain import build_chain, compute_nodes
+from pipesplit.passes.constraints import forbid_cuts_inside, pin_ranges
 from pipesplit.passes.costs import unknown_ops
-from pipesplit.passes.partition import solve_chain
+from pipesplit.passes.objective import DEFAULT_FLOPS_PER_S, CommModel, MemoryModel
+from pipesplit.passes.partition import StageLimits, solve_candidates, solve_chain
+from pipesplit.passes.recompute import recomputable
+from pipesplit.passes.step_planner import best_for_schedule, node_seconds
 from pipesplit.plan import Plan
+from pipesplit.schedules import Schedule
 
 CostFn = Callable[[fx.Node], float]
 CostSpec = Union[str, CostFn, Any]
@@ -35,6 +40,7 @@ BUILTIN_COSTS: dict[str, CostFn] = {
     "params": _param_cost,
     "uniform": lambda node: 1.0,
     "profile": _profile_cost,
+    "hybrid": _profile_cost,  # times from pipesplit.passes.calibrate: FLOPs and bytes fitted to a profile
 }
 
 
@@ -106,16 +112,81 @@ def plan_partition(
     *,
     max_stage_memory: int | None = None,
     slack: float = 0.05,
+    module_paths: set[str] | None = None,
+    pins: Mapping[str, int] | None = None,
+    no_split: Sequence[str] = (),
+    schedule: Schedule | None = None,
+    comm: CommModel = CommModel(),
+    memory: MemoryModel = MemoryModel(),
+    recompute: str = "auto",
+    mutated_targets: set[str] = frozenset(),  # type: ignore[assignment]
+    device_kind: str = "cpu",
+    flops_per_s: float | None = None,
 ) -> Plan:
-    """The balanced plan: the exact minimum bottleneck, then the fewest bytes at the cuts."""
+    """The balanced plan.
+
+    Without ``schedule``: the exact minimum bottleneck, then the fewest bytes at the cuts
+    within ``slack`` of it. With ``schedule``: the split with the lowest simulated step
+    time of that schedule (see :mod:`pipesplit.passes.step_planner`), with
+    ``max_stage_memory`` counting parameters, gradients, optimizer state and the
+    activations of every microbatch the schedule keeps in flight on each stage.
+    """
     name, fn = cost_function(cost)
-    chain = build_chain(gm, fn)
+    rate = flops_per_s or DEFAULT_FLOPS_PER_S.get(device_kind, DEFAULT_FLOPS_PER_S["cpu"])
+    if recompute not in ("auto", "never"):
+        raise PlanError(f"recompute must be 'auto' or 'never', got {recompute!r}.")
+    rebuild = _cheap_to_recompute(gm, mutated_targets, comm, device_kind, rate) if recompute == "auto" else set()
+    state_factor = 1.0 + memory.grad_factor + (memory.optimizer_factor if schedule is not None else 0.0)
+    chain = build_chain(gm, fn, state_factor=state_factor, recompute=rebuild)
     if chain.n == 0:
         raise PlanError("the model's graph has no operations to split.")
-    sol = solve_chain(chain, num_stages, mem_cap=max_stage_memory, slack=slack)
-    bounds = list(sol.starts) + [chain.n]
+    known = module_paths or set()
+    if no_split:
+        chain.allowed = forbid_cuts_inside(chain.nodes, chain.allowed, no_split, known)
+    ranges = pin_ranges(chain.nodes, pins or {}, num_stages, known)
+    limits = StageLimits(None, ranges.start_lo, ranges.start_hi) if ranges else StageLimits()
+    extra: dict[str, Any] = {}
+    if schedule is not None:
+        seconds = node_seconds(chain.nodes, name, fn, rate)
+        best, ideal = best_for_schedule(
+            chain, seconds, schedule, comm=comm, memory=memory, mem_cap=max_stage_memory,
+            limits=limits, device_kind=device_kind,
+        )
+        starts = best.starts
+        extra = dict(schedule=schedule.name, n_microbatches=schedule.n_microbatches,
+                     predicted_step_s=best.step_s, ideal_step_s=ideal)
+        memory_per_stage = [int(m) for m in best.figures.memory]
+    elif ranges is not None:
+        cands = solve_candidates(chain, num_stages, [slack], limits=limits, mem_cap=max_stage_memory)
+        best_b = min(c.bottleneck for c in cands)
+        ok = [c for c in cands if c.bottleneck <= best_b * (1 + slack)]
+        starts = min(ok, key=lambda c: (c.cut_bytes, c.bottleneck)).starts
+        memory_per_stage = None
+    else:
+        starts = solve_chain(chain, num_stages, mem_cap=max_stage_memory, slack=slack).starts
+        memory_per_stage = None
+    bounds = list(starts) + [chain.n]
     stages = [[n.name for n in chain.nodes[a:b]] for a, b in zip(bounds, bounds[1:])]
-    return evaluate(gm, stages, name, fn, "planner")
+    plan = evaluate(gm, stages, name, fn, "planner")
+    plan.recompute = sorted(rebuild)
+    for key, value in extra.items():
+        setattr(plan, key, value)
+    if memory_per_stage is not None:
+        plan.stage_memory = memory_per_stage
+    return plan
+
+
+def _cheap_to_recompute(
+    gm: fx.GraphModule, mutated: set[str], comm: CommModel, device_kind: str, rate: float
+) -> set[str]:
+    """Input-derived values whose recomputation costs less time than sending them."""
+    out = set()
+    by_name = {n.name: n for n in gm.graph.nodes}
+    for name, flops in recomputable(gm, mutated).items():
+        nbytes = node_cost(by_name[name]).out_bytes
+        if nbytes and flops / rate < comm.seconds(nbytes, device_kind, device_kind):
+            out.add(name)
+    return out
 
 
 def _module_path_of(node: fx.Node) -> list[str]:

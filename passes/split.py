@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Collection, Sequence
 
 import torch
 import torch.fx as fx
@@ -75,8 +75,17 @@ def _value_info(node: fx.Node) -> tuple[str, tuple[int | None, ...] | None, torc
     return "scalar", None, None, 8, None
 
 
-def split_graph(gm: fx.GraphModule, stages: Sequence[Sequence[str]], devices: Sequence[str]) -> SplitGraph:
-    """Cut ``gm`` into ``len(stages)`` stage graphs and a root graph wiring them."""
+def split_graph(
+    gm: fx.GraphModule,
+    stages: Sequence[Sequence[str]],
+    devices: Sequence[str],
+    recompute: Collection[str] = (),
+) -> SplitGraph:
+    """Cut ``gm`` into ``len(stages)`` stage graphs and a root graph wiring them.
+
+    A value named in ``recompute`` (see :mod:`pipesplit.passes.recompute`) is not sent to
+    a later stage that uses it: that stage rebuilds it from the program inputs instead.
+    """
     k = len(stages)
     last = k - 1
     stage_of: dict[fx.Node, int] = {}
@@ -92,15 +101,25 @@ def split_graph(gm: fx.GraphModule, stages: Sequence[Sequence[str]], devices: Se
     # What each stage needs from outside, and which consumer stages each value has.
     needs: list[dict[fx.Node, None]] = [{} for _ in range(k)]
     attrs: list[dict[str, None]] = [{} for _ in range(k)]
+    rebuilt: list[dict[fx.Node, None]] = [{} for _ in range(k)]  # recomputed in that stage
+
+    def use(s: int, a: fx.Node) -> None:
+        if a.op == "get_attr":
+            attrs[s][str(a.target)] = None
+        elif a.op == "placeholder":
+            needs[s][a] = None
+        elif stage_of[a] != s and a.name in recompute:
+            if a not in rebuilt[s]:
+                for b in a.all_input_nodes:
+                    use(s, b)
+                rebuilt[s][a] = None
+        elif stage_of[a] != s:
+            needs[s][a] = None
+
     for node in gm.graph.nodes:
-        if node.op not in COMPUTE_OPS:
-            continue
-        s = stage_of[node]
-        for a in node.all_input_nodes:
-            if a.op == "get_attr":
-                attrs[s][str(a.target)] = None
-            elif a.op == "placeholder" or stage_of[a] != s:
-                needs[s][a] = None
+        if node.op in COMPUTE_OPS:
+            for a in node.all_input_nodes:
+                use(stage_of[node], a)
     for out in flat_outputs:
         if isinstance(out, fx.Node) and not (out.op in COMPUTE_OPS and stage_of[out] == last):
             needs[last][out] = None
@@ -110,10 +129,11 @@ def split_graph(gm: fx.GraphModule, stages: Sequence[Sequence[str]], devices: Se
             if a.op != "placeholder":
                 consumers.setdefault(a, []).append(s)
 
-    first_attr: dict[str, fx.Node] = {}
+    attr_nodes: dict[str, list[fx.Node]] = {}
     for node in gm.graph.nodes:
         if node.op == "get_attr":
-            first_attr.setdefault(str(node.target), node)
+            attr_nodes.setdefault(str(node.target), []).append(node)
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
     pieces: list[StagePiece] = []
     for s, names in enumerate(stages):
         graph = fx.Graph()
@@ -125,9 +145,12 @@ def split_graph(gm: fx.GraphModule, stages: Sequence[Sequence[str]], devices: Se
             env[a] = ph
             inputs.append((a.name, "input", input_index[a]) if a.op == "placeholder" else (a.name, "stage", stage_of[a]))
         for target in attrs[s]:
-            src = first_attr[target]
-            env[src] = graph.get_attr(target)
-            env[src].meta = dict(src.meta)
+            new = graph.get_attr(target)
+            new.meta = dict(attr_nodes[target][0].meta)
+            for src in attr_nodes[target]:
+                env[src] = new
+        for node in sorted(rebuilt[s], key=order.__getitem__):
+            env[node] = graph.node_copy(node, lambda x: env[x])
         for name in names:
             node = by_name[name]
             env[node] = graph.node_copy(node, lambda x: env[x])

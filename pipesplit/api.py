@@ -6,7 +6,7 @@ import logging
 import os
 import time
 from contextlib import contextmanager
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -14,11 +14,16 @@ from torch import nn
 from pipesplit.capture import capture
 from pipesplit.errors import PlanError
 from pipesplit.passes.costs import annotate_costs
+from pipesplit.passes.calibrate import calibrate
+from pipesplit.passes.objective import CommModel, MemoryModel
 from pipesplit.passes.planner import CostSpec, check_plan, cost_function, evaluate, plan_from_split_points, plan_partition
+from pipesplit.passes.recompute import recomputable
 from pipesplit.passes.profile import profile_nodes
 from pipesplit.passes.split import check_devices, split_graph
 from pipesplit.plan import Plan
 from pipesplit.program import SplitProgram
+from pipesplit.runtime.pipeline import resolve_schedule
+from pipesplit.schedules import Schedule
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +56,14 @@ def compile(
     plan: Plan | str | os.PathLike[str] | None = None,
     max_stage_memory: int | None = None,
     slack: float = 0.05,
+    schedule: str | Schedule | None = None,
+    n_microbatches: int | None = None,
+    n_ranks: int | None = None,
+    pins: Mapping[str, int] | None = None,
+    no_split: Sequence[str] = (),
+    comm: CommModel | None = None,
+    memory: MemoryModel | None = None,
+    recompute: str = "auto",
     progress: bool = True,
 ) -> SplitProgram:
     """Split ``model`` into pipeline stages that compute exactly what it computes.
@@ -66,8 +79,21 @@ def compile(
         devices: one device per stage (stages may share one); default the model's device.
         split_points: module paths (``"layers.4"``) where new stages start; bypasses the planner.
         plan: a :class:`Plan` or the path of a saved one, reused instead of planning.
-        max_stage_memory: bytes a stage may hold (parameters, gradients, activations).
-        slack: fraction above the optimal bottleneck the planner may spend to send fewer bytes.
+        max_stage_memory: bytes a stage may hold (parameters, gradients, activations; with
+            ``schedule``, optimizer state and every microbatch in flight too).
+        slack: fraction above the optimal bottleneck the planner may spend to send fewer bytes
+            (without ``schedule``; with one, the simulated step time decides).
+        schedule: plan for this schedule's step time (``"1f1b"``, ``"zb_h1"``, ...): stage
+            forward, input- and weight-gradient times plus communication, simulated.
+        n_microbatches: microbatches per step for ``schedule`` (default: 4 x stages); the
+            example input is taken to be one microbatch.
+        n_ranks: ranks for multi-stage-per-rank schedules (interleaved, V-shaped).
+        pins: ``{"module.path": stage}`` keeps that module whole in that stage.
+        no_split: module paths (wildcards allowed, ``"blocks.*"``) that no cut may enter.
+        comm: link latency and bandwidth for pricing boundaries (defaults per device kind).
+        memory: optimizer/gradient factors and checkpointing for the memory estimate.
+        recompute: ``"auto"`` rebuilds cheap input-derived values (masks, rotary tables) in
+            each stage that needs them instead of sending them; ``"never"`` sends everything.
         progress: show a progress bar while profiling.
 
     >>> import torch, pipesplit
@@ -88,12 +114,26 @@ def compile(
         gm = annotate_costs(captured.gm, requires)
         if cost == "profile":
             profile_nodes(gm, captured.example_flat, device0, mutated_targets=captured.mutated_targets, progress=progress)
+        elif cost == "hybrid":
+            calibrate(gm, captured.example_flat, device0, mutated_targets=captured.mutated_targets, progress=progress)
     with _timed("plan", timings):
-        chosen = _choose_plan(gm, captured.module_paths, num_stages, cost, split_points, plan, max_stage_memory, slack)
+        if plan is not None or split_points is not None:
+            chosen = _choose_plan(gm, captured.module_paths, num_stages, cost, split_points, plan)
+        else:
+            k = 1 if num_stages is None else num_stages
+            sched = None
+            if schedule is not None:
+                sched = resolve_schedule(schedule, k, n_ranks, n_microbatches or 4 * k)
+            chosen = plan_partition(
+                gm, k, cost, max_stage_memory=max_stage_memory, slack=slack, module_paths=captured.module_paths,
+                pins=pins, no_split=no_split, schedule=sched, comm=comm or CommModel(), memory=memory or MemoryModel(),
+                recompute=recompute, mutated_targets=captured.mutated_targets,
+                device_kind=torch.device(device0).type,
+            )
     k = chosen.num_stages
     devs = check_devices(list(devices) if devices is not None else [device0] * k, k)
     with _timed("split", timings):
-        split = split_graph(gm, chosen.stages, devs)
+        split = split_graph(gm, chosen.stages, devs, recompute=chosen.recompute)
         program = SplitProgram(captured, split, chosen, devs)
     timings["export"] = captured.export_seconds
     program.timings = timings
@@ -107,9 +147,8 @@ def _choose_plan(
     cost: CostSpec,
     split_points: Sequence[str] | None,
     plan: Plan | str | os.PathLike[str] | None,
-    max_stage_memory: int | None,
-    slack: float,
 ) -> Plan:
+    """A plan the user gave: a saved or edited one, or manual split points."""
     if plan is not None and split_points is not None:
         raise PlanError("pass either plan= or split_points=, not both.")
     if plan is not None:
@@ -117,12 +156,13 @@ def _choose_plan(
         check_plan(gm, given)
         _check_count(num_stages, given.num_stages, "the plan has")
         name, fn = cost_function(cost)
-        return evaluate(gm, given.stages, name, fn, "loaded")
-    if split_points is not None:
-        chosen = plan_from_split_points(gm, list(split_points), module_paths, cost)
-        _check_count(num_stages, chosen.num_stages, f"{len(split_points)} split points make")
-        return chosen
-    return plan_partition(gm, 1 if num_stages is None else num_stages, cost, max_stage_memory=max_stage_memory, slack=slack)
+        checked = evaluate(gm, given.stages, name, fn, "loaded")
+        checked.recompute = [r for r in given.recompute if r in recomputable(gm)]
+        return checked
+    assert split_points is not None
+    chosen = plan_from_split_points(gm, list(split_points), module_paths, cost)
+    _check_count(num_stages, chosen.num_stages, f"{len(split_points)} split points make")
+    return chosen
 
 
 def _check_count(requested: int | None, actual: int, what: str) -> None:

@@ -30,6 +30,11 @@ class Plan:
     sent_bytes: list[int] = field(default_factory=list)  # boundary bytes each stage sends
     unknown_ops: dict[str, int] = field(default_factory=dict)
     source: str = "planner"  # "planner", "split_points" or "loaded"
+    recompute: list[str] = field(default_factory=list)  # values each consumer stage rebuilds instead of receiving
+    schedule: str | None = None  # the schedule whose step time the plan minimises (None: the bottleneck)
+    n_microbatches: int | None = None
+    predicted_step_s: float | None = None  # simulated step time of this plan under the schedule
+    ideal_step_s: float | None = None  # a lower bound on the step time of any split
 
     @property
     def num_stages(self) -> int:
@@ -43,6 +48,13 @@ class Plan:
     def gap(self) -> float:
         """Relative distance of the bottleneck above the lower bound (0.0 = provably optimal)."""
         return self.bottleneck / self.lower_bound - 1.0 if self.lower_bound > 0 else 0.0
+
+    @property
+    def step_gap(self) -> float | None:
+        """How far the predicted step time is above the lower bound (None without a schedule)."""
+        if self.predicted_step_s is None or not self.ideal_step_s:
+            return None
+        return self.predicted_step_s / self.ideal_step_s - 1.0
 
     def assignment(self) -> dict[str, int]:
         """node name -> stage index."""

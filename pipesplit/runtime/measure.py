@@ -1,7 +1,7 @@
 """Measure each stage's compute time per microbatch, to feed the schedule simulator.
 
 :func:`measure_stage_costs` runs one microbatch through the stages in order and times,
-for every stage, the three actions the runtime executes (see ``runtime/worker.py``):
+for every stage, the actions the runtime executes (see ``runtime/worker.py``):
 
 - ``forward``: the stage's GraphModule with autograd recording (on the last stage,
   also the loss when a ``loss_fn`` is given);
@@ -11,8 +11,16 @@ for every stage, the three actions the runtime executes (see ``runtime/worker.py
 - ``backward_weight`` (W): gradients of the stage's parameters from the same graph
   (what a ``BACKWARD_WEIGHT`` action does).
 
-A full backward ``B`` is modelled as ``I + W`` (:class:`~pipesplit.schedules.StageCost`);
-the runtime's fused B is one autograd pass, so this slightly overestimates B.
+The simulator charges a full backward ``B`` (a ``FULL_BACKWARD`` action) ``I + W``. The
+runtime runs B as one fused autograd pass, which is cheaper: its W pass walks the graph
+again from the stage's outputs, recomputing the activation gradients that I computed
+(on the built-in GPT, I + W came to ~1.5x the fused B). So there are two cost models:
+
+- ``backward="split"`` (default): I and W as the runtime runs them; right for schedules
+  that split the backward (``zb_h1``, ``zb_v``), an overestimate of B for the others;
+- ``backward="fused"``: the fused B is timed too and W is reported as ``B - I``, so that
+  ``I + W`` is the fused B; right for schedules with full backwards (``gpipe``, ``1f1b``,
+  ``interleaved_1f1b``, ``looped_bfs``).
 
 The measurement leaves the program as it found it: gradients are computed with
 ``torch.autograd.grad`` (nothing accumulates into ``.grad``), buffers updated in place
@@ -68,6 +76,7 @@ def measure_stage_costs(
     repeats: int = 5,
     warmup: int = 2,
     reduce: str = "median",
+    backward: str = "split",
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
     target: Any = None,
     batch_dim: int = 0,
@@ -82,6 +91,8 @@ def measure_stage_costs(
         n_microbatches: how the pipeline will cut the batch (sets the microbatch size).
         repeats: timed runs per stage after ``warmup`` untimed ones.
         reduce: ``"median"`` (default) or ``"min"`` of the repeats.
+        backward: ``"split"`` (I and W as separate passes) or ``"fused"`` (``I + W`` is the
+            one-pass full backward); see the module docstring.
         loss_fn, target: the pipeline's loss; when given, the last stage's forward
             includes it and its backward starts from it, as in ``Pipeline.step``.
             Without it, backward starts from all-ones output gradients.
@@ -98,6 +109,8 @@ def measure_stage_costs(
         raise PipesplitError(f"measure_stage_costs: need repeats >= 1 and warmup >= 0, got {repeats}, {warmup}.")
     if reduce not in ("median", "min"):
         raise PipesplitError(f"measure_stage_costs: reduce must be 'median' or 'min', got {reduce!r}.")
+    if backward not in ("split", "fused"):
+        raise PipesplitError(f"measure_stage_costs: backward must be 'split' or 'fused', got {backward!r}.")
     if any(s.module is None for s in prog.stages):
         raise PipesplitError(
             "measure_stage_costs needs every stage of the program; this one was cut down to one rank's stages "
@@ -115,7 +128,9 @@ def measure_stage_costs(
         try:
             values: dict[tuple[str, int], Any] = {}  # (boundary name, source stage) -> value
             for stage in prog.stages:
-                costs.append(_measure_stage(prog, stage, mb_inputs, values, repeats, warmup, reduce, loss_fn, mb_target))
+                costs.append(_measure_stage(
+                    prog, stage, mb_inputs, values, repeats, warmup, reduce, backward == "fused", loss_fn, mb_target
+                ))
         finally:
             with torch.no_grad():
                 for b, saved in buffers:
@@ -131,6 +146,7 @@ def _measure_stage(
     repeats: int,
     warmup: int,
     reduce: str,
+    fused: bool,
     loss_fn: Callable[[Any, Any], torch.Tensor] | None,
     target: Any,
 ) -> StageCost:
@@ -150,21 +166,20 @@ def _measure_stage(
         for (name, kind, where), v in zip(stage.inputs, raw)
     ]
 
-    def forward() -> tuple[list[torch.Tensor], tuple[Any, ...], list[torch.Tensor], list[torch.Tensor]]:
+    def forward() -> tuple[list[torch.Tensor], tuple[Any, ...], list[torch.Tensor]]:
         args = [v.detach().requires_grad_(True) if g else v for v, g in zip(raw, wants_grad)]
         leaves = [a for a, g in zip(args, wants_grad) if g]
         with torch.enable_grad():
             outs = tuple(stage.module(*args))
             if is_last and loss_fn is not None:
                 tree = pytree.tree_unflatten(prog.assemble_outputs(outs), prog.out_spec)
-                roots, grads = [loss_fn(tree, target)], [torch.ones((), device=device)]
-                return leaves, outs, roots, grads
+                return leaves, outs, [loss_fn(tree, target)]
         if is_last:
             roots = [o for o in outs if isinstance(o, torch.Tensor) and o.requires_grad]
         else:
             roots = [o for n, o in zip(stage.outputs, outs)
                      if n in grad_outputs and isinstance(o, torch.Tensor) and o.requires_grad]
-        return leaves, outs, roots, [torch.ones_like(r) for r in roots]
+        return leaves, outs, roots
 
     def input_grads(leaves: list[torch.Tensor], roots: list[torch.Tensor], grads: list[torch.Tensor]) -> Any:
         if not leaves or not roots:
@@ -176,20 +191,33 @@ def _measure_stage(
             return None
         return torch.autograd.grad(roots, params, grads, allow_unused=True)
 
+    def full_backward(leaves: list[torch.Tensor], roots: list[torch.Tensor], grads: list[torch.Tensor]) -> Any:
+        if not roots or not (leaves or params):
+            return None
+        return torch.autograd.grad(roots, leaves + params, grads, allow_unused=True)
+
     f_t: list[float] = []
     i_t: list[float] = []
     w_t: list[float] = []
+    b_t: list[float] = []
     outs: tuple[Any, ...] = ()
     for k in range(warmup + repeats):
-        tf, (leaves, outs, roots, grads) = clock(forward)
-        # The ones-gradients are made inside forward(); their cost is negligible next to the stage.
+        tf, (leaves, outs, roots) = clock(forward)
+        grads = [torch.ones_like(r) for r in roots]  # what the next stage would send back
         ti, _ = clock(lambda: input_grads(leaves, roots, grads))
         tw, _ = clock(lambda: weight_grads(roots, grads))
+        tb = 0.0
+        if fused:
+            _, (leaves, _, roots) = clock(forward)
+            tb, _ = clock(lambda: full_backward(leaves, roots, grads))
         del leaves, roots, grads
         if k >= warmup:
             f_t.append(tf)
             i_t.append(ti)
             w_t.append(tw)
+            b_t.append(tb)
     for name, value in zip(stage.outputs, outs):
         values[(name, stage.index)] = value.detach() if isinstance(value, torch.Tensor) else value
-    return StageCost(_reduce(f_t, reduce), _reduce(i_t, reduce), _reduce(w_t, reduce))
+    f, i = _reduce(f_t, reduce), _reduce(i_t, reduce)
+    w = max(_reduce(b_t, reduce) - i, 0.0) if fused else _reduce(w_t, reduce)
+    return StageCost(f, i, w)

@@ -68,13 +68,26 @@ class StageWorker:
         self.out_bounds = {(b.name, b.dst): b for b in prog.boundaries if b.src == stage.index}
         self.params = [p for p in stage.module.parameters() if p.requires_grad]
         self.saved: dict[int, _Saved] = {}
+        self._shapes: dict[tuple[str, int, int], tuple[int, ...]] = {}  # (boundary, source, microbatch size)
+        self._ints: dict[tuple[str, int, int], int] = {}
 
     # ------------------------------------------------------------------ helpers
     def _ctx(self) -> Any:
         return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
 
     def _like(self, b: Any, data: StepData) -> tuple[tuple[int, ...], torch.dtype, torch.device]:
-        return self.prog.resolve_shape(b, data.microbatch_size), b.dtype, self.stage.device
+        key = (b.name, b.src, data.microbatch_size)
+        shape = self._shapes.get(key)
+        if shape is None:  # sympy resolves the sizes in ~0.3 ms: once per microbatch size
+            shape = self._shapes[key] = self.prog.resolve_shape(b, data.microbatch_size)
+        return shape, b.dtype, self.stage.device
+
+    def _int(self, b: Any, data: StepData) -> int:
+        key = (b.name, b.src, data.microbatch_size)
+        value = self._ints.get(key)
+        if value is None:
+            value = self._ints[key] = self.prog.resolve_int(b, data.microbatch_size)
+        return value
 
     def _to_device(self, v: Any) -> Any:
         if isinstance(v, torch.Tensor) and v.device != self.stage.device:
@@ -109,7 +122,7 @@ class StageWorker:
                     value = value.detach().requires_grad_(True)
                     saved.inputs.append((name, where, value))
             else:  # sizes are known from the microbatch size on every rank
-                value = self.prog.resolve_int(b, data.microbatch_size)
+                value = self._int(b, data)
             args.append(value)
         grad_mode = torch.enable_grad() if data.training else torch.no_grad()
         with grad_mode:

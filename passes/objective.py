@@ -1,0 +1,98 @@
+"""What a plan really costs: stage times, communication, memory and the schedule's step time."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from pipesplit.schedules import ActionKind, Schedule, StageCost, simulate
+
+# Sustained rates for turning FLOPs into seconds when nothing was profiled; only the
+# ratios between stages matter for balance, absolute values only for comm trade-offs.
+DEFAULT_FLOPS_PER_S = {"cpu": 5e10, "cuda": 2e14, "mps": 5e12}
+# (latency seconds, bandwidth bytes/s) between two devices of these kinds.
+DEFAULT_LINKS = {
+    ("cpu", "cpu"): (5e-5, 5e9),  # gloo / shared memory between processes
+    ("cuda", "cuda"): (1e-5, 1e11),  # NVLink-class peer-to-peer
+    ("cpu", "cuda"): (1e-5, 2e10),  # PCIe
+}
+
+
+@dataclass(frozen=True)
+class CommModel:
+    """Time to move a boundary: ``latency_s + bytes / bandwidth``.
+
+    Left as None, both come from ``DEFAULT_LINKS`` by device kind. Planning assumes
+    every stage runs on its own device or process, so each cut is a real transfer.
+    """
+
+    latency_s: float | None = None  # seconds per message
+    bandwidth: float | None = None  # bytes per second
+
+    def seconds(self, nbytes: float, src: str, dst: str, messages: int = 1) -> float:
+        """Seconds to send ``nbytes`` in ``messages`` messages between devices of these kinds."""
+        if nbytes <= 0 and messages == 0:
+            return 0.0
+        kinds = tuple(sorted((torch.device(src).type, torch.device(dst).type)))
+        lat, bw = DEFAULT_LINKS.get(kinds, DEFAULT_LINKS[("cpu", "cpu")])  # type: ignore[arg-type]
+        lat = self.latency_s if self.latency_s is not None else lat
+        bw = self.bandwidth if self.bandwidth is not None else bw
+        return messages * lat + nbytes / bw
+
+
+@dataclass(frozen=True)
+class MemoryModel:
+    """Bytes a stage holds during training.
+
+    parameters x (1 + grad_factor + optimizer_factor) + activations of one microbatch x
+    the microbatches the schedule keeps in flight on that stage. With checkpointing,
+    only the stage inputs of in-flight microbatches are kept, plus one microbatch's
+    full activations during its recompute.
+    """
+
+    optimizer_factor: float = 2.0  # Adam keeps two moments per parameter
+    grad_factor: float = 1.0
+    checkpoint: bool = False
+
+    def stage_bytes(self, param_bytes: float, act_bytes: float, input_bytes: float, in_flight: int) -> float:
+        state = param_bytes * (1.0 + self.grad_factor + self.optimizer_factor)
+        if self.checkpoint:
+            return state + input_bytes * in_flight + act_bytes
+        return state + act_bytes * in_flight
+
+
+@dataclass
+class StageFigures:
+    """Per-stage figures of a plan under a schedule."""
+
+    costs: list[StageCost]  # seconds per microbatch
+    comm: list[float]  # seconds per microbatch at each cut (len = stages - 1)
+    memory: list[float]  # bytes
+    in_flight: list[int]
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+def in_flight_per_stage(schedule: Schedule) -> list[int]:
+    """The most microbatches whose activations a stage holds at once, from action order.
+
+    A microbatch is held from its forward until its full backward (B) or, for split
+    backwards, its weight-gradient pass (W) on that stage.
+    """
+    peak = [0] * schedule.n_stages
+    for actions in schedule.actions:
+        held = [0] * schedule.n_stages
+        for a in actions:
+            if a.kind is ActionKind.FORWARD:
+                held[a.stage] += 1
+                peak[a.stage] = max(peak[a.stage], held[a.stage])
+            elif a.kind in (ActionKind.FULL_BACKWARD, ActionKind.BACKWARD_WEIGHT):
+                held[a.stage] -= 1
+    return peak
+
+
+def step_time(schedule: Schedule, figures: StageFigures) -> float:
+    """The simulated step time of ``schedule`` with these stage and cut costs."""
+    comm: float | Sequence[float] = figures.comm if figures.comm else 0.0
+    return simulate(schedule, figures.costs, comm_cost=comm).step_time
