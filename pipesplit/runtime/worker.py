@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -70,6 +71,8 @@ class StageWorker:
         self.saved: dict[int, _Saved] = {}
         self._shapes: dict[tuple[str, int, int], tuple[int, ...]] = {}  # (boundary, source, microbatch size)
         self._ints: dict[tuple[str, int, int], int] = {}
+        self.tracer: Any = None  # a pipesplit.runtime.trace.Trace while Pipeline.trace() is active
+        self._ready = 0.0  # when the current action's last receive returned (read only while tracing)
 
     # ------------------------------------------------------------------ helpers
     def _ctx(self) -> Any:
@@ -96,6 +99,9 @@ class StageWorker:
 
     # ------------------------------------------------------------------ actions
     def run(self, action: Action, data: StepData) -> None:
+        tracer = self.tracer
+        if tracer is not None:
+            self._ready = begin = time.perf_counter()
         with self._ctx():
             if action.kind is ActionKind.FORWARD:
                 self.forward(action.microbatch, data)
@@ -106,24 +112,44 @@ class StageWorker:
                 self.backward_input(action.microbatch, data, split=True)
             elif action.kind is ActionKind.BACKWARD_WEIGHT:
                 self.backward_weight(action.microbatch)
+            if tracer is not None and self.stream is not None:  # count the device work inside the action
+                self.stream.synchronize()
+        if tracer is not None:
+            tracer.record(self.rank_of[self.index], action, begin, self._ready, time.perf_counter())
+
+    def _recv(self, msg: Message, peer: int, like: Any) -> Any:
+        value = self.transport.recv(msg, peer, like)
+        self._ready = time.perf_counter()
+        return value
 
     def forward(self, m: int, data: StepData) -> None:
-        args: list[Any] = []
         saved = _Saved([])
+        received: dict[tuple[str, int], Any] = {}
+        # Receive in the order the senders send (by source stage, then its output order), so
+        # transports that match messages by order rather than by tag (NCCL) pair them right.
+        for name, kind, where in sorted(
+            (x for x in self.stage.inputs if x[1] == "stage"),
+            key=lambda x: (x[2], self.prog.stages[x[2]].outputs.index(x[0])),
+        ):
+            b = self.in_bounds[(name, where)]
+            if b.kind != "tensor":  # sizes are known from the microbatch size on every rank
+                received[(name, where)] = self._int(b, data)
+                continue
+            msg = Message("F", name, where, self.index, m)
+            value = self._to_device(self._recv(msg, self.rank_of[where], self._like(b, data)))
+            if data.training and b.requires_grad:
+                value = value.detach().requires_grad_(True)
+            received[(name, where)] = value
+        args: list[Any] = []
         for name, kind, where in self.stage.inputs:
             if kind == "input":
                 args.append(self._to_device(data.inputs[m][where]))
                 continue
-            b = self.in_bounds[(name, where)]
-            msg = Message("F", name, where, self.index, m)
-            if b.kind == "tensor":
-                value = self._to_device(self.transport.recv(msg, self.rank_of[where], self._like(b, data)))
-                if data.training and b.requires_grad:
-                    value = value.detach().requires_grad_(True)
-                    saved.inputs.append((name, where, value))
-            else:  # sizes are known from the microbatch size on every rank
-                value = self._int(b, data)
+            value = received[(name, where)]
+            if isinstance(value, torch.Tensor) and value.requires_grad and value.is_leaf:
+                saved.inputs.append((name, where, value))
             args.append(value)
+        saved.inputs.sort(key=lambda t: (t[1], self.prog.stages[t[1]].outputs.index(t[0])))  # send order
         grad_mode = torch.enable_grad() if data.training else torch.no_grad()
         with grad_mode:
             if self.checkpointing and data.training:
@@ -160,7 +186,7 @@ class StageWorker:
                 if b.kind != "tensor" or not b.requires_grad:
                     continue
                 like = (tuple(value.shape), value.dtype, self.stage.device)
-                g = self._to_device(self.transport.recv(Message("B", name, self.index, dst, m), self.rank_of[dst], like))
+                g = self._to_device(self._recv(Message("B", name, self.index, dst, m), self.rank_of[dst], like))
                 total = g if total is None else total + g
             if total is not None and isinstance(value, torch.Tensor) and value.requires_grad:
                 saved.tensors.append(value)
