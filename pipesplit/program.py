@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
 
 import torch
@@ -13,8 +13,9 @@ from torch import nn
 
 from pipesplit.capture import Captured, InputInfo, static_dim
 from pipesplit.errors import InputError, PlanError
-from pipesplit.passes.split import Boundary, SplitGraph, StagePiece
+from pipesplit.passes.split import Boundary, SplitGraph
 from pipesplit.plan import Plan
+from pipesplit.state import Tied, attach, place, zero_grads
 
 
 @dataclass
@@ -38,72 +39,6 @@ class Stage:
         return self.module(*args)
 
 
-@dataclass
-class _Tied:
-    """A tensor held by stages on several devices: one owner, replicas kept in sync.
-
-    Replica gradients are added into the owner's gradient as soon as they are
-    accumulated, so the tensor has a single gradient; replicas are refreshed from
-    the owner whenever it changed (e.g. after an optimizer step).
-    """
-
-    owner: torch.Tensor
-    replicas: list[torch.Tensor]
-    version: int = -1
-    handles: list[Any] = field(default_factory=list)
-    deferred: bool = False  # while True, replica gradients wait for flush() (multi-threaded runtimes)
-
-    def hook(self) -> None:
-        if not isinstance(self.owner, nn.Parameter) or not self.owner.requires_grad:
-            return
-        owner = self.owner
-
-        def move_grad(p: torch.Tensor) -> None:
-            if not self.deferred:
-                self._move(p)
-
-        self.handles = [r.register_post_accumulate_grad_hook(move_grad) for r in self.replicas]
-
-    def _move(self, p: torch.Tensor) -> None:
-        if p.grad is None:
-            return
-        g = p.grad.to(self.owner.device)
-        self.owner.grad = g if self.owner.grad is None else self.owner.grad + g
-        p.grad = None
-
-    def flush(self) -> None:
-        for r in self.replicas:
-            self._move(r)
-
-    def sync(self) -> None:
-        if self.owner._version != self.version:
-            with torch.no_grad():
-                for r in self.replicas:
-                    r.copy_(self.owner)
-            self.version = self.owner._version
-
-
-def _attach(module: nn.Module, target: str, obj: Any, persistent: bool = True) -> None:
-    *prefix, leaf = target.split(".")
-    for part in prefix:
-        if not hasattr(module, part):
-            module.add_module(part, nn.Module())
-        module = getattr(module, part)
-    if isinstance(obj, nn.Parameter):
-        module.register_parameter(leaf, obj)
-    elif isinstance(obj, torch.Tensor):
-        module.register_buffer(leaf, obj, persistent=persistent)
-    else:
-        module.add_module(leaf, obj)
-
-
-def _place(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    if t.device == device:
-        return t
-    moved = t.detach().to(device, copy=True)  # a replica never aliases the owner
-    return nn.Parameter(moved, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else moved
-
-
 class SplitProgram:
     """Stage modules with explicit send/recv boundaries, exact against the original model.
 
@@ -121,6 +56,11 @@ class SplitProgram:
         self.training = captured.training
         self.mutated_targets = set(captured.mutated_targets)
         self.export_seconds = captured.export_seconds
+        # the example's batch size (the first input with a dynamic batch dimension), None if none has one
+        self.example_batch: int | None = next(
+            (int(x.shape[0]) for x, i in zip(captured.example_flat, captured.inputs)
+             if i.is_tensor and i.shape and i.shape[0] is None and isinstance(x, torch.Tensor)), None
+        )
         self._captured_gm = captured.gm
         self._state = captured.state
         self._state_keys = captured.state_keys
@@ -141,7 +81,7 @@ class SplitProgram:
             and static_dim(v.meta["val"].shape[0]) is None
             for v in out_node.args[0]
         ]
-        self._tied: list[_Tied] = []
+        self._tied: list[Tied] = []
         placed: list[dict[torch.device, torch.Tensor]] = [{} for _ in captured.state]
         self.stages: list[Stage] = []
         self.stage_entries: list[dict[int, torch.Tensor]] = []  # per stage: state index -> its tensor
@@ -153,19 +93,19 @@ class SplitProgram:
             for target, obj in piece.attrs.items():
                 idx = captured.target_to_entry.get(target)
                 if idx is None:  # a submodule, e.g. the body of a higher-order op
-                    _attach(holder, target, obj)
+                    attach(holder, target, obj)
                     continue
                 entry = captured.state[idx]
-                copy = placed[idx].setdefault(device, _place(entry.tensor, device))
+                copy = placed[idx].setdefault(device, place(entry.tensor, device))
                 entries[idx] = copy
-                _attach(holder, target, copy, entry.persistent)
+                attach(holder, target, copy, entry.persistent)
             if piece.index == 0:
                 used = set(captured.target_to_entry.values())
                 for idx, entry in enumerate(captured.state):
                     if idx not in used and entry.aliases:  # unused state stays with stage 0
-                        copy = placed[idx].setdefault(device, _place(entry.tensor, device))
+                        copy = placed[idx].setdefault(device, place(entry.tensor, device))
                         entries[idx] = copy
-                        _attach(holder, entry.name, copy, entry.persistent)
+                        attach(holder, entry.name, copy, entry.persistent)
             module = fx.GraphModule(holder, piece.graph, class_name=f"Stage{piece.index}")
             cost = plan.stage_costs[piece.index] if plan.stage_costs else 0.0
             self.stages.append(
@@ -181,7 +121,7 @@ class SplitProgram:
                         f"buffer {captured.state[idx].name!r} is updated in place by stages on different devices "
                         f"({', '.join(map(str, copies))}); put those stages on one device."
                     )
-                tied = _Tied(owner, [t for t in copies.values() if t is not owner])
+                tied = Tied(owner, [t for t in copies.values() if t is not owner])
                 tied.hook()
                 self._tied.append(tied)
         root = nn.Module()
@@ -329,11 +269,7 @@ class SplitProgram:
             tied.sync()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        for p in self.parameters():
-            if set_to_none:
-                p.grad = None
-            elif p.grad is not None:
-                p.grad.zero_()
+        zero_grads(self.parameters(), set_to_none)
 
     # -------------------------------------------------------------- inspection
     def report(self) -> str:

@@ -1,0 +1,82 @@
+"""Where a program's parameters and buffers live: per-stage copies and tied replicas."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+
+@dataclass
+class Tied:
+    """A tensor held by stages on several devices: one owner, replicas kept in sync.
+
+    Replica gradients are added into the owner's gradient as soon as they are
+    accumulated, so the tensor has a single gradient; replicas are refreshed from
+    the owner whenever it changed (e.g. after an optimizer step).
+    """
+
+    owner: torch.Tensor
+    replicas: list[torch.Tensor]
+    version: int = -1
+    handles: list[Any] = field(default_factory=list)
+    deferred: bool = False  # while True, replica gradients wait for flush() (multi-threaded runtimes)
+
+    def hook(self) -> None:
+        if not isinstance(self.owner, nn.Parameter) or not self.owner.requires_grad:
+            return
+
+        def move_grad(p: torch.Tensor) -> None:
+            if not self.deferred:
+                self._move(p)
+
+        self.handles = [r.register_post_accumulate_grad_hook(move_grad) for r in self.replicas]
+
+    def _move(self, p: torch.Tensor) -> None:
+        if p.grad is None:
+            return
+        g = p.grad.to(self.owner.device)
+        self.owner.grad = g if self.owner.grad is None else self.owner.grad + g
+        p.grad = None
+
+    def flush(self) -> None:
+        for r in self.replicas:
+            self._move(r)
+
+    def sync(self) -> None:
+        if self.owner._version != self.version:
+            with torch.no_grad():
+                for r in self.replicas:
+                    r.copy_(self.owner)
+            self.version = self.owner._version
+
+
+def attach(module: nn.Module, target: str, obj: Any, persistent: bool = True) -> None:
+    *prefix, leaf = target.split(".")
+    for part in prefix:
+        if not hasattr(module, part):
+            module.add_module(part, nn.Module())
+        module = getattr(module, part)
+    if isinstance(obj, nn.Parameter):
+        module.register_parameter(leaf, obj)
+    elif isinstance(obj, torch.Tensor):
+        module.register_buffer(leaf, obj, persistent=persistent)
+    else:
+        module.add_module(leaf, obj)
+
+
+def place(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if t.device == device:
+        return t
+    moved = t.detach().to(device, copy=True)  # a replica never aliases the owner
+    return nn.Parameter(moved, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else moved
+
+
+def zero_grads(params: Iterable[torch.Tensor], set_to_none: bool = True) -> None:
+    for p in params:
+        if set_to_none:
+            p.grad = None
+        elif p.grad is not None:
+            p.grad.zero_()
