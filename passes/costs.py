@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 import logging
 from collections import Counter
 from dataclasses import replace
@@ -35,17 +36,10 @@ def _is_sendable(val: Any) -> bool:
     return isinstance(val, (torch.Tensor,) + _SCALAR_TYPES)
 
 
-def _attr(gm: fx.GraphModule, target: str) -> Any:
-    obj: Any = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
 def _subgraph_flops(gm: fx.GraphModule, node: fx.Node) -> OpFlops | None:
     """FLOPs of a higher-order op (e.g. ``wrap_with_set_grad_enabled``): its body's sum."""
     bodies = [a for a in node.args if isinstance(a, fx.Node) and a.op == "get_attr"]
-    subs = [_attr(gm, str(b.target)) for b in bodies]
+    subs = [operator.attrgetter(str(b.target))(gm) for b in bodies]
     subs = [s for s in subs if isinstance(s, fx.GraphModule)]
     if not subs:
         return None
@@ -86,7 +80,7 @@ def annotate_costs(gm: fx.GraphModule, inputs_require_grad: Sequence[bool] = ())
             )
             continue
         if node.op == "get_attr":
-            obj = _attr(gm, str(node.target))
+            obj = operator.attrgetter(str(node.target))(gm)
             is_tensor = isinstance(obj, torch.Tensor)
             needs_grad[node] = is_tensor and obj.requires_grad
             from_input[node] = False

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 import difflib
 from typing import Any, Callable, Mapping, Sequence, Union
 
@@ -76,7 +77,7 @@ def evaluate(gm: fx.GraphModule, stages: list[list[str]], cost_name: str, cost_f
         params = {}
         for a in attrs:
             c = node_cost(a)
-            params[id(_resolve(gm, str(a.target)))] = c.param_bytes * (2 if c.trainable else 1)
+            params[id(operator.attrgetter(str(a.target))(gm))] = c.param_bytes * (2 if c.trainable else 1)
         memory.append(sum(params.values()) + sum(node_cost(n).out_bytes for n in nodes))
         out = 0
         for n in nodes:
@@ -96,13 +97,6 @@ def evaluate(gm: fx.GraphModule, stages: list[list[str]], cost_name: str, cost_f
         unknown_ops=unknown_ops(gm),
         source=source,
     )
-
-
-def _resolve(gm: fx.GraphModule, target: str) -> Any:
-    obj: Any = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 def plan_partition(

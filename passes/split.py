@@ -14,7 +14,6 @@ from typing import Any, Collection, Sequence
 
 import torch
 import torch.fx as fx
-from torch import nn
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from pipesplit import comm
@@ -161,7 +160,7 @@ def split_graph(
             outs = [n for n in produced if n in consumers]
         graph.output(tuple(env[o] for o in outs))
         graph.lint()
-        attr_objs = {t: _fetch(gm, t) for t in attrs[s]}
+        attr_objs = {t: operator.attrgetter(t)(gm) for t in attrs[s]}
         pieces.append(StagePiece(s, graph, attr_objs, inputs, [o.name for o in outs], list(names)))
 
     root, boundaries = _root_graph(gm, pieces, placeholders, devices, stage_of, by_name)
@@ -199,13 +198,6 @@ def _root_graph(
     last = pieces[-1]
     root.output(tuple(produced[name] for name in last.outputs))
     return root, boundaries
-
-
-def _fetch(root: nn.Module, target: str) -> Any:
-    obj: Any = root
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 def check_devices(devices: Sequence[Any], num_stages: int) -> list[str]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 import inspect
 import logging
 import os
@@ -241,7 +242,7 @@ def capture(model: nn.Module, args: Any, kwargs: dict[str, Any] | None = None) -
     for node in gm.graph.nodes:
         if node.op != "get_attr":
             continue
-        obj = _fetch(gm, node.target)
+        obj = operator.attrgetter(node.target)(gm)
         if not isinstance(obj, torch.Tensor):
             continue
         idx = by_id.get(id(obj), names_to_entry.get(node.target))
@@ -283,13 +284,6 @@ def capture(model: nn.Module, args: Any, kwargs: dict[str, Any] | None = None) -
                      "the program accepts only that batch size")
         log.warning("pipesplit: %s", notes[-1])
     return captured
-
-
-def _fetch(root: nn.Module, target: str) -> Any:
-    obj: Any = root
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 def _rebind(root: nn.Module, target: str, tensor: torch.Tensor) -> None:
