@@ -64,6 +64,7 @@ def compile(
     comm: CommModel | None = None,
     memory: MemoryModel | None = None,
     recompute: str = "auto",
+    batch_dim: int = 0,
     progress: bool = True,
 ) -> SplitProgram:
     """Split ``model`` into pipeline stages that compute exactly what it computes.
@@ -94,6 +95,8 @@ def compile(
         memory: optimizer/gradient factors and checkpointing for the memory estimate.
         recompute: ``"auto"`` rebuilds cheap input-derived values (masks, rotary tables) in
             each stage that needs them instead of sending them; ``"never"`` sends everything.
+        batch_dim: the inputs' batch dimension, kept dynamic by export and cut into
+            microbatches by :class:`pipesplit.Pipeline`.
         progress: show a progress bar while profiling.
 
     >>> import torch, pipesplit
@@ -107,7 +110,7 @@ def compile(
         raise PlanError(f"num_stages must be at least 1, got {num_stages}.")
     timings: dict[str, float] = {}
     with _timed("capture", timings):
-        captured = capture(model, example_input, example_kwargs)
+        captured = capture(model, example_input, example_kwargs, batch_dim=batch_dim)
     device0 = str(devices[0]) if devices else _default_device(model)
     with _timed("annotate", timings):
         requires = [isinstance(x, torch.Tensor) and x.requires_grad for x in captured.example_flat]

@@ -73,23 +73,26 @@ class Captured:
     def mutated_names(self) -> set[str]:
         return {self.state[self.target_to_entry[t]].name for t in self.mutated_targets if t in self.target_to_entry}
 
+    batch_dim: int = 0
+
     @property
     def batch_dynamic(self) -> bool:
-        tensors = [i for i in self.inputs if i.is_tensor and i.shape]
-        return bool(tensors) and all(i.shape[0] is None for i in tensors if i.shape)
+        d = self.batch_dim
+        tensors = [i for i in self.inputs if i.is_tensor and i.shape and len(i.shape) > d]
+        return bool(tensors) and all(i.shape[d] is None for i in tensors if i.shape)
 
 
 def _as_args(example_input: Any) -> tuple[Any, ...]:
     return example_input if isinstance(example_input, tuple) else (example_input,)
 
 
-def _dynamic_shapes(model: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
-    """Mark dim 0 of every tensor input ``Dim.AUTO``: dynamic wherever the model allows."""
+def _dynamic_shapes(model: nn.Module, args: tuple, kwargs: dict, batch_dim: int) -> dict[str, Any]:
+    """Mark the batch dim of every tensor input ``Dim.AUTO``: dynamic wherever the model allows."""
     bound = inspect.signature(model.forward).bind(*args, **kwargs)
 
     def spec(x: Any) -> Any:
-        if isinstance(x, torch.Tensor) and x.dim() >= 1:
-            return {0: Dim.AUTO}
+        if isinstance(x, torch.Tensor) and x.dim() > batch_dim:
+            return {batch_dim: Dim.AUTO}
         return None
 
     return {name: pytree.tree_map(spec, value) for name, value in bound.arguments.items()}
@@ -201,7 +204,7 @@ def _input_infos(gm: fx.GraphModule, example_flat: list[Any]) -> list[InputInfo]
     return infos
 
 
-def capture(model: nn.Module, args: Any, kwargs: dict[str, Any] | None = None) -> Captured:
+def capture(model: nn.Module, args: Any, kwargs: dict[str, Any] | None = None, batch_dim: int = 0) -> Captured:
     """Export ``model`` on the example inputs; the batch dimension is made dynamic where possible.
 
     >>> cap = capture(torch.nn.Linear(4, 2), torch.randn(3, 4))
@@ -213,7 +216,7 @@ def capture(model: nn.Module, args: Any, kwargs: dict[str, Any] | None = None) -
     args = _as_args(args)
     kwargs = dict(kwargs or {})
     try:
-        dyn = _dynamic_shapes(model, args, kwargs)
+        dyn = _dynamic_shapes(model, args, kwargs, batch_dim)
     except TypeError as e:
         raise CaptureError(
             f"the example inputs do not fit {type(model).__name__}.forward{inspect.signature(model.forward)}: {e}. "
@@ -273,13 +276,15 @@ def capture(model: nn.Module, args: Any, kwargs: dict[str, Any] | None = None) -
         export_seconds=export_seconds,
         training=model.training,
         notes=notes,
+        batch_dim=batch_dim,
     )
-    tensor_inputs = [i for i in infos if i.is_tensor and i.shape]
+    d = batch_dim
+    tensor_inputs = [i for i in infos if i.is_tensor and i.shape and len(i.shape) > d]
     if tensor_inputs and not captured.batch_dynamic:
-        pinned = [f"{i.name}[0]={s}" for i, x in zip(infos, flat) if i.is_tensor and i.shape and i.shape[0] is not None
-                  for s in [x.shape[0]]]
+        pinned = [f"{i.name}[{d}]={x.shape[d]}" for i, x in zip(infos, flat)
+                  if i.is_tensor and i.shape and len(i.shape) > d and i.shape[d] is not None]
         why = " (an example batch of size 1 always pins it: use a batch of 2 or more)" if any(
-            isinstance(x, torch.Tensor) and x.dim() and x.shape[0] == 1 for x in flat) else ""
+            isinstance(x, torch.Tensor) and x.dim() > d and x.shape[d] == 1 for x in flat) else ""
         notes.append(f"the model pins the batch dimension ({', '.join(pinned)}){why}; "
                      "the program accepts only that batch size")
         log.warning("pipesplit: %s", notes[-1])

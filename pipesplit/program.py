@@ -56,29 +56,31 @@ class SplitProgram:
         self.training = captured.training
         self.mutated_targets = set(captured.mutated_targets)
         self.export_seconds = captured.export_seconds
+        self.batch_dim = d = captured.batch_dim  # the dimension microbatches are cut along
         # the example's batch size (the first input with a dynamic batch dimension), None if none has one
         self.example_batch: int | None = next(
-            (int(x.shape[0]) for x, i in zip(captured.example_flat, captured.inputs)
-             if i.is_tensor and i.shape and i.shape[0] is None and isinstance(x, torch.Tensor)), None
+            (int(x.shape[d]) for x, i in zip(captured.example_flat, captured.inputs)
+             if i.is_tensor and i.shape and len(i.shape) > d and i.shape[d] is None and isinstance(x, torch.Tensor)),
+            None,
         )
         self._captured_gm = captured.gm
         self._state = captured.state
         self._state_keys = captured.state_keys
         self._outputs = split.outputs
         self._batch_symbols = {
-            v.meta["val"].shape[0].node.expr
+            v.meta["val"].shape[d].node.expr
             for v in captured.gm.graph.nodes
             if v.op == "placeholder"
             and isinstance(v.meta.get("val"), torch.Tensor)
-            and v.meta["val"].dim() > 0
-            and static_dim(v.meta["val"].shape[0]) is None
+            and v.meta["val"].dim() > d
+            and static_dim(v.meta["val"].shape[d]) is None
         }
         out_node = next(n for n in captured.gm.graph.nodes if n.op == "output")
         self.output_batched = [
             isinstance(v, fx.Node)
             and isinstance(v.meta.get("val"), torch.Tensor)
-            and v.meta["val"].dim() > 0
-            and static_dim(v.meta["val"].shape[0]) is None
+            and v.meta["val"].dim() > d
+            and static_dim(v.meta["val"].shape[d]) is None
             for v in out_node.args[0]
         ]
         self._tied: list[Tied] = []
@@ -278,17 +280,22 @@ class SplitProgram:
 
         return format_report(self)
 
-    def to_dot(self, detail: str = "module", depth: int | None = None) -> str:
-        """The split graph as DOT text (no graphviz binary needed); see :mod:`pipesplit.dot`."""
+    def to_dot(self, detail: str = "module", depth: int | None = None, stage_times: Any = None) -> str:
+        """The split graph as DOT text (no graphviz binary needed); see :mod:`pipesplit.dot`.
+
+        Clusters are shaded by stage cost, or by ``stage_times`` (seconds per stage) when given.
+        """
         from pipesplit.dot import program_dot
 
-        return program_dot(self, detail=detail, depth=depth)
+        return program_dot(self, detail=detail, depth=depth, stage_times=stage_times)
 
-    def render(self, path: str | os.PathLike[str], detail: str = "module", depth: int | None = None) -> str:
+    def render(
+        self, path: str | os.PathLike[str], detail: str = "module", depth: int | None = None, stage_times: Any = None
+    ) -> str:
         """Render the split graph to ``path`` (format from its suffix: .svg, .png, .pdf, .dot)."""
         from pipesplit.dot import render
 
-        return render(self, path, detail=detail, depth=depth)
+        return render(self, path, detail=detail, depth=depth, stage_times=stage_times)
 
     def __repr__(self) -> str:
         devs = ", ".join(str(s.device) for s in self.stages)

@@ -232,3 +232,31 @@ def test_a_stuck_stage_times_out_naming_the_rank():
         pipe.step(torch.randn(4, 16), target=torch.randn(4, 4))
     assert time.monotonic() - start < 10
     assert "gradient" in str(info.value)
+
+
+class SeqFirst(torch.nn.Module):
+    """Takes (time, batch, features): the batch is dimension 1."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(8, 8)
+        self.b = torch.nn.Linear(8, 8)
+        self.c = torch.nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.c(torch.tanh(self.b(torch.relu(self.a(x)))))
+
+
+def test_batch_dimension_is_configurable():
+    torch.manual_seed(0)
+    model = SeqFirst()
+    prog = pipesplit.compile(model, torch.randn(5, 2, 8), num_stages=3, batch_dim=1)
+    assert prog.inputs[0].shape == (5, None, 8)
+    pipe = pipesplit.Pipeline(prog, "1f1b", n_microbatches=2, loss_fn=dot_loss, loss_reduction="sum")
+    x, t = torch.randn(5, 6, 8), torch.randn(5, 6, 3)
+    ref, want = reference(model, (x,), {}, t)
+    torch.testing.assert_close(pipe.step(x, target=t), want, rtol=1e-5, atol=1e-5)
+    assert_grads(pipe, ref)
+    torch.testing.assert_close(pipe.eval(x), model(x), rtol=1e-5, atol=1e-6)
+    with pytest.raises(pipesplit.PipesplitError, match="batch_dim=0"):
+        pipesplit.Pipeline(prog, "1f1b", n_microbatches=2, loss_fn=dot_loss, batch_dim=0)

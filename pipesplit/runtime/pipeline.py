@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 import weakref
+from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -13,7 +15,9 @@ from torch import nn
 
 from pipesplit.errors import PipesplitError, ScheduleError
 from pipesplit.program import SplitProgram
+from pipesplit.state import zero_grads
 from pipesplit.runtime.microbatch import merge_outputs, split_microbatches, split_target
+from pipesplit.runtime.trace import Trace
 from pipesplit.runtime.transport import Aborted, DistTransport, LocalTransport
 from pipesplit.runtime.worker import StageWorker, StepData
 from pipesplit.schedules import ActionKind, Schedule, get_schedule, schedule_info, validate
@@ -116,7 +120,7 @@ class Pipeline:
         loss_fn: LossFn | None = None,
         *,
         n_ranks: int | None = None,
-        batch_dim: int = 0,
+        batch_dim: int | None = None,  # default: the program's (compile(..., batch_dim=...))
         loss_reduction: str = "mean",  # "mean": loss_fn averages over the batch; "sum": it sums
         checkpoint: bool | Sequence[int] = False,
         timeout: float = 300.0,
@@ -130,7 +134,13 @@ class Pipeline:
             executor = "distributed" if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 else "local"
         if executor not in ("local", "distributed"):
             raise PipesplitError(f"executor must be 'local', 'distributed' or 'auto', got {executor!r}.")
-        self.prog, self.loss_fn, self.batch_dim = prog, loss_fn, batch_dim
+        self.prog, self.loss_fn = prog, loss_fn
+        self.batch_dim = prog.batch_dim if batch_dim is None else batch_dim
+        if self.batch_dim != prog.batch_dim:
+            raise PipesplitError(
+                f"batch_dim={batch_dim} but the program was compiled with batch_dim={prog.batch_dim}, so only that "
+                "dimension may change size; compile with pipesplit.compile(..., batch_dim=...) to match."
+            )
         self.n_microbatches, self.loss_reduction, self.timeout = n_microbatches, loss_reduction, timeout
         self.executor = executor
         if executor == "distributed":
@@ -171,6 +181,7 @@ class Pipeline:
             self.transport = LocalTransport(timeout)
             self._tied_groups = []
         self._threads: _RankThreads | None = None  # the local executor's rank threads, started on first use
+        self._tracer: Trace | None = None  # set inside `with self.trace():`
         streams = {}
         for s in local:
             if s.device.type == "cuda":
@@ -181,6 +192,26 @@ class Pipeline:
             )
             for s in local
         }
+
+    @contextmanager
+    def trace(self) -> Iterator[Trace]:
+        """Record when every action of the steps run inside the block ran.
+
+        ``with pipe.trace() as tr: pipe.step(x, target=y)``; then ``tr.timeline()`` is the
+        measured timeline of the last step and ``tr.to_chrome("trace.json")`` writes a
+        Chrome / Perfetto trace (see :mod:`pipesplit.runtime.trace`). Under ``torchrun``
+        each process records its own rank's actions.
+        """
+        tracer = Trace(self.schedule)
+        for w in self.workers.values():
+            w.tracer = tracer
+        self._tracer = tracer
+        try:
+            yield tracer
+        finally:
+            self._tracer = None
+            for w in self.workers.values():
+                w.tracer = None
 
     # ---------------------------------------------------------------- parameters
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
@@ -200,11 +231,7 @@ class Pipeline:
         return (p for _, p in self.named_parameters())
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        for p in self.parameters():
-            if set_to_none:
-                p.grad = None
-            elif p.grad is not None:
-                p.grad.zero_()
+        zero_grads(self.parameters(), set_to_none)
 
     # ------------------------------------------------------------------ running
     def _prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any], target: Any, training: bool) -> StepData:
@@ -241,6 +268,17 @@ class Pipeline:
         return pytree.tree_unflatten(merged, self.prog.out_spec)
 
     def _run(self, actions: Any, data: StepData) -> None:
+        tracer = self._tracer
+        if tracer is None:
+            self._execute(actions, data)
+            return
+        tracer.begin_step(time.perf_counter())
+        try:
+            self._execute(actions, data)
+        finally:
+            tracer.end_step(time.perf_counter())
+
+    def _execute(self, actions: Any, data: StepData) -> None:
         self.prog.sync_tied()
         if self.executor == "distributed":
             for a in actions[self.rank]:
