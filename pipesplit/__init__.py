@@ -1,6 +1,7 @@
 """pipesplit: split PyTorch models into balanced pipeline stages."""
 
 from pipesplit.api import compile
+from pipesplit.bench import BenchmarkResult, BenchRow, benchmark
 from pipesplit.errors import (
     CaptureError,
     CostError,
@@ -16,6 +17,9 @@ from pipesplit.runtime import Pipeline
 
 __all__ = [
     "compile",
+    "benchmark",
+    "BenchmarkResult",
+    "BenchRow",
     "Pipeline",
     "Plan",
     "SplitProgram",

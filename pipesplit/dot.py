@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from collections import Counter
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 import graphviz
 import torch.fx as fx
@@ -52,8 +52,14 @@ def _edge_label(b: Any) -> str:
     return f"{b.name}\\n[{shape}] {dtype}\\n{human_bytes(b.nbytes)}"
 
 
-def build_dot(prog: "SplitProgram", detail: str = "module", depth: int | None = None) -> graphviz.Digraph:
-    """A ``graphviz.Digraph`` of the program (building it needs no graphviz binary)."""
+def build_dot(
+    prog: "SplitProgram", detail: str = "module", depth: int | None = None, stage_times: Sequence[float] | None = None
+) -> graphviz.Digraph:
+    """A ``graphviz.Digraph`` of the program (building it needs no graphviz binary).
+
+    Stage clusters are shaded by the plan's stage costs, or by ``stage_times`` (seconds,
+    e.g. measured by :func:`pipesplit.benchmark`) when given.
+    """
     if detail not in ("module", "node"):
         raise PipesplitError(f"detail must be 'module' or 'node', got {detail!r}.")
     if detail == "module" and depth is None:
@@ -61,7 +67,9 @@ def build_dot(prog: "SplitProgram", detail: str = "module", depth: int | None = 
     dot = graphviz.Digraph("pipesplit", graph_attr={"rankdir": "TB", "compound": "true", "fontname": "Helvetica"},
                            node_attr={"shape": "box", "style": "rounded,filled", "fontname": "Helvetica", "fontsize": "10"},
                            edge_attr={"fontname": "Helvetica", "fontsize": "9"})
-    costs = prog.plan.stage_costs or [0.0] * prog.num_stages
+    if stage_times is not None and len(stage_times) != prog.num_stages:
+        raise PipesplitError(f"stage_times has {len(stage_times)} entries for {prog.num_stages} stages.")
+    costs = list(stage_times) if stage_times is not None else (prog.plan.stage_costs or [0.0] * prog.num_stages)
     top = max(costs) or 1.0
     where: dict[tuple[int, str], str] = {}  # (stage, value name) -> dot node id
     passed: dict[tuple[int, str], str] = {}  # stage inputs no compute node uses (returned as they are)
@@ -70,7 +78,8 @@ def build_dot(prog: "SplitProgram", detail: str = "module", depth: int | None = 
         s = stage.index
         shade = _SHADES[min(int(costs[s] / top * (len(_SHADES) - 1) + 0.5), len(_SHADES) - 1)]
         with dot.subgraph(name=f"cluster_{s}") as sub:
-            sub.attr(label=f"stage {s} · {stage.device} · cost {human_count(costs[s])}", style="filled", fillcolor=shade)
+            what = f"{costs[s] * 1e3:.3g} ms" if stage_times is not None else f"cost {human_count(costs[s])}"
+            sub.attr(label=f"stage {s} · {stage.device} · {what}", style="filled", fillcolor=shade)
             graph = stage.module.graph
             members: dict[str, list[fx.Node]] = {}
             for n in graph.nodes:
@@ -133,16 +142,21 @@ def build_dot(prog: "SplitProgram", detail: str = "module", depth: int | None = 
     return dot
 
 
-def program_dot(prog: "SplitProgram", detail: str = "module", depth: int | None = None) -> str:
-    return build_dot(prog, detail, depth).source
+def program_dot(
+    prog: "SplitProgram", detail: str = "module", depth: int | None = None, stage_times: Sequence[float] | None = None
+) -> str:
+    return build_dot(prog, detail, depth, stage_times).source
 
 
-def render(prog: "SplitProgram", path: str | os.PathLike[str], detail: str = "module", depth: int | None = None) -> str:
+def render(
+    prog: "SplitProgram", path: str | os.PathLike[str], detail: str = "module", depth: int | None = None,
+    stage_times: Sequence[float] | None = None,
+) -> str:
     """Write the graph to ``path``; the suffix picks the format. Needs graphviz's ``dot`` except for .dot/.gv."""
     path = os.fspath(path)
     stem, ext = os.path.splitext(path)
     fmt = ext.lstrip(".") or "svg"
-    dot = build_dot(prog, detail, depth)
+    dot = build_dot(prog, detail, depth, stage_times)
     if fmt in ("dot", "gv"):
         with open(path, "w") as f:
             f.write(dot.source)

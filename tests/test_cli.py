@@ -102,3 +102,152 @@ def test_malformed_option_is_an_argparse_error(capsys):
         main(["demo", "--stages", "two"])
     assert info.value.code == 2
     assert "invalid int value: 'two'" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ demo: training and benchmark
+def test_demo_trains_and_benchmarks(demo):
+    done, out = demo
+    assert done.returncode == 0, done.stderr
+    trained = re.search(r"pipeline training \(1f1b, 4 microbatches of 2\): loss (\S+) -> (\S+) over 3 steps",
+                        done.stdout)
+    assert trained and float(trained.group(2)) < float(trained.group(1))
+    for schedule in ("gpipe", "1f1b", "zb_h1"):
+        assert re.search(rf"^\| 2 \| {schedule} \| 4 \| flops \|", done.stdout, re.M), done.stdout
+    assert "fastest:" in done.stdout
+    assert (out / "bench.csv").read_text().count("\n") == 4
+    assert (out / "timeline.png").stat().st_size > 10_000
+    assert '"traceEvents"' in (out / "trace.json").read_text()
+
+
+# ------------------------------------------------------------------ split, bench, schedule
+FACTORY = '''
+import torch
+from torch import nn
+
+
+def build(depth=4, width=32):
+    return nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(depth)])
+
+
+def broken():
+    raise ValueError("no weights here")
+'''
+
+
+@pytest.fixture
+def factory_dir(tmp_path):
+    (tmp_path / "mynet.py").write_text(FACTORY)
+    return tmp_path
+
+
+def _dot_parses(path: Path) -> None:
+    src = path.read_text()
+    assert src.startswith("digraph") and src.count("{") == src.count("}")
+    if shutil.which("dot"):
+        done = subprocess.run(["dot", "-Tsvg", str(path)], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0 and "<svg" in done.stdout, done.stderr
+
+
+def test_split_end_to_end(factory_dir):
+    # the console script, run where the user's module lives (it is not on sys.path otherwise)
+    done = run([_console_script(), "split", "mynet:build", "--kwarg", "depth=6", "--input-shape", "8x32",
+                "--stages", "3", "--dot", "out/s.dot", "--plan-out", "out/plan.json"]
+               + (["--svg", "out/s.svg"] if shutil.which("dot") else []), factory_dir)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.split()[:3] == ["stage", "device", "nodes"])
+    assert [int(line.split()[0]) for line in lines[header + 2:header + 5]] == [0, 1, 2]
+    _dot_parses(factory_dir / "out" / "s.dot")
+    plan = pipesplit.Plan.load(factory_dir / "out" / "plan.json")
+    assert plan.num_stages == 3 and all(plan.stages)
+    if shutil.which("dot"):
+        assert "<svg" in (factory_dir / "out" / "s.svg").read_text()
+
+
+def test_bench_end_to_end(tmp_path):
+    done = run([sys.executable, "-m", "pipesplit", "bench", "pipesplit.models:gpt", "--input-shape", "4x16:int64",
+                "--int-high", "64", "--kwarg", "layers=2", "--kwarg", "dim=32", "--kwarg", "vocab=64",
+                "--kwarg", "seq=16", "--stages", "2", "--schedules", "gpipe,zb_h1", "--microbatches", "2",
+                "--warmup", "1", "--repeats", "2", "--out", "res", "--no-progress"], tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr
+    assert done.stdout.splitlines()[0].split()[:3] == ["stages", "schedule", "m"]
+    assert "fastest:" in done.stdout
+    out = tmp_path / "res"
+    csv_lines = (out / "bench.csv").read_text().splitlines()
+    assert len(csv_lines) == 3 and csv_lines[0].startswith("num_stages,schedule,n_microbatches,cost")
+    assert len((out / "bench.md").read_text().splitlines()) == 4
+    for png in ("bench.png", "balance.png", "timeline.png"):
+        data = (out / png).read_bytes()
+        assert data[:4] == b"\x89PNG" and len(data) > 10_000, png
+    assert '"traceEvents"' in (out / "trace.json").read_text()
+    _dot_parses(out / "split.dot")
+
+
+def test_schedule_end_to_end(tmp_path):
+    done = run([_console_script(), "schedule", "zb_h1", "--stages", "4", "--microbatches", "8", "--png", "z.png"],
+               tmp_path)
+    assert done.returncode == 0, done.stderr
+    sim = pipesplit.schedules.simulate(pipesplit.schedules.get_schedule("zb_h1", n_stages=4, n_microbatches=8), 1.0)
+    assert sim.to_text() in done.stdout
+    assert f"simulated bubble: {100 * sim.bubble_fraction:.1f}%" in done.stdout
+    assert (tmp_path / "z.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_schedule_without_a_name_lists_them(capsys):
+    assert main(["schedule"]) == 0
+    listed = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
+    assert listed == list(pipesplit.schedules.list_schedules())
+
+
+@pytest.mark.parametrize("command, flags", [
+    ("split", ["--input-shape", "--stages", "--cost", "--dot", "--svg", "--plan-out", "--kwarg", "--debug"]),
+    ("bench", ["--input-shape", "--stages", "--schedules", "--microbatches", "--cost", "--out", "--repeats"]),
+    ("schedule", ["--stages", "--microbatches", "--png", "--ranks"]),
+])
+def test_every_command_has_help(capsys, command, flags):
+    with pytest.raises(SystemExit) as info:
+        main([command, "--help"])
+    assert info.value.code == 0
+    text = capsys.readouterr().out
+    for flag in flags:
+        assert flag in text, flag
+
+
+# ------------------------------------------------------------------ bad input: one line, non-zero exit
+def _one_error_line(err: str) -> str:
+    assert "Traceback" not in err
+    errors = [line for line in err.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and errors[0].startswith("pipesplit: error: "), err
+    assert any(line.startswith("hint: ") for line in err.splitlines()), err
+    return errors[0]
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["schedule", "1f1c", "--stages", "4"], "Unknown schedule '1f1c'. Did you mean '1f1b'?"),
+    (["bench", "{f}:build", "--input-shape", "8x32", "--schedules", "gpipe,1f1c"], "Unknown schedule '1f1c'"),
+    (["split", "{f}:build", "--input-shape", "8x32", "--cost", "flopz"], "unknown cost 'flopz'"),
+    (["bench", "{f}:build", "--input-shape", "8x32", "--cost", "flops,flopz"], "unknown cost 'flopz'"),
+    (["split", "no_such_module_xyz:build", "--input-shape", "8x32"],
+     "cannot import module 'no_such_module_xyz' (ModuleNotFoundError"),
+    (["split", "{f}:buidl", "--input-shape", "8x32"], "has no attribute 'buidl'"),
+    (["split", "{f}:broken", "--input-shape", "8x32"], "failed: ValueError: no weights here"),
+    (["split", "{f}", "--input-shape", "8x32"], "expected MODULE:FACTORY"),
+    (["split", "{f}:build", "--input-shape", "8x31"], "input shape 8x31 does not fit Sequential"),
+    (["bench", "{f}:build", "--input-shape", "8x32", "--microbatches", "3"], "does not split into [3]"),
+    (["split", "{f}:build", "--input-shape", "8xx"], "is not a shape"),
+])
+def test_bad_input_is_one_line_and_a_hint(factory_dir, capsys, args, expected):
+    args = [a.replace("{f}", str(factory_dir / "mynet.py")) for a in args]
+    assert main(args) != 0
+    line = _one_error_line(capsys.readouterr().err)
+    assert expected in line, line
+
+
+def test_a_shape_that_does_not_fit_is_quiet_in_a_subprocess(factory_dir):
+    done = run([_console_script(), "split", "mynet:build", "--input-shape", "8x31", "--stages", "2"], factory_dir)
+    assert done.returncode == 2
+    line = _one_error_line(done.stderr)
+    assert "mat1 and mat2 shapes cannot be multiplied (8x31 and 32x32)" in line
+    assert len(done.stderr.splitlines()) <= 3, done.stderr
+    assert done.stdout == ""

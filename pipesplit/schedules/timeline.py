@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from pipesplit.errors import ScheduleError
 from pipesplit.schedules.actions import Action, ActionKind
@@ -149,12 +149,21 @@ class Timeline:
         """
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
+
+        longest = max(map(len, self.events), default=0)
+        fig = Figure(figsize=(max(6.0, 0.12 * longest), 0.6 * self.schedule.n_ranks + 1.4))
+        FigureCanvasAgg(fig)
+        self.draw(fig.add_subplot(), title=title)
+        fig.tight_layout()
+        out = Path(path)
+        fig.savefig(out, format="png", dpi=120)
+        return out
+
+    def draw(self, ax: Any, *, title: str | None = None, xlabel: str = "time") -> None:
+        """Draw the Gantt chart onto a matplotlib ``Axes`` (one row per rank)."""
         from matplotlib.patches import Patch
 
         s = self.schedule
-        fig = Figure(figsize=(max(6.0, 0.12 * max(map(len, self.events), default=0)), 0.6 * s.n_ranks + 1.4))
-        FigureCanvasAgg(fig)
-        ax = fig.add_subplot()
         for rank, events in enumerate(self.events):
             for event in events:
                 if not event.action.is_compute:
@@ -168,15 +177,11 @@ class Timeline:
                     ax.text(event.start + duration / 2, rank, str(event.action.microbatch),
                             ha="center", va="center", fontsize=6, color="white")
         ax.set_yticks(range(s.n_ranks), [f"rank {r}" for r in range(s.n_ranks)])
-        ax.invert_yaxis()
+        ax.set_ylim(s.n_ranks - 0.5, -0.5)
         ax.set_xlim(0, self.step_time or 1.0)
-        ax.set_xlabel("time")
+        ax.set_xlabel(xlabel)
         ax.set_title(title or f"{s.name}: p={s.n_ranks}, m={s.n_microbatches}, "
                      f"bubble {100 * self.bubble_fraction:.1f}%")
         used = {e.action.kind for rank in self.events for e in rank if e.action.is_compute}
         ax.legend(handles=[Patch(color=c, label=k.name.lower()) for k, c in _COLOURS.items() if k in used],
                   loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=4, fontsize=7, frameon=False)
-        fig.tight_layout()
-        out = Path(path)
-        fig.savefig(out, format="png", dpi=120)
-        return out

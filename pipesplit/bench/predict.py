@@ -1,0 +1,127 @@
+"""What the compiler predicts for a split under a schedule: stage times, step time, memory, bytes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from pipesplit.errors import InputError
+from pipesplit.meta import META_KEY, node_cost
+from pipesplit.passes.chain import compute_nodes
+from pipesplit.passes.objective import DEFAULT_FLOPS_PER_S, CommModel, MemoryModel, in_flight_per_stage
+from pipesplit.passes.planner import cost_function
+from pipesplit.passes.step_planner import node_seconds
+from pipesplit.program import SplitProgram
+from pipesplit.schedules import Schedule, StageCost, Timeline, simulate
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """The cost model's view of one configuration (seconds are per microbatch unless named _step)."""
+
+    costs: list[StageCost]
+    """Per stage forward, input-gradient and weight-gradient seconds of one microbatch."""
+    comm: list[float]
+    """Seconds to move one microbatch's boundary values across each cut (0 within a device)."""
+    timeline: Timeline
+    """The simulated step."""
+    memory: list[float]
+    """Estimated peak bytes per stage: parameters, their gradients, activations in flight."""
+
+
+def _stage_nodes(prog: SplitProgram) -> list[list[Any]]:
+    return [[n for n in compute_nodes(s.module) if META_KEY in n.meta] for s in prog.stages]
+
+
+def stage_seconds(prog: SplitProgram, cost: Any, scale: float) -> list[StageCost]:
+    """Per stage (F, I, W) seconds from the nodes' cost annotations, times ``scale``.
+
+    FLOPs become seconds at the default rate of each stage's device kind (as the
+    schedule-aware planner prices them); profiled costs use the profiled times; user
+    units keep their per-node weights, spread like FLOPs. ``scale`` turns the example
+    batch the program was compiled with into one microbatch.
+    """
+    name, fn = cost_function(cost)
+    per_stage = _stage_nodes(prog)
+    everything = [n for nodes in per_stage for n in nodes]
+    rates = [DEFAULT_FLOPS_PER_S.get(s.device.type, DEFAULT_FLOPS_PER_S["cpu"]) for s in prog.stages]
+    seconds = node_seconds(everything, name, fn, rates[0]) if everything else np.zeros((0, 3))
+    timed = name in ("profile", "hybrid")  # already seconds on each stage's own device
+    out, at = [], 0
+    for stage, nodes in enumerate(per_stage):
+        f, i, w = seconds[at:at + len(nodes)].sum(axis=0) * scale if nodes else (0.0, 0.0, 0.0)
+        at += len(nodes)
+        speed = 1.0 if timed else rates[0] / rates[stage]
+        out.append(StageCost(float(f) * speed, float(i) * speed, float(w) * speed))
+    return out
+
+
+def boundary_bytes_per_step(prog: SplitProgram, batch: int, n_microbatches: int, training: bool = True) -> int:
+    """Bytes all boundaries carry in one step: activations forward and, in training, gradients back."""
+    mb = batch // n_microbatches
+    total = 0
+    for b in prog.boundaries:
+        if b.kind != "tensor":
+            continue
+        try:
+            numel = int(np.prod(prog.resolve_shape(b, mb), dtype=np.int64))
+            nbytes = numel * (torch.empty((), dtype=b.dtype).element_size() if b.dtype else 4)
+        except InputError:  # a size that is not a function of the batch: fall back to the example's bytes
+            nbytes = b.nbytes // max(n_microbatches, 1)
+        total += nbytes * n_microbatches * (2 if training and b.requires_grad else 1)
+    return total
+
+
+def cut_seconds(prog: SplitProgram, batch: int, n_microbatches: int, comm: CommModel) -> list[float]:
+    """Per cut ``s -> s+1``, seconds to move one microbatch's values across it.
+
+    Stages on one device hand values over in memory, which costs nothing here.
+    """
+    mb = batch // n_microbatches
+    out = []
+    for s in range(prog.num_stages - 1):
+        src, dst = prog.stages[s].device, prog.stages[s + 1].device
+        if src == dst:
+            out.append(0.0)
+            continue
+        nbytes = 0.0
+        for b in prog.boundaries:
+            if b.kind == "tensor" and b.src <= s < b.dst:
+                try:
+                    numel = float(np.prod(prog.resolve_shape(b, mb)))
+                    nbytes += numel * torch.empty((), dtype=b.dtype).element_size()
+                except InputError:
+                    nbytes += b.nbytes / max(n_microbatches, 1)
+        out.append(comm.seconds(nbytes, str(src), str(dst)))
+    return out
+
+
+def memory_estimate(prog: SplitProgram, schedule: Schedule, scale: float, memory: MemoryModel) -> list[float]:
+    """Peak bytes per stage: state (parameters, gradients, optimizer factor) + activations in flight."""
+    in_flight = in_flight_per_stage(schedule)
+    out = []
+    for stage, nodes in zip(prog.stages, _stage_nodes(prog)):
+        state = sum(t.numel() * t.element_size() for t in stage.module.parameters())
+        state += sum(t.numel() * t.element_size() for t in stage.module.buffers())
+        act = sum(node_cost(n).out_bytes for n in nodes) * scale
+        inputs = sum(b.nbytes for b in prog.boundaries if b.dst == stage.index) * scale
+        out.append(memory.stage_bytes(float(state), float(act), float(inputs), in_flight[stage.index]))
+    return out
+
+
+def predict(
+    prog: SplitProgram, schedule: Schedule, cost: Any, batch: int, *, comm: CommModel | None = None,
+    memory: MemoryModel | None = None,
+) -> Prediction:
+    """The cost model's prediction for running ``prog`` under ``schedule`` on batches of ``batch``."""
+    m = schedule.n_microbatches
+    example = prog.example_batch or batch
+    scale = (batch / m) / example
+    costs = stage_seconds(prog, cost, scale)
+    comm_s = cut_seconds(prog, batch, m, comm or CommModel())
+    timeline = simulate(schedule, costs, comm_cost=comm_s if comm_s else 0.0)
+    mem = memory_estimate(prog, schedule, scale, memory or MemoryModel(optimizer_factor=0.0))
+    return Prediction(costs, comm_s, timeline, mem)

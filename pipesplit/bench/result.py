@@ -1,0 +1,226 @@
+"""The benchmark's result: one row per configuration, as a table, CSV, Markdown and pictures."""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import io
+import os
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from pipesplit.errors import PipesplitError
+from pipesplit.report import human_bytes
+
+
+@dataclass(frozen=True)
+class BenchRow:
+    """Figures of one configuration. Per-stage lists are seconds of one microbatch."""
+
+    num_stages: int
+    schedule: str
+    n_microbatches: int
+    cost: str
+    n_ranks: int
+    devices: str
+    batch: int
+    predicted_fwd_s: tuple[float, ...]
+    predicted_bwd_s: tuple[float, ...]
+    """Predicted full backward (input- plus weight-gradient) per stage."""
+    measured_fwd_s: tuple[float, ...]
+    """Median compute time of the stage's forward actions in the pipelined steps."""
+    measured_bwd_s: tuple[float, ...]
+    """Median full backward (B, or I + W for split-backward schedules) in the pipelined steps."""
+    bottleneck_stage: int
+    """The stage with the largest measured forward + backward time."""
+    predicted_bottleneck_stage: int
+    balance: float
+    """Measured bottleneck stage time over the mean stage time (1.0 = perfectly balanced)."""
+    predicted_balance: float
+    boundary_bytes: int
+    """Bytes crossing stage boundaries in one step (activations forward, gradients back)."""
+    predicted_step_s: float
+    measured_step_s: float
+    """Median wall time of ``Pipeline.step`` over the repeats."""
+    measured_step_spread_s: float
+    """Half the range (max - min) of the repeats' step times."""
+    step_ratio: float
+    """measured_step_s / predicted_step_s."""
+    predicted_bubble: float
+    measured_bubble: float
+    """Idle share of the ranks' time in the median step (waits on receives count as idle)."""
+    peak_memory_bytes: tuple[float, ...]
+    memory_source: str
+    """"measured" (CUDA allocator peak of each stage's device) or "estimated" (the cost model's)."""
+    throughput: float
+    """Samples per second at the measured step time."""
+    repeats: int
+
+    @property
+    def label(self) -> str:
+        return f"{self.num_stages} stages, {self.schedule}, m={self.n_microbatches}, {self.cost}"
+
+    @property
+    def measured_stage_s(self) -> tuple[float, ...]:
+        return tuple(f + b for f, b in zip(self.measured_fwd_s, self.measured_bwd_s))
+
+    @property
+    def predicted_stage_s(self) -> tuple[float, ...]:
+        return tuple(f + b for f, b in zip(self.predicted_fwd_s, self.predicted_bwd_s))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _ms(x: float) -> str:
+    return f"{x * 1e3:.3g}"
+
+
+def _stages_ms(xs: Sequence[float]) -> str:
+    return " / ".join(_ms(x) for x in xs)
+
+
+_COLUMNS = [  # (header, cell) for the printed and Markdown tables
+    ("stages", lambda r: str(r.num_stages)),
+    ("schedule", lambda r: r.schedule),
+    ("m", lambda r: str(r.n_microbatches)),
+    ("cost", lambda r: r.cost),
+    ("pred step ms", lambda r: _ms(r.predicted_step_s)),
+    ("meas step ms", lambda r: f"{_ms(r.measured_step_s)} ± {_ms(r.measured_step_spread_s)}"),
+    ("meas/pred", lambda r: f"{r.step_ratio:.2f}"),
+    ("bubble pred/meas", lambda r: f"{100 * r.predicted_bubble:.0f}% / {100 * r.measured_bubble:.0f}%"),
+    ("balance pred/meas", lambda r: f"{r.predicted_balance:.2f} / {r.balance:.2f}"),
+    ("bottleneck", lambda r: str(r.bottleneck_stage)),
+    ("boundary/step", lambda r: human_bytes(r.boundary_bytes)),
+    ("peak mem (max stage)", lambda r: human_bytes(max(r.peak_memory_bytes, default=0))
+     + (" est" if r.memory_source == "estimated" else "")),
+    ("samples/s", lambda r: f"{r.throughput:.4g}"),
+]
+_STAGE_COLUMNS = [
+    ("pred F ms/stage", lambda r: _stages_ms(r.predicted_fwd_s)),
+    ("meas F ms/stage", lambda r: _stages_ms(r.measured_fwd_s)),
+    ("pred B ms/stage", lambda r: _stages_ms(r.predicted_bwd_s)),
+    ("meas B ms/stage", lambda r: _stages_ms(r.measured_bwd_s)),
+]
+
+
+@dataclass
+class RunDetail:
+    """What a row was computed from: the program, the prediction and the trace of the measured steps."""
+
+    program: Any  # SplitProgram
+    prediction: Any  # pipesplit.bench.predict.Prediction
+    trace: Any  # pipesplit.runtime.trace.Trace
+    median_step: int  # index of the traced step whose time is the median
+
+
+@dataclass
+class BenchmarkResult:
+    """Rows of :func:`pipesplit.benchmark`, with tables, exports and pictures.
+
+    ``print(res)`` shows the table; ``res.best()`` is the fastest row; ``res.to_csv``,
+    ``res.to_markdown``, ``res.plot`` (step times and bubbles), ``res.plot_balance``,
+    ``res.plot_timeline`` (predicted vs measured Gantt), ``res.to_chrome_trace`` and
+    ``res.render_split`` export the rest.
+    """
+
+    rows: list[BenchRow]
+    details: list[RunDetail] = field(repr=False)
+    skipped: list[tuple[str, str]] = field(default_factory=list)  # (configuration, why)
+    meta: dict[str, Any] = field(default_factory=dict)  # machine, date, batch, repeats
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __iter__(self) -> Any:
+        return iter(self.rows)
+
+    def best(self) -> BenchRow:
+        """The configuration with the lowest measured step time."""
+        if not self.rows:
+            raise PipesplitError("the benchmark has no rows: every configuration was skipped.")
+        return min(self.rows, key=lambda r: r.measured_step_s)
+
+    def _index(self, row: BenchRow | int | None) -> int:
+        if row is None:
+            return self.rows.index(self.best())
+        if isinstance(row, int):
+            if not -len(self.rows) <= row < len(self.rows):
+                raise PipesplitError(f"row {row} is out of range: the benchmark has {len(self.rows)} rows.")
+            return row % len(self.rows)
+        for i, r in enumerate(self.rows):
+            if r is row:
+                return i
+        raise PipesplitError("that row is not part of this benchmark result.")
+
+    # ------------------------------------------------------------------ tables
+    def _table(self, columns: Sequence[tuple[str, Any]]) -> list[list[str]]:
+        return [[h for h, _ in columns]] + [[cell(r) for _, cell in columns] for r in self.rows]
+
+    def __str__(self) -> str:
+        table = self._table(_COLUMNS)
+        widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+        lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in table]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        if self.rows:
+            b = self.best()
+            lines.append(f"\nfastest: {b.label}: {_ms(b.measured_step_s)} ms per step, {b.throughput:.4g} samples/s")
+        lines += [f"skipped {what}: {why}" for what, why in self.skipped]
+        return "\n".join(lines)
+
+    def to_markdown(self, per_stage: bool = True) -> str:
+        """A GitHub Markdown table (with the per-stage forward/backward columns unless ``per_stage=False``)."""
+        table = self._table(_COLUMNS + (_STAGE_COLUMNS if per_stage else []))
+        rule = "|" + "|".join(":--" if i < 4 else "--:" for i in range(len(table[0]))) + "|"
+        out = ["| " + " | ".join(table[0]) + " |", rule]
+        out += ["| " + " | ".join(row) + " |" for row in table[1:]]
+        return "\n".join(out)
+
+    def to_dicts(self) -> list[dict[str, Any]]:
+        return [r.to_dict() for r in self.rows]
+
+    def to_csv(self, path: str | os.PathLike[str] | None = None) -> str:
+        """The rows as CSV (per-stage lists joined with ``;``); written to ``path`` when given."""
+        names = [f.name for f in dataclasses.fields(BenchRow)]
+        buf = io.StringIO()
+        writer = csv.writer(buf, lineterminator="\n")
+        writer.writerow(names)
+        for r in self.rows:
+            writer.writerow([";".join(repr(x) for x in v) if isinstance(v, tuple) else v
+                             for v in (getattr(r, n) for n in names)])
+        text = buf.getvalue()
+        if path is not None:
+            with open(path, "w") as f:
+                f.write(text)
+        return text
+
+    # ---------------------------------------------------------------- pictures
+    def plot(self, path: str | os.PathLike[str]) -> str:
+        """PNG: predicted and measured step time and bubble of every configuration."""
+        from pipesplit.plots import plot_overview
+
+        return plot_overview(self.rows, path)
+
+    def plot_balance(self, path: str | os.PathLike[str]) -> str:
+        """PNG: predicted vs measured time of every stage, per configuration (relative to the stage mean)."""
+        from pipesplit.plots import plot_balance
+
+        return plot_balance(self.rows, path)
+
+    def plot_timeline(self, path: str | os.PathLike[str], row: BenchRow | int | None = None) -> str:
+        """PNG: the predicted and the measured Gantt chart of one configuration (default: the fastest)."""
+        from pipesplit.plots import plot_timelines
+
+        i = self._index(row)
+        d = self.details[i]
+        return plot_timelines(d.prediction.timeline, d.trace.timeline(d.median_step), path, self.rows[i].label)
+
+    def to_chrome_trace(self, path: str | os.PathLike[str], row: BenchRow | int | None = None) -> str:
+        """Write the measured steps of one configuration as a Chrome / Perfetto trace (JSON)."""
+        self.details[self._index(row)].trace.to_chrome(path)
+        return os.fspath(path)
+
+    def render_split(self, path: str | os.PathLike[str], row: BenchRow | int | None = None) -> str:
+        """The split graph of one configuration, clusters shaded by measured stage time (.dot, .svg, ...)."""
+        i = self._index(row)
+        return self.details[i].program.render(path, stage_times=list(self.rows[i].measured_stage_s))

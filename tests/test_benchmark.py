@@ -1,0 +1,191 @@
+"""pipesplit.benchmark on a tiny model: the table's shape and invariants, exports and pictures."""
+
+from __future__ import annotations
+
+import csv
+import io
+import itertools
+import json
+import math
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import pipesplit
+from pipesplit.bench.predict import predict
+from pipesplit.schedules import schedule_info
+from tests.zoo import MLP
+
+STAGES, SCHEDULES, MICRO, COSTS = [2, 3], ["gpipe", "1f1b", "zb_h1", "zb_v"], [2, 4], ["flops", "uniform"]
+BATCH = 8
+
+
+def mse(out, target):
+    return F.mse_loss(out, target)
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return MLP()
+
+
+@pytest.fixture(scope="module")
+def res(model):
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randn(BATCH, 16, generator=gen), torch.randn(BATCH, 4, generator=gen)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    out = pipesplit.benchmark(model, x, loss_fn=mse, target=y, num_stages=STAGES, schedules=SCHEDULES,
+                              n_microbatches=MICRO, cost=COSTS, warmup=1, repeats=3, progress=False)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items()), "the model must not change"
+    return out
+
+
+def test_one_row_per_runnable_configuration(res):
+    ran = {(r.num_stages, r.cost, r.schedule, r.n_microbatches) for r in res.rows}
+    assert len(ran) == len(res.rows)
+    every = set(itertools.product(STAGES, COSTS, SCHEDULES, MICRO))
+    skipped = {c for c in every if c[2] == "zb_v" and c[0] % 2}  # zb_v needs two stages per rank
+    assert ran == every - skipped
+    assert len(res.skipped) == len(skipped) and all("zb_v" in what for what, _ in res.skipped)
+    assert len(res) == len(res.rows) and list(res) == res.rows
+
+
+def test_rows_are_consistent(res):
+    for r in res.rows:
+        k = r.num_stages
+        for per_stage in (r.predicted_fwd_s, r.predicted_bwd_s, r.measured_fwd_s, r.measured_bwd_s,
+                          r.peak_memory_bytes):
+            assert len(per_stage) == k
+        assert all(v > 0 for v in r.measured_fwd_s + r.measured_bwd_s + r.predicted_fwd_s + r.predicted_bwd_s)
+        measured = r.measured_stage_s
+        assert all(measured[r.bottleneck_stage] >= t for t in measured)
+        assert r.balance == pytest.approx(max(measured) / (sum(measured) / k))
+        assert r.predicted_balance == pytest.approx(max(r.predicted_stage_s) / (sum(r.predicted_stage_s) / k))
+        assert r.balance >= 1.0 and r.predicted_balance >= 1.0
+        assert r.step_ratio == pytest.approx(r.measured_step_s / r.predicted_step_s)
+        assert r.throughput == pytest.approx(BATCH / r.measured_step_s)
+        assert 0.0 <= r.predicted_bubble < 1.0 and 0.0 <= r.measured_bubble < 1.0
+        assert r.measured_step_spread_s >= 0 and r.repeats == 3 and r.batch == BATCH
+        assert r.memory_source == "estimated" and all(m > 0 for m in r.peak_memory_bytes)
+        assert r.n_ranks == k // (schedule_info(r.schedule).constraints.stages_per_rank or 2)
+        if schedule_info(r.schedule).constraints.stages_per_rank == 1:  # the busiest rank works all the time
+            assert r.predicted_step_s >= r.n_microbatches * max(r.predicted_stage_s) * (1 - 1e-9)
+    assert res.best().measured_step_s == min(r.measured_step_s for r in res.rows)
+
+
+def test_boundary_bytes_count_activations_and_gradients(res):
+    for r in res.rows:
+        # MLP width 16, float32: each cut carries a [batch, 16] activation forward and its gradient back
+        assert r.boundary_bytes == (r.num_stages - 1) * BATCH * 16 * 4 * 2
+
+
+def test_prediction_scales_with_the_microbatch(res):
+    by = {(r.num_stages, r.cost, r.schedule, r.n_microbatches): r for r in res.rows}
+    for k, c in itertools.product(STAGES, COSTS):
+        two, four = by[(k, c, "gpipe", 2)], by[(k, c, "gpipe", 4)]
+        for a, b in zip(two.predicted_fwd_s, four.predicted_fwd_s):
+            assert a == pytest.approx(2 * b)
+    detail = res.details[0]
+    again = predict(detail.program, detail.trace.schedule, res.rows[0].cost, BATCH)
+    assert again.timeline.step_time == pytest.approx(res.rows[0].predicted_step_s)
+
+
+def test_text_markdown_and_csv(res, tmp_path):
+    text = str(res)
+    assert text.splitlines()[0].split()[:3] == ["stages", "schedule", "m"]
+    assert "fastest:" in text and "skipped" in text
+    md = res.to_markdown().splitlines()
+    assert len(md) == len(res.rows) + 2
+    assert len({line.count("|") for line in md}) == 1
+    assert len(res.to_markdown(per_stage=False).splitlines()[0]) < len(md[0])
+    path = tmp_path / "bench.csv"
+    res.to_csv(path)
+    rows = list(csv.DictReader(io.StringIO(path.read_text())))
+    assert len(rows) == len(res.rows)
+    for got, r in zip(rows, res.rows):
+        assert int(got["num_stages"]) == r.num_stages and got["schedule"] == r.schedule
+        assert float(got["measured_step_s"]) == r.measured_step_s
+        fwd = [float(v) for v in got["measured_fwd_s"].split(";")]
+        assert fwd == list(r.measured_fwd_s)
+
+
+def _png(path) -> None:
+    import matplotlib.image
+
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
+    img = matplotlib.image.imread(str(path))
+    assert img.shape[0] > 200 and img.shape[1] > 400
+    assert img[..., :3].std() > 0.05, "the picture is blank"
+
+
+def test_pictures(res, tmp_path):
+    for name, draw in [("overview.png", res.plot), ("balance.png", res.plot_balance),
+                       ("timeline.png", res.plot_timeline)]:
+        draw(tmp_path / name)
+        _png(tmp_path / name)
+    res.plot_timeline(tmp_path / "first.png", row=0)
+    _png(tmp_path / "first.png")
+
+
+def test_chrome_trace_of_the_fastest(res, tmp_path):
+    res.to_chrome_trace(tmp_path / "t.json")
+    events = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+    best = res.best()
+    steps = [e for e in events if e.get("cat") == "step"]
+    assert len(steps) == best.repeats
+    assert {e["tid"] for e in events if e["ph"] == "X" and e.get("cat") not in ("step", "wait")} == set(
+        range(best.num_stages))
+
+
+def test_split_graph_shaded_by_measured_time(res, tmp_path):
+    row = res.rows[-1]
+    path = res.render_split(tmp_path / "split.dot", row=row)
+    src = Path(path).read_text()
+    assert src.startswith("digraph") and src.count("subgraph cluster_") == row.num_stages
+    assert src.count(" ms\"") >= row.num_stages or src.count(" ms") >= row.num_stages
+    if shutil.which("dot"):
+        done = subprocess.run(["dot", "-Tsvg", path], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0 and "<svg" in done.stdout, done.stderr
+
+
+def test_a_compiled_program_is_benchmarked_as_it_is(model):
+    prog = pipesplit.compile(model, torch.randn(4, 16), num_stages=2)
+    out = pipesplit.benchmark(prog, torch.randn(BATCH, 16), schedules=["1f1b"], n_microbatches=[2, 4],
+                              warmup=0, repeats=1, progress=False)
+    assert [(r.num_stages, r.n_microbatches, r.cost) for r in out.rows] == [(2, 2, "flops"), (2, 4, "flops")]
+    assert all(math.isfinite(r.measured_step_s) for r in out.rows)
+    assert out.details[0].program is prog
+    with pytest.raises(pipesplit.PipesplitError, match="fixes num_stages"):
+        pipesplit.benchmark(prog, torch.randn(BATCH, 16), num_stages=3, progress=False)
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"schedules": ["1f1c"]}, pipesplit.ScheduleError, "Did you mean '1f1b'"),
+    ({"cost": ["flopz"]}, pipesplit.CostError, "Did you mean 'flops'"),
+    ({"n_microbatches": [3]}, pipesplit.InputError, "does not split into"),
+    ({"num_stages": [0]}, pipesplit.PipesplitError, "integers >= 1"),
+    ({"repeats": 0}, pipesplit.PipesplitError, "repeats >= 1"),
+])
+def test_bad_options_fail_before_compiling(model, monkeypatch, kwargs, error, match):
+    def no_compile(*a, **k):
+        raise AssertionError("compiled before checking the options")
+
+    monkeypatch.setattr("pipesplit.bench.run.compile_model", no_compile)
+    with pytest.raises(error, match=match):
+        pipesplit.benchmark(model, torch.randn(BATCH, 16), progress=False, **kwargs)
+
+
+@pytest.mark.cuda
+def test_on_cuda_peak_memory_is_measured(model):
+    out = pipesplit.benchmark(model, torch.randn(BATCH, 16), devices=["cuda"], schedules=["1f1b", "zb_h1"],
+                              warmup=1, repeats=2, progress=False)
+    for r in out.rows:
+        assert r.devices.startswith("cuda") and r.memory_source == "measured"
+        assert all(m > 0 for m in r.peak_memory_bytes)
+        assert all(t > 0 for t in r.measured_fwd_s + r.measured_bwd_s)
+        assert 0.0 <= r.measured_bubble < 1.0
