@@ -4,7 +4,9 @@ A per-node profile is noisy, and pure FLOP counts weigh elementwise and
 normalisation work (10-25% of a transformer's time) as zero. The hybrid model fits
 ``time = a * flops + b * bytes_moved + c`` to a quick profile by non-negative least
 squares, then prices every node with the fitted rates: smooth like FLOPs, but with
-memory-bound work weighed as the device actually runs it.
+memory-bound work weighed as the device actually runs it. A node's backward keeps the
+ratio to its forward that the profile measured (an embedding's dense table gradient
+is many times its forward; no FLOP ratio says so), applied to the fitted forward.
 """
 
 from __future__ import annotations
@@ -65,7 +67,11 @@ def calibrate(
     repeats: int = 3,
     progress: bool = True,
 ) -> Calibration:
-    """Profile ``gm`` briefly, fit the device rates, and store calibrated times on every node."""
+    """Profile ``gm`` briefly, fit the device rates, and store calibrated times on every node.
+
+    Backward times are the fitted forward times times each node's profiled backward /
+    forward ratio; nodes whose backward was not profiled keep the FLOP-ratio estimate.
+    """
     profile_nodes(gm, example_flat, device, mutated_targets=mutated_targets, warmup=1, repeats=repeats, progress=progress)
     nodes = [n for n in gm.graph.nodes if n.op in COMPUTE_OPS]
     x = np.array([[node_cost(n).fwd_flops, moved_bytes(n), 1.0] for n in nodes], dtype=np.float64)
@@ -78,5 +84,9 @@ def calibrate(
     r2 = 1.0 - float(((y - fitted) ** 2).sum()) / var if var > 0 else 1.0
     cal = Calibration(float(coef[0]), float(coef[1]), float(coef[2]), r2)
     for n, t in zip(nodes, fitted):
-        set_node_cost(n, node_cost(n).with_time(float(t)))
+        c = node_cost(n)
+        bwd = None
+        if c.bwd_time_s is not None and c.time_s:
+            bwd = float(t) * c.bwd_time_s / c.time_s
+        set_node_cost(n, c.with_time(float(t)).with_backward_time(bwd))
     return cal

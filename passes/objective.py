@@ -56,11 +56,19 @@ class MemoryModel:
     grad_factor: float = 1.0
     checkpoint: bool = False
 
+    @property
+    def state_factor(self) -> float:
+        """Bytes held per byte of trainable parameter: the weight, its gradient, optimizer state."""
+        return 1.0 + self.grad_factor + self.optimizer_factor
+
     def stage_bytes(self, param_bytes: float, act_bytes: float, input_bytes: float, in_flight: int) -> float:
-        state = param_bytes * (1.0 + self.grad_factor + self.optimizer_factor)
+        return self.held_bytes(param_bytes * self.state_factor, act_bytes, input_bytes, in_flight)
+
+    def held_bytes(self, state_bytes: float, act_bytes: float, input_bytes: float, in_flight: int) -> float:
+        """Like :meth:`stage_bytes` with ``state_bytes`` already counting gradients and optimizer state."""
         if self.checkpoint:
-            return state + input_bytes * in_flight + act_bytes
-        return state + act_bytes * in_flight
+            return state_bytes + input_bytes * in_flight + act_bytes
+        return state_bytes + act_bytes * in_flight
 
 
 @dataclass

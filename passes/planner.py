@@ -28,6 +28,8 @@ def _profile_cost(node: fx.Node) -> float:
     c = node_cost(node)
     if c.time_s is None:
         raise CostError(f"node {node.name!r} has no profiled time: run pipesplit.passes.profile.profile_nodes first.")
+    if c.bwd_time_s is not None:  # profiled backward
+        return c.time_s + c.bwd_time_s
     ratio = c.bwd_flops / c.fwd_flops if c.fwd_flops else (1.0 if c.bwd_flops else 0.0)
     return c.time_s * (1.0 + ratio)
 

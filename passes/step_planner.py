@@ -16,6 +16,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch.fx as fx
 
+from pipesplit.errors import PlanError
 from pipesplit.meta import node_cost
 from pipesplit.passes.chain import Chain
 from pipesplit.passes.objective import CommModel, MemoryModel, StageFigures, in_flight_per_stage, step_time
@@ -35,7 +36,9 @@ def node_seconds(
         c = node_cost(node)
         if timed and c.time_s is not None:
             f = c.time_s
-            if c.fwd_flops:
+            if c.bwd_time_s is not None:  # profiled backward
+                out[i] = (f, *c.backward_split(c.bwd_time_s))
+            elif c.fwd_flops:
                 out[i] = (f, f * c.igrad_flops / c.fwd_flops, f * c.wgrad_flops / c.fwd_flops)
             else:
                 out[i] = (f, f if c.requires_grad else 0.0, 0.0)
@@ -69,10 +72,11 @@ def figures_for(
     for s, (a, b) in enumerate(zip(bounds, bounds[1:])):
         f, i, w = seconds[a:b].sum(axis=0)
         costs.append(StageCost(float(f), float(i), float(w)))
+        # chain.mem already counts trainable state x (1 + grad + optimizer): see plan_partition
         state = float((chain.mem[a:b] - act[a:b]).sum())
         state += sum(nbytes for nbytes, pos in chain.shared if any(a <= p < b for p in pos))
         inputs = float(chain.cut_bytes[a]) if a > 0 else 0.0
-        mem.append(memory.stage_bytes(state, float(act[a:b].sum()), inputs, in_flight[s]))
+        mem.append(memory.held_bytes(state, float(act[a:b].sum()), inputs, in_flight[s]))
     comm_s = [comm.seconds(float(chain.cut_bytes[c]), device_kind, device_kind) for c in starts[1:]]
     return StageFigures(costs, comm_s, mem, list(in_flight))
 
@@ -93,7 +97,12 @@ def best_for_schedule(
     in_flight = in_flight_per_stage(schedule)
     if mem_cap is not None:
         limits = StageLimits(stage_memory_limits(chain, mem_cap, in_flight), limits.start_lo, limits.start_hi)
-    splits = solve_candidates(chain, k, SLACKS, limits=limits)
+    try:
+        splits = solve_candidates(chain, k, SLACKS, limits=limits)
+    except PlanError as e:
+        if mem_cap is None:
+            raise
+        raise PlanError(_memory_message(chain, schedule, in_flight, mem_cap, limits)) from e
     best: Candidate | None = None
     for split in splits:
         fig = figures_for(chain, split.starts, seconds, in_flight, memory, comm, device_kind)
@@ -102,6 +111,23 @@ def best_for_schedule(
             best = cand
     assert best is not None
     return best, step_lower_bound(seconds, schedule)
+
+
+def _memory_message(chain: Chain, schedule: Schedule, in_flight: Sequence[int], cap: int, limits: StageLimits) -> str:
+    act = chain.act if chain.act is not None else np.zeros(chain.n, dtype=np.int64)
+    state = int((chain.mem - act).sum()) + sum(nbytes for nbytes, _ in chain.shared)
+    one = int(act.sum())
+    pinned = " (and the pins)" if limits.start_lo is not None else ""
+    return (
+        f"no split into {schedule.n_stages} stages keeps every stage under max_stage_memory={cap:,} bytes under "
+        f"{schedule.name!r} with {schedule.n_microbatches} microbatches{pinned}: the stages keep {list(in_flight)} "
+        f"microbatches of activations in flight; the model's training state (parameters, gradients, optimizer) is "
+        f"{state:,} bytes and one microbatch's activations {one:,} bytes, so some stage holds at least "
+        f"{(state + one * min(in_flight)) // schedule.n_stages:,} bytes; the largest single operation holds "
+        f"{int(chain.node_memory().max(initial=0)):,} bytes with its parameters. Use more stages, fewer "
+        "microbatches in flight (a schedule that holds fewer, or smaller microbatches), activation "
+        "checkpointing, or a larger max_stage_memory."
+    )
 
 
 def step_lower_bound(seconds: np.ndarray, schedule: Schedule) -> float:

@@ -28,6 +28,7 @@ class NodeCost:
     requires_grad: bool = False  # its value carries a gradient in training
     known: bool = True  # False: no formula for the op; FLOPs estimated from output size
     time_s: float | None = None  # profiled forward time on the stage's device
+    bwd_time_s: float | None = None  # profiled backward time (input- and weight-gradient together)
 
     @property
     def bwd_flops(self) -> int:
@@ -39,6 +40,16 @@ class NodeCost:
 
     def with_time(self, seconds: float) -> "NodeCost":
         return replace(self, time_s=seconds)
+
+    def with_backward_time(self, seconds: float | None) -> "NodeCost":
+        return replace(self, bwd_time_s=seconds)
+
+    def backward_split(self, seconds: float) -> tuple[float, float]:
+        """``seconds`` of backward shared between input- and weight-gradient work by their FLOPs."""
+        total = self.igrad_flops + self.wgrad_flops
+        if total:
+            return seconds * self.igrad_flops / total, seconds * self.wgrad_flops / total
+        return seconds, 0.0
 
 
 def node_cost(node: fx.Node) -> NodeCost:

@@ -1,0 +1,300 @@
+"""The planner: schedule-aware objective, memory with microbatches in flight, recompute, pins, no_split, costs."""
+
+from __future__ import annotations
+
+import torch
+import pytest
+from torch import nn
+
+import pipesplit
+from pipesplit import Plan, PlanError
+from pipesplit.capture import capture
+from pipesplit.meta import node_cost
+from pipesplit.models import gpt
+from pipesplit.passes.calibrate import calibrate
+from pipesplit.passes.chain import build_chain, compute_nodes
+from pipesplit.passes.costs import annotate_costs
+from pipesplit.passes.objective import DEFAULT_FLOPS_PER_S, CommModel, MemoryModel, in_flight_per_stage, step_time
+from pipesplit.passes.planner import cost_function, plan_partition
+from pipesplit.passes.recompute import recomputable
+from pipesplit.passes.step_planner import figures_for, node_seconds
+from pipesplit.schedules import get_schedule
+from tests.test_exact import check_exact
+from tests.zoo import CASE_BY_NAME
+
+def _in_module(node, path):
+    return any(p == path for p, _ in (node.meta.get("nn_module_stack") or {}).values())
+
+
+def _starts(chain, stages):
+    pos = {n.name: i for i, n in enumerate(chain.nodes)}
+    return [pos[s[0]] for s in stages]
+
+
+@pytest.fixture(scope="module")
+def gpt6():
+    torch.manual_seed(0)
+    model = gpt(layers=6, dim=32, vocab=64, seq=16, heads=2)
+    idx = torch.randint(0, 64, (2, 16))
+    cap = capture(model, idx)
+    return model, idx, cap, annotate_costs(cap.gm)
+
+
+class Wide(nn.Module):
+    """Layers whose activations outweigh their parameters, of uneven widths."""
+
+    def __init__(self, widths=(64, 256, 64, 512, 64, 128, 64, 256, 64)):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(a, b), nn.Tanh()) for a, b in zip(widths, widths[1:]))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+@pytest.fixture(scope="module")
+def wide():
+    torch.manual_seed(0)
+    model = Wide()
+    x = torch.randn(64, 64)
+    cap = capture(model, x)
+    return model, x, cap, annotate_costs(cap.gm)
+
+
+# ------------------------------------------------------------------------- schedule-aware
+@pytest.mark.parametrize("sched", ["1f1b", "zb_h1", "gpipe"])
+@pytest.mark.parametrize("k", [2, 3, 4])
+@pytest.mark.parametrize("link", ["default", "slow"])
+def test_schedule_aware_plan_is_no_slower_than_the_bottleneck_plan(gpt6, sched, k, link):
+    _, _, _, gm = gpt6
+    comm = CommModel() if link == "default" else CommModel(latency_s=1e-4, bandwidth=2e7)  # cut bytes matter
+    schedule = get_schedule(sched, n_stages=k, n_ranks=k, n_microbatches=2 * k)
+    aware = plan_partition(gm, k, "flops", schedule=schedule, comm=comm, recompute="never")
+    plain = plan_partition(gm, k, "flops", recompute="never")
+
+    # the planner's own model, rebuilt here: every split priced alike under the schedule
+    name, fn = cost_function("flops")
+    memory = MemoryModel()
+    chain = build_chain(gm, fn, state_factor=memory.state_factor)
+    seconds = node_seconds(chain.nodes, name, fn, DEFAULT_FLOPS_PER_S["cpu"])
+    in_flight = in_flight_per_stage(schedule)
+
+    def step(stages):
+        return step_time(schedule, figures_for(chain, _starts(chain, stages), seconds, in_flight, memory, comm, "cpu"))
+
+    assert aware.schedule == sched and aware.n_microbatches == 2 * k
+    assert aware.predicted_step_s == pytest.approx(step(aware.stages), rel=1e-9)
+    assert aware.predicted_step_s <= step(plain.stages) * (1 + 1e-9)
+    assert 0 < aware.ideal_step_s <= aware.predicted_step_s
+
+
+def test_schedule_aware_plan_through_compile(gpt6):
+    model, idx, _, _ = gpt6
+    prog = pipesplit.compile(model, idx, num_stages=3, schedule="zb_h1", n_microbatches=6, progress=False)
+    plan = prog.plan
+    assert plan.schedule == "zb_h1" and plan.n_microbatches == 6
+    assert 0 < plan.ideal_step_s <= plan.predicted_step_s
+    assert plan.step_gap is not None and plan.step_gap >= 0
+
+
+# ------------------------------------------------------------------------- memory
+def _independent_memory(gm, stages, in_flight, memory=MemoryModel()):
+    """Parameters x (1 + grad + Adam) + buffers, plus one microbatch's outputs x microbatches in flight."""
+    by_name = {n.name: n for n in compute_nodes(gm)}
+    out = []
+    for s, names in enumerate(stages):
+        nodes = [by_name[x] for x in names]
+        state = {}
+        for a in {a for n in nodes for a in n.all_input_nodes if a.op == "get_attr"}:
+            c = node_cost(a)
+            state[str(a.target)] = c.param_bytes * (memory.state_factor if c.trainable else 1)
+        act = sum(node_cost(n).out_bytes for n in nodes)
+        out.append(sum(state.values()) + act * in_flight[s])
+    return out
+
+
+def test_memory_cap_counts_the_microbatches_1f1b_keeps_in_flight(wide):
+    _, _, _, gm = wide
+    k = 4
+    schedule = get_schedule("1f1b", n_stages=k, n_ranks=k, n_microbatches=8)
+    in_flight = in_flight_per_stage(schedule)
+    assert in_flight == [4, 3, 2, 1]
+    free = plan_partition(gm, k, "flops", schedule=schedule, recompute="never")
+    assert free.stage_memory == pytest.approx(_independent_memory(gm, free.stages, in_flight))
+
+    # the bottleneck-only split, priced with 1F1B's in-flight microbatches
+    plain = plan_partition(gm, k, "flops", recompute="never")
+    plain_peak = max(_independent_memory(gm, plain.stages, in_flight))
+    cap = int(max(free.stage_memory) * 1.0)
+    met = 0
+    while True:
+        cap = int(cap * 0.93)
+        try:
+            capped = plan_partition(gm, k, "flops", schedule=schedule, max_stage_memory=cap, recompute="never")
+        except PlanError:
+            break
+        met += 1
+        assert max(capped.stage_memory) <= cap, (capped.stage_memory, cap)
+        assert capped.stage_memory == pytest.approx(_independent_memory(gm, capped.stages, in_flight))
+        last_cap = cap
+    assert met >= 2, "the test needs caps that bind"
+    assert plain_peak > last_cap, "a split ignoring the microbatches in flight should miss the tightest cap"
+
+
+def test_impossible_memory_cap_explains_the_remedies(wide):
+    _, _, _, gm = wide
+    schedule = get_schedule("1f1b", n_stages=2, n_ranks=2, n_microbatches=8)
+    cap = 10_000
+    with pytest.raises(PlanError) as err:
+        plan_partition(gm, 2, "flops", schedule=schedule, max_stage_memory=cap)
+    msg = str(err.value)
+    assert f"{cap:,}" in msg and "[2, 1]" in msg
+    for remedy in ("more stages", "fewer microbatches", "checkpointing"):
+        assert remedy in msg, msg
+
+
+# ------------------------------------------------------------------------- recompute
+@pytest.fixture(scope="module")
+def llama():
+    torch.manual_seed(0)
+    case = CASE_BY_NAME["hf_llama"]
+    model = case.build()
+    args, kwargs = case.inputs(4)
+    prog = pipesplit.compile(model, args, example_kwargs=kwargs, num_stages=3, recompute="auto", progress=False)
+    gm = annotate_costs(capture(model, args, kwargs).gm)  # the same graph, node for node
+    return case, model, args, kwargs, prog, gm
+
+
+def test_recompute_keeps_rope_and_mask_off_the_boundaries(llama):
+    case, model, args, kwargs, auto, gm = llama
+    rebuilt = set(auto.plan.recompute)
+    assert rebuilt, "the rotary tables and the mask should be rebuilt in each stage"
+    # the same split sending everything
+    never = pipesplit.compile(model, args, example_kwargs=kwargs, plan=Plan(stages=auto.plan.stages), progress=False)
+    assert never.plan.recompute == []
+    sent_never = {b.name for b in never.boundaries if b.kind == "tensor"}
+    sent_auto = {b.name for b in auto.boundaries if b.kind == "tensor"}
+    pure = set(recomputable(gm))
+    # rotary cos/sin: (1, T, head_dim); the 4-D causal mask: (batch, 1, T, T)
+    rope_or_mask = {b.name for b in never.boundaries if b.name in pure and b.kind == "tensor"}
+    assert rope_or_mask, "without recompute the rope tables / mask cross the cuts"
+    assert not rope_or_mask & sent_auto
+    assert not sent_auto & pure
+    assert len(sent_auto) < len(sent_never)
+    assert sum(b.nbytes for b in auto.boundaries) < sum(b.nbytes for b in never.boundaries)
+    run_args, run_kwargs = case.inputs(3)
+    check_exact(model, args, kwargs, auto, run_args, run_kwargs)
+
+
+def test_saved_plan_keeps_its_recompute_list(llama, tmp_path):
+    case, model, args, kwargs, auto, _ = llama
+    path = tmp_path / "plan.json"
+    auto.plan.save(path)
+    loaded = Plan.load(path)
+    assert loaded.recompute == auto.plan.recompute
+    again = pipesplit.compile(model, args, example_kwargs=kwargs, plan=path, progress=False)
+    assert again.plan.recompute == auto.plan.recompute
+    key = lambda b: (b.name, b.src, b.dst, b.kind, b.shape)  # noqa: E731
+    assert sorted(map(key, again.boundaries)) == sorted(map(key, auto.boundaries))
+
+
+# ------------------------------------------------------------------------- pins, no_split
+def test_pin_keeps_a_module_whole_in_its_stage(gpt6):
+    model, idx, _, gm = gpt6
+    prog = pipesplit.compile(model, idx, num_stages=3, pins={"blocks.0": 1}, progress=False)
+    where = prog.plan.assignment()
+    nodes = [n for n in compute_nodes(gm) if _in_module(n, "blocks.0")]
+    assert nodes and {where[n.name] for n in nodes} == {1}
+
+
+def test_pins_with_a_schedule(gpt6):
+    _, _, cap, gm = gpt6
+    schedule = get_schedule("1f1b", n_stages=3, n_ranks=3, n_microbatches=6)
+    plan = plan_partition(gm, 3, "flops", schedule=schedule, pins={"blocks.5": 1}, module_paths=cap.module_paths)
+    where = plan.assignment()
+    assert {where[n.name] for n in compute_nodes(gm) if _in_module(n, "blocks.5")} == {1}
+
+
+def test_contradicting_pins_name_both_modules(gpt6):
+    _, _, cap, gm = gpt6
+    with pytest.raises(PlanError, match=r"'blocks\.1'.*'blocks\.3'|'blocks\.3'.*'blocks\.1'"):
+        plan_partition(gm, 3, "flops", pins={"blocks.3": 0, "blocks.1": 2}, module_paths=cap.module_paths)
+
+
+def test_pin_to_a_missing_stage(gpt6):
+    _, _, cap, gm = gpt6
+    with pytest.raises(PlanError, match=r"0\.\.2"):
+        plan_partition(gm, 3, "flops", pins={"blocks.0": 3}, module_paths=cap.module_paths)
+
+
+def test_no_split_keeps_every_block_whole(gpt6):
+    _, _, cap, gm = gpt6
+
+    def cut_blocks(plan):
+        where = plan.assignment()
+        return [i for i in range(6)
+                if len({where[n.name] for n in compute_nodes(gm) if _in_module(n, f"blocks.{i}")}) > 1]
+
+    free = plan_partition(gm, 4, "flops", slack=0.0, module_paths=cap.module_paths)
+    assert cut_blocks(free), "the unconstrained optimum should cut inside some block"
+    whole = plan_partition(gm, 4, "flops", slack=0.0, no_split=["blocks.*"], module_paths=cap.module_paths)
+    assert cut_blocks(whole) == []
+
+
+@pytest.mark.parametrize("kind", ["pins", "no_split"])
+def test_unknown_module_suggests_a_close_name(gpt6, kind):
+    _, _, cap, gm = gpt6
+    extra = {"pins": {"blocks.O": 1}} if kind == "pins" else {"no_split": ["blokcs.1"]}
+    with pytest.raises(PlanError, match=r"did you mean .*'blocks\.\d'"):
+        plan_partition(gm, 3, "flops", module_paths=cap.module_paths, **extra)
+
+
+# ------------------------------------------------------------------------- costs
+def test_hybrid_costs_are_calibrated_and_non_negative(gpt6):
+    model, idx, cap, _ = gpt6
+    gm = annotate_costs(capture(model, idx).gm)
+    cal = calibrate(gm, cap.example_flat, "cpu", progress=False)
+    assert all(r >= 0 for r in (cal.per_flop, cal.per_byte, cal.per_op)), cal
+    times = [node_cost(n).time_s for n in compute_nodes(gm)]
+    assert all(t is not None and t >= 0 for t in times) and sum(times) > 0
+
+    prog = pipesplit.compile(model, idx, num_stages=3, cost="hybrid", schedule="1f1b", progress=False)
+    assert prog.plan.cost_name == "hybrid" and all(c > 0 for c in prog.plan.stage_costs)
+
+
+class BigTable(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(100_000, 32)
+        self.out = nn.Linear(32, 8)
+
+    def forward(self, ids):
+        return self.out(self.emb(ids))
+
+
+def test_profiled_backward_sees_the_dense_embedding_gradient():
+    """An embedding's backward writes a gradient as large as the table, whatever the tokens."""
+    cap = capture(BigTable(), torch.randint(0, 100_000, (2, 8)))
+    gm = annotate_costs(cap.gm)
+    pipesplit.passes.profile.profile_nodes(gm, cap.example_flat, "cpu", warmup=1, repeats=3, progress=False)
+    (emb,) = [n for n in compute_nodes(gm) if "embedding" in str(n.target)]
+    c = node_cost(emb)
+    assert c.bwd_time_s is not None and c.bwd_time_s > 5 * c.time_s, c
+
+
+def test_unknown_ops_reported_with_a_schedule():
+    from tests.test_costs import Mysterious
+
+    prog = pipesplit.compile(Mysterious(), torch.randn(3, 8), num_stages=2, schedule="1f1b", progress=False)
+    assert any("mystery" in name for name in prog.plan.unknown_ops), prog.plan.unknown_ops
+
+
+# ------------------------------------------------------------------------- interleaved
+def test_interleaved_plan_runs_exactly(gpt6):
+    model, idx, _, _ = gpt6
+    prog = pipesplit.compile(model, idx, num_stages=4, schedule="interleaved_1f1b", n_ranks=2, n_microbatches=4,
+                             progress=False)
+    assert prog.num_stages == 4 and prog.plan.schedule == "interleaved_1f1b"
+    assert 0 < prog.plan.ideal_step_s <= prog.plan.predicted_step_s
+    check_exact(model, (idx,), {}, prog, (torch.randint(0, 64, (3, 16)),), {})
