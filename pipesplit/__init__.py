@@ -11,6 +11,7 @@ from pipesplit.errors import (
     RuntimeCommError,
     ScheduleError,
 )
+from pipesplit.passes.objective import CommModel, MemoryModel
 from pipesplit.plan import Plan
 from pipesplit.program import SplitProgram, Stage
 from pipesplit.runtime import Pipeline
@@ -22,6 +23,8 @@ __all__ = [
     "BenchRow",
     "Pipeline",
     "Plan",
+    "CommModel",
+    "MemoryModel",
     "SplitProgram",
     "Stage",
     "PipesplitError",
