@@ -71,10 +71,11 @@ def evaluate(gm: fx.GraphModule, stages: list[list[str]], cost_name: str, cost_f
     by_name = {n.name: n for n in compute_nodes(gm)}
     stage_of = {name: s for s, names in enumerate(stages) for name in names}
     last = len(stages) - 1
+    node_costs = {name: cost_fn(n) for name, n in by_name.items()}  # a profile-based cost_fn is not free
     costs, memory, sent = [], [], []
     for s, names in enumerate(stages):
         nodes = [by_name[x] for x in names]
-        costs.append(sum(cost_fn(n) for n in nodes))
+        costs.append(sum(node_costs[x] for x in names))
         attrs = {a for n in nodes for a in n.all_input_nodes if a.op == "get_attr"}
         params = {}
         for a in attrs:
@@ -86,7 +87,7 @@ def evaluate(gm: fx.GraphModule, stages: list[list[str]], cost_name: str, cost_f
             consumers = {stage_of.get(u.name, last) for u in n.users} - {s}
             out += node_cost(n).out_bytes * len(consumers)
         sent.append(out)
-    all_costs = [cost_fn(n) for n in by_name.values()]
+    all_costs = list(node_costs.values())
     lower = max(sum(all_costs) / max(len(stages), 1), max(all_costs, default=0.0))
     return Plan(
         stages=[list(x) for x in stages],

@@ -19,14 +19,20 @@ from pipesplit.errors import PipesplitError
 from pipesplit.program import SplitProgram
 
 
+def _boundaries(prog: SplitProgram) -> dict[tuple[str, int], Any]:
+    """(value name, source stage) -> its boundary (the same for every consumer)."""
+    return {(b.name, b.src): b for b in prog.boundaries}
+
+
 def _live_sets(prog: SplitProgram) -> list[list[tuple[str, str, int]]]:
     """live[i]: the tensor values entering stage i as (name, "input"|"stage", index|src), in a fixed order."""
     k = prog.num_stages
+    bounds = _boundaries(prog)
     last_use: dict[tuple[str, str, int], int] = {}
     for stage in prog.stages:
         for name, kind, where in stage.inputs:
             key = (name, kind, where)
-            b = next((b for b in prog.boundaries if b.name == name and b.src == where), None) if kind == "stage" else None
+            b = bounds[(name, where)] if kind == "stage" else None
             if kind == "input" and not prog.inputs[where].is_tensor:
                 continue
             if b is not None and b.kind != "tensor":
@@ -53,15 +59,16 @@ class ChainStage(nn.Module):
         self.stage_module = prog.stages[index].module
         self.live_in, self.live_out = live_in, live_out
         self.position = {key: i for i, key in enumerate(live_in)}
+        bounds = _boundaries(prog)
         self.batched = [
             prog.inputs[w].shape is not None and prog.inputs[w].shape[0] is None if kind == "input"
-            else next(b for b in prog.boundaries if b.name == n and b.src == w).shape[0] is None
+            else bounds[(n, w)].shape[0] is None
             for n, kind, w in live_in
         ]
         self.int_inputs = {
-            (n, w): next(b for b in prog.boundaries if b.name == n and b.src == w)
+            (n, w): bounds[(n, w)]
             for n, kind, w in prog.stages[index].inputs
-            if kind == "stage" and next(b for b in prog.boundaries if b.name == n and b.src == w).kind != "tensor"
+            if kind == "stage" and bounds[(n, w)].kind != "tensor"
         }
 
     def forward(self, *values: torch.Tensor) -> Any:
