@@ -60,9 +60,9 @@ class ChainStage(nn.Module):
         self.live_in, self.live_out = live_in, live_out
         self.position = {key: i for i, key in enumerate(live_in)}
         bounds = _boundaries(prog)
-        self.batched = [
-            prog.inputs[w].shape is not None and prog.inputs[w].shape[0] is None if kind == "input"
-            else bounds[(n, w)].shape[0] is None
+        # per value, the dimension whose size is the microbatch size (None: no such dimension)
+        self.batch_axis = [
+            _input_batch_axis(prog, w) if kind == "input" else _batch_axis(prog, bounds[(n, w)])
             for n, kind, w in live_in
         ]
         self.int_inputs = {
@@ -72,7 +72,7 @@ class ChainStage(nn.Module):
         }
 
     def forward(self, *values: torch.Tensor) -> Any:
-        batch = next((v.shape[0] for v, is_b in zip(values, self.batched) if is_b), None)
+        batch = next((v.shape[ax] for v, ax in zip(values, self.batch_axis) if ax is not None), None)
         args = []
         for name, kind, where in self.prog.stages[self.index].inputs:
             if (name, where) in self.int_inputs:
@@ -90,6 +90,21 @@ class ChainStage(nn.Module):
             return tensors[0] if len(tensors) == 1 else tensors
         produced = {(n, "stage", self.index): v for n, v in zip(self.prog.stages[self.index].outputs, outs)}
         return tuple(produced[key] if key in produced else values[self.position[key]] for key in self.live_out)
+
+
+def _input_batch_axis(prog: SplitProgram, where: int) -> int | None:
+    shape, d = prog.inputs[where].shape, prog.batch_dim
+    return d if shape is not None and d < len(shape) and shape[d] is None else None
+
+
+def _batch_axis(prog: SplitProgram, boundary: Any) -> int | None:
+    """The first dimension of a boundary tensor whose size is the batch size itself."""
+    if boundary.kind != "tensor" or boundary.sizes is None:
+        return None
+    for i, expr in enumerate(boundary.sizes):
+        if not isinstance(expr, int) and expr.is_Symbol and expr in prog._batch_symbols:
+            return i
+    return None
 
 
 def chain_modules(prog: SplitProgram) -> list[ChainStage]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -109,3 +111,17 @@ def test_refuses_bad_arguments():
         measure_stage_costs(prog, torch.randn(8, 256), reduce="mean")
     with pytest.raises(pipesplit.PipesplitError):
         measure_stage_costs(prog, torch.randn(8, 256), backward="both")
+
+
+def test_cpu_clock_leaves_out_time_spent_waiting():
+    """A stage that waits 50 ms (a sleeping hook, as if preempted) costs that in wall time, not CPU time."""
+    _, prog = compile_three()
+    x = torch.randn(16, 256)
+    prog.stages[1].module.register_forward_hook(lambda *_: time.sleep(0.05))
+    wall = measure_stage_costs(prog, x, repeats=2, warmup=0, reduce="min")
+    cpu = measure_stage_costs(prog, x, repeats=2, warmup=0, reduce="min", clock="cpu")
+    assert wall[1].forward >= 0.05
+    assert cpu[1].forward < 0.05
+    assert all(c.forward > 0 for c in cpu)
+    with pytest.raises(pipesplit.PipesplitError, match="clock"):
+        measure_stage_costs(prog, x, clock="thread")

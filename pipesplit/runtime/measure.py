@@ -45,11 +45,18 @@ __all__ = ["measure_stage_costs"]
 
 
 class _Clock:
-    """Wall time of a block on one device: perf_counter on CPU, CUDA events (synchronised) on GPU."""
+    """Time of a block on one device.
 
-    def __init__(self, device: torch.device):
+    On GPU: CUDA events, synchronised. On CPU: wall time (``perf_counter``), or with
+    ``cpu=True`` the process's CPU time (``process_time``), which leaves out the time the
+    process waited while other processes held the cores: the quieter measure on a shared
+    machine, exact when torch runs one intra-op thread.
+    """
+
+    def __init__(self, device: torch.device, cpu: bool = False):
         self.cuda = device.type == "cuda"
         self.device = device
+        self.now = time.process_time if cpu else time.perf_counter
 
     def __call__(self, fn: Callable[[], Any]) -> tuple[float, Any]:
         if self.cuda:
@@ -60,9 +67,9 @@ class _Clock:
             end.record()
             end.synchronize()
             return start.elapsed_time(end) / 1e3, out
-        start_s = time.perf_counter()
+        start_s = self.now()
         out = fn()
-        return time.perf_counter() - start_s, out
+        return self.now() - start_s, out
 
 
 def _reduce(samples: Sequence[float], how: str) -> float:
@@ -80,6 +87,7 @@ def measure_stage_costs(
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
     target: Any = None,
     batch_dim: int = 0,
+    clock: str = "wall",
     **example_kwargs: Any,
 ) -> list[StageCost]:
     """Time every stage's F, I and W on one microbatch; one :class:`StageCost` (seconds) per stage.
@@ -96,6 +104,10 @@ def measure_stage_costs(
         loss_fn, target: the pipeline's loss; when given, the last stage's forward
             includes it and its backward starts from it, as in ``Pipeline.step``.
             Without it, backward starts from all-ones output gradients.
+        clock: ``"wall"`` (default) or ``"cpu"``: on CPU stages, the process's CPU time
+            instead of wall time, so that time spent preempted by other processes is not
+            counted (use with ``torch.set_num_threads(1)``: with several intra-op threads
+            CPU time adds their times up). CUDA stages are timed by events either way.
 
     >>> import torch, pipesplit
     >>> from pipesplit.runtime.measure import measure_stage_costs
@@ -111,6 +123,8 @@ def measure_stage_costs(
         raise PipesplitError(f"measure_stage_costs: reduce must be 'median' or 'min', got {reduce!r}.")
     if backward not in ("split", "fused"):
         raise PipesplitError(f"measure_stage_costs: backward must be 'split' or 'fused', got {backward!r}.")
+    if clock not in ("wall", "cpu"):
+        raise PipesplitError(f"measure_stage_costs: clock must be 'wall' or 'cpu', got {clock!r}.")
     if any(s.module is None for s in prog.stages):
         raise PipesplitError(
             "measure_stage_costs needs every stage of the program; this one was cut down to one rank's stages "
@@ -129,7 +143,8 @@ def measure_stage_costs(
             values: dict[tuple[str, int], Any] = {}  # (boundary name, source stage) -> value
             for stage in prog.stages:
                 costs.append(_measure_stage(
-                    prog, stage, mb_inputs, values, repeats, warmup, reduce, backward == "fused", loss_fn, mb_target
+                    prog, stage, mb_inputs, values, repeats, warmup, reduce, backward == "fused", loss_fn, mb_target,
+                    clock == "cpu",
                 ))
         finally:
             with torch.no_grad():
@@ -149,9 +164,10 @@ def _measure_stage(
     fused: bool,
     loss_fn: Callable[[Any, Any], torch.Tensor] | None,
     target: Any,
+    cpu_clock: bool,
 ) -> StageCost:
     device = stage.device
-    clock = _Clock(device)
+    clock = _Clock(device, cpu_clock)
     is_last = stage.index == prog.num_stages - 1
     bounds_in = {(b.name, b.src): b for b in prog.boundaries if b.dst == stage.index}
     grad_outputs = {b.name for b in prog.boundaries if b.src == stage.index and b.kind == "tensor" and b.requires_grad}
