@@ -10,7 +10,7 @@ carry the fewest bytes, then the smallest bottleneck that keeps those bytes.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -237,13 +237,18 @@ def _largest_stage(chain: Chain, starts: list[int]) -> float:
 class StageLimits:
     """Limits that differ per stage: memory (activations times microbatches in flight) and pins.
 
-    ``mem_lo[s]`` is :func:`_memory_starts` for stage ``s``'s memory; stage ``s`` must
+    ``mem_lo[s]`` is :func:`_memory_starts` for stage ``s``'s memory (a stage ending at
+    ``j`` starts at ``mem_lo[s][j]`` or later). ``end_hi[s][i]`` is the other way round: a
+    stage ``s`` starting at ``i`` ends at ``end_hi[s][i]`` or earlier; it expresses limits
+    whose feasible starts are no interval (checkpointing: the stage's inputs are held per
+    microbatch in flight, and their size depends on where it starts). Stage ``s`` must
     start within ``[start_lo[s], start_hi[s]]``.
     """
 
     mem_lo: tuple[np.ndarray, ...] | None = None
     start_lo: np.ndarray | None = None
     start_hi: np.ndarray | None = None
+    end_hi: tuple[np.ndarray, ...] | None = None
 
 
 def stage_memory_limits(chain: Chain, cap: int, in_flight: Sequence[int]) -> tuple[np.ndarray, ...]:
@@ -257,8 +262,107 @@ def stage_memory_limits(chain: Chain, cap: int, in_flight: Sequence[int]) -> tup
     return tuple(cache[k] for k in in_flight)
 
 
+def checkpointed_memory_ends(chain: Chain, cap: int, in_flight: Sequence[int]) -> tuple[np.ndarray, ...]:
+    """``StageLimits.end_hi`` for activation checkpointing under a memory cap.
+
+    A checkpointed stage ``[i, j)`` keeps its inputs (``cut_bytes[i]``) for each of the
+    ``in_flight[s]`` microbatches it holds and one microbatch's activations while it
+    recomputes: ``state + act(i, j) + in_flight[s] * cut_bytes[i]``, shared tensors
+    once. Returns, per stage, the last end ``j`` that fits for every start ``i`` (``i``
+    itself when none does).
+    """
+    n = chain.n
+    M = np.concatenate([[0], np.cumsum(chain.mem)])  # state + one microbatch's activations
+    starts = np.arange(n + 1)
+    # next position at or after i that reads each shared tensor (n when none)
+    next_read = [np.searchsorted(np.array(pos), starts, side="left") for _, pos in chain.shared]
+    reads = [np.append(np.array(pos), n) for _, pos in chain.shared]
+
+    def held(i: np.ndarray, j: np.ndarray, k: int) -> np.ndarray:
+        out = M[j] - M[i] + k * chain.cut_bytes[i]
+        for (nbytes, _), nxt, pos in zip(chain.shared, next_read, reads):
+            out = out + nbytes * (pos[nxt[i]] < j)
+        return out
+
+    cache: dict[int, np.ndarray] = {}
+    for k in in_flight:
+        if k in cache:
+            continue
+        lo, hi = starts.copy(), np.full(n + 1, n)  # held(i, lo) fits (empty stage holds nothing we count)
+        while np.any(lo < hi):
+            mid = (lo + hi + 1) // 2
+            fits = held(starts, mid, max(k, 1)) <= cap
+            lo, hi = np.where(fits, mid, lo), np.where(fits, hi, mid - 1)
+        cache[k] = lo
+    return tuple(cache[k] for k in in_flight)
+
+
+def _range_chmin(lo: np.ndarray, hi: np.ndarray, values: np.ndarray, n: int) -> np.ndarray:
+    """``out[j]`` = min of ``values[i]`` over the ``i`` whose range ``[lo[i], hi[i]]`` holds ``j`` (inf if none).
+
+    The push counterpart of :class:`_RangeMin`: each range is covered by two windows of
+    length ``2**l``; window minima are pushed down level by level to single positions.
+    """
+    keep = (hi >= lo) & np.isfinite(values)
+    lo, hi, values = lo[keep], hi[keep], values[keep]
+    out = np.full(n, np.inf)
+    if lo.size == 0:
+        return out
+    level = np.floor(np.log2(hi - lo + 1)).astype(np.int64)
+    table = np.full((int(level.max()) + 1, n), np.inf)
+    table[0] = out
+    np.minimum.at(table, (level, lo), values)
+    np.minimum.at(table, (level, hi - (1 << level) + 1), values)
+    for lv in range(table.shape[0] - 1, 0, -1):
+        span = 1 << (lv - 1)
+        np.minimum(table[lv - 1], table[lv], out=table[lv - 1])
+        np.minimum(table[lv - 1, span:], table[lv, : n - span], out=table[lv - 1, span:])
+    return table[0]
+
+
+def _pushed_bytes(solver: "_Solver", k: int, cap: int, limits: StageLimits) -> tuple[float, list[int]] | None:
+    """``_limited_bytes`` for limits given per start (``end_hi``): each start pushes to the ends it may reach."""
+    n, P = solver.n, solver.P
+    j = np.arange(n + 1)
+    tail = np.where(j < n, solver.cut_bytes, 0.0)
+    base = np.searchsorted(P, P + cap, side="right") - 1  # cost: the last end within cap
+    base = np.minimum(base, np.searchsorted(solver.mem_lo, j, side="right") - 1)
+
+    def reach(s: int) -> tuple[np.ndarray, np.ndarray]:
+        """Per start i of stage s: is it a start stage s may take, and the last end it reaches."""
+        end = base
+        if limits.mem_lo is not None:
+            end = np.minimum(end, np.searchsorted(limits.mem_lo[s], j, side="right") - 1)
+        if limits.end_hi is not None:
+            end = np.minimum(end, limits.end_hi[s])
+        ok = solver.allowed.copy()
+        if limits.start_lo is not None and limits.start_hi is not None and s > 0:
+            ok &= (j >= limits.start_lo[s]) & (j <= limits.start_hi[s])
+        return ok & (j < n), end
+
+    dp = np.full(n + 1, np.inf)
+    dp[0] = 0.0
+    history = []
+    for s in range(k):
+        ok, end = reach(s)
+        src = np.where(ok, dp, np.inf)
+        history.append((src, end))
+        dp = _range_chmin(j + 1, end, src, n + 1)
+        dp = np.where(solver.allowed, dp, np.inf) + tail
+    if not np.isfinite(dp[n]):
+        return None
+    starts, pos = [], n
+    for src, end in reversed(history):  # the leftmost cheapest start that reaches pos
+        cand = np.where((j < pos) & (end >= pos), src, np.inf)
+        pos = int(np.argmin(cand))
+        starts.append(pos)
+    return float(dp[n]), sorted(starts)
+
+
 def _limited_bytes(solver: "_Solver", k: int, cap: int, limits: StageLimits) -> tuple[float, list[int]] | None:
     """Like ``_Solver.fewest_bytes`` with per-stage memory windows and start ranges."""
+    if limits.end_hi is not None:
+        return _pushed_bytes(solver, k, cap, limits)
     n, P = solver.n, solver.P
     j = np.arange(n + 1)
     base = np.maximum(np.searchsorted(P, P - cap, side="left"), solver.mem_lo)
@@ -306,7 +410,7 @@ def solve_candidates(
     (to a relative precision of 1e-6); without them, exactly (see :func:`solve_chain`).
     """
     solver = _checked_solver(chain, num_stages, mem_cap)
-    if not any(x is not None for x in (limits.mem_lo, limits.start_lo)):
+    if not any(x is not None for x in (limits.mem_lo, limits.start_lo, limits.end_hi)):
 
         def feasible(cap: int) -> tuple[float, list[int]] | None:
             return solver.fewest_bytes(num_stages, cap)
@@ -345,3 +449,60 @@ def solve_candidates(
             out.append(ChainSplit(tuple(starts), _largest_stage(chain, starts), _largest_stage(chain, starts), int(bytes_)))
     optimal = min(c.bottleneck for c in out)
     return [ChainSplit(c.starts, c.bottleneck, optimal, c.cut_bytes) for c in out]
+
+
+def sub_chain(chain: Chain, a: int, b: int) -> Chain:
+    """Positions ``[a, b)`` of ``chain`` as a chain of their own (its two ends become program ends)."""
+    mem = chain.mem[a:b].copy()
+    shared = []
+    for nbytes, positions in chain.shared:
+        inside = tuple(p - a for p in positions if a <= p < b)
+        if len(inside) > 1:
+            shared.append((nbytes, inside))
+        elif inside:
+            mem[inside[0]] += nbytes
+    cut = chain.cut_bytes[a : b + 1].copy()
+    allowed = chain.allowed[a : b + 1].copy()
+    cut[0] = cut[-1] = 0
+    allowed[0] = allowed[-1] = True
+    act = None if chain.act is None else chain.act[a:b]
+    return Chain(chain.nodes[a:b], chain.cost[a:b], mem, cut, allowed, shared, act)
+
+
+Solve = Callable[[Chain, int, int, int], Sequence[int]]
+
+
+def rebalance(chain: Chain, starts: Sequence[int], solve: Solve) -> tuple[int, ...]:
+    """Balance the stages that do not set the bottleneck, keeping the one that does.
+
+    A min-max split says nothing about the other stages: when one indivisible operation
+    (a large-vocabulary head) sets the bottleneck, any split whose other stages stay
+    under it is optimal, including ones that leave stages nearly empty and pile layers
+    on others. This keeps the largest stage where it is and re-splits the positions on
+    each side of it into the same number of stages by ``solve``, recursively. A side
+    whose new split would have a stage above the kept one keeps its old split, so the
+    bottleneck never grows.
+
+    ``solve(sub, k, first_stage, first_pos)`` splits ``sub`` (the positions from
+    ``first_pos`` on, that stages ``first_stage`` onwards will hold) into ``k`` stages
+    and returns their starts in ``sub``'s positions.
+    """
+    bounds = list(starts) + [chain.n]
+    k = len(starts)
+    if k <= 1:
+        return tuple(starts)
+    costs = [float(chain.cost[a:b].sum()) for a, b in zip(bounds, bounds[1:])]
+    t = int(np.argmax(costs))
+
+    def side(first: int, last: int) -> list[int]:  # stages first..last-1
+        a, b = bounds[first], bounds[last]
+        if last - first <= 1:
+            return bounds[first:last]
+        sub = sub_chain(chain, a, b)
+        new = list(solve(sub, last - first, first, a))
+        if _largest_stage(sub, new) > costs[t]:
+            new = [x - a for x in bounds[first:last]]
+        inner = rebalance(sub, new, lambda c, s, st, pos: solve(c, s, st + first, pos + a))
+        return [a + x for x in inner]
+
+    return tuple(side(0, t) + [bounds[t]] + side(t + 1, k))

@@ -14,7 +14,7 @@ from pipesplit.passes.chain import build_chain, compute_nodes
 from pipesplit.passes.constraints import forbid_cuts_inside, pin_ranges
 from pipesplit.passes.costs import unknown_ops
 from pipesplit.passes.objective import DEFAULT_FLOPS_PER_S, CommModel, MemoryModel
-from pipesplit.passes.partition import StageLimits, solve_candidates, solve_chain
+from pipesplit.passes.partition import StageLimits, rebalance, solve_candidates, solve_chain
 from pipesplit.passes.recompute import recomputable
 from pipesplit.passes.step_planner import best_for_schedule, node_seconds
 from pipesplit.plan import Plan
@@ -132,7 +132,7 @@ def plan_partition(
     rate = flops_per_s or DEFAULT_FLOPS_PER_S.get(device_kind, DEFAULT_FLOPS_PER_S["cpu"])
     if recompute not in ("auto", "never"):
         raise PlanError(f"recompute must be 'auto' or 'never', got {recompute!r}.")
-    rebuild = _cheap_to_recompute(gm, mutated_targets, comm, device_kind, rate) if recompute == "auto" else set()
+    rebuild = cheap_to_recompute(gm, mutated_targets, comm, device_kind, rate) if recompute == "auto" else set()
     state_factor = 1.0 + memory.grad_factor + (memory.optimizer_factor if schedule is not None else 0.0)
     chain = build_chain(gm, fn, state_factor=state_factor, recompute=rebuild)
     if chain.n == 0:
@@ -161,11 +161,15 @@ def plan_partition(
         memory_per_stage = None
     else:
         starts = solve_chain(chain, num_stages, mem_cap=max_stage_memory, slack=slack).starts
+        # the stages on each side of the bottleneck by the same rule, for their own bottleneck
+        starts = rebalance(chain, starts, lambda sub, k, _s, _p: solve_chain(sub, k, mem_cap=max_stage_memory,
+                                                                             slack=slack).starts)
         memory_per_stage = None
     bounds = list(starts) + [chain.n]
     stages = [[n.name for n in chain.nodes[a:b]] for a, b in zip(bounds, bounds[1:])]
     plan = evaluate(gm, stages, name, fn, "planner")
     plan.recompute = sorted(rebuild)
+    plan.checkpoint = memory.checkpoint
     for key, value in extra.items():
         setattr(plan, key, value)
     if memory_per_stage is not None:
@@ -173,10 +177,11 @@ def plan_partition(
     return plan
 
 
-def _cheap_to_recompute(
-    gm: fx.GraphModule, mutated: set[str], comm: CommModel, device_kind: str, rate: float
+def cheap_to_recompute(
+    gm: fx.GraphModule, mutated: set[str], comm: CommModel, device_kind: str, rate: float | None = None
 ) -> set[str]:
     """Input-derived values whose recomputation costs less time than sending them."""
+    rate = rate or DEFAULT_FLOPS_PER_S.get(device_kind, DEFAULT_FLOPS_PER_S["cpu"])
     out = set()
     by_name = {n.name: n for n in gm.graph.nodes}
     for name, flops in recomputable(gm, mutated).items():
@@ -260,4 +265,7 @@ def check_plan(gm: fx.GraphModule, plan: Plan) -> None:
                 )
 
 
-__all__ = ["plan_partition", "plan_from_split_points", "check_plan", "evaluate", "cost_function", "NodeCost"]
+__all__ = [
+    "plan_partition", "plan_from_split_points", "check_plan", "evaluate", "cost_function", "cheap_to_recompute",
+    "NodeCost",
+]

@@ -20,7 +20,14 @@ from pipesplit.errors import PlanError
 from pipesplit.meta import node_cost
 from pipesplit.passes.chain import Chain
 from pipesplit.passes.objective import CommModel, MemoryModel, StageFigures, in_flight_per_stage, step_time
-from pipesplit.passes.partition import StageLimits, solve_candidates, stage_memory_limits
+from pipesplit.passes.partition import (
+    Solve,
+    StageLimits,
+    checkpointed_memory_ends,
+    rebalance,
+    solve_candidates,
+    stage_memory_limits,
+)
 from pipesplit.schedules import Schedule, StageCost
 
 SLACKS = (0.0, 0.01, 0.02, 0.05, 0.1, 0.2, 0.35)
@@ -71,7 +78,8 @@ def figures_for(
     costs, mem = [], []
     for s, (a, b) in enumerate(zip(bounds, bounds[1:])):
         f, i, w = seconds[a:b].sum(axis=0)
-        costs.append(StageCost(float(f), float(i), float(w)))
+        # a checkpointed stage runs its forward again before its backward
+        costs.append(StageCost(float(f), float(i + f if memory.checkpoint else i), float(w)))
         # chain.mem already counts trainable state x (1 + grad + optimizer): see plan_partition
         state = float((chain.mem[a:b] - act[a:b]).sum())
         state += sum(nbytes for nbytes, pos in chain.shared if any(a <= p < b for p in pos))
@@ -96,28 +104,93 @@ def best_for_schedule(
     k = schedule.n_stages
     in_flight = in_flight_per_stage(schedule)
     if mem_cap is not None:
-        limits = StageLimits(stage_memory_limits(chain, mem_cap, in_flight), limits.start_lo, limits.start_hi)
+        limits = _memory_limits(chain, mem_cap, in_flight, memory.checkpoint, limits.start_lo, limits.start_hi)
     try:
         splits = solve_candidates(chain, k, SLACKS, limits=limits)
     except PlanError as e:
         if mem_cap is None:
             raise
-        raise PlanError(_memory_message(chain, schedule, in_flight, mem_cap, limits)) from e
-    best: Candidate | None = None
-    for split in splits:
-        fig = figures_for(chain, split.starts, seconds, in_flight, memory, comm, device_kind)
-        cand = Candidate(split.starts, fig, step_time(schedule, fig), split.cut_bytes)
-        if best is None or (cand.step_s, cand.cut_bytes) < (best.step_s, best.cut_bytes):
-            best = cand
-    assert best is not None
-    return best, step_lower_bound(seconds, schedule)
+        raise PlanError(_memory_message(chain, schedule, in_flight, mem_cap, limits, memory.checkpoint)) from e
+    base = list(dict.fromkeys(split.starts for split in splits))
+    starts = list(base)
+    for side_slack in REBALANCE_SLACKS:
+        solve = _side_solver(limits, mem_cap, in_flight, memory.checkpoint, side_slack)
+        for split in base:
+            try:
+                starts.append(rebalance(chain, split, solve))
+            except PlanError:  # a side the limits make unsolvable on its own: keep the split as it is
+                continue
+    cands = []
+    for st in dict.fromkeys(starts):
+        fig = figures_for(chain, st, seconds, in_flight, memory, comm, device_kind)
+        cands.append(Candidate(st, fig, step_time(schedule, fig), int(sum(chain.cut_bytes[list(st[1:])]))))
+    return choose(cands), step_lower_bound(seconds, schedule, memory.checkpoint)
 
 
-def _memory_message(chain: Chain, schedule: Schedule, in_flight: Sequence[int], cap: int, limits: StageLimits) -> str:
+# Each side of the bottleneck is re-split exactly for balance, and for the fewest bytes within 5% of it.
+REBALANCE_SLACKS = (0.0, 0.05)
+# Candidates whose predicted steps differ by less than this are ties, far below what the
+# cost model can tell apart: of two such splits the better balanced one is the safer.
+TIE = 0.002
+
+
+def choose(cands: Sequence[Candidate]) -> Candidate:
+    """The lowest predicted step; among ties, the best balanced (stage times sorted from the largest), then fewest bytes."""
+    best_s = min(c.step_s for c in cands)
+    ties = [c for c in cands if c.step_s <= best_s * (1 + TIE)]
+
+    def balance(c: Candidate) -> tuple[float, ...]:
+        return tuple(sorted((x.forward + x.backward for x in c.figures.costs), reverse=True))
+
+    return min(ties, key=lambda c: (balance(c), c.cut_bytes, c.step_s))
+
+
+def _memory_limits(
+    chain: Chain, cap: int, in_flight: Sequence[int], checkpoint: bool,
+    start_lo: np.ndarray | None = None, start_hi: np.ndarray | None = None,
+) -> StageLimits:
+    """Per-stage memory limits: all activations x microbatches in flight, or with checkpointing,
+    the stage inputs x microbatches in flight plus one microbatch's activations."""
+    if checkpoint:
+        return StageLimits(None, start_lo, start_hi, checkpointed_memory_ends(chain, cap, in_flight))
+    return StageLimits(stage_memory_limits(chain, cap, in_flight), start_lo, start_hi)
+
+
+def _side_solver(
+    limits: StageLimits, mem_cap: int | None, in_flight: Sequence[int], checkpoint: bool, slack: float
+) -> Solve:
+    """``rebalance``'s solver under the plan's limits: pins shifted to the side, memory per stage in flight."""
+
+    def solve(sub: Chain, k: int, first_stage: int, first_pos: int) -> Sequence[int]:
+        lo = hi = None
+        if limits.start_lo is not None and limits.start_hi is not None:
+            lo = np.maximum(limits.start_lo[first_stage : first_stage + k] - first_pos, 0)
+            hi = limits.start_hi[first_stage : first_stage + k] - first_pos
+        side = StageLimits(None, lo, hi)
+        if mem_cap is not None:
+            side = _memory_limits(sub, mem_cap, in_flight[first_stage : first_stage + k], checkpoint, lo, hi)
+        return solve_candidates(sub, k, [slack], limits=side)[-1].starts
+
+    return solve
+
+
+def _memory_message(
+    chain: Chain, schedule: Schedule, in_flight: Sequence[int], cap: int, limits: StageLimits, checkpoint: bool = False
+) -> str:
     act = chain.act if chain.act is not None else np.zeros(chain.n, dtype=np.int64)
     state = int((chain.mem - act).sum()) + sum(nbytes for nbytes, _ in chain.shared)
     one = int(act.sum())
     pinned = " (and the pins)" if limits.start_lo is not None else ""
+    if checkpoint:
+        return (
+            f"no split into {schedule.n_stages} stages keeps every stage under max_stage_memory={cap:,} bytes under "
+            f"{schedule.name!r} with {schedule.n_microbatches} microbatches{pinned}, even with activation "
+            f"checkpointing: each stage holds its training state, one microbatch's activations and its inputs for "
+            f"each of the {list(in_flight)} microbatches in flight; the training state is {state:,} bytes, one "
+            f"microbatch's activations {one:,} bytes, and the largest single operation holds "
+            f"{int(chain.node_memory().max(initial=0)):,} bytes with its parameters. Use more stages, fewer or "
+            "smaller microbatches in flight, or a larger max_stage_memory."
+        )
     return (
         f"no split into {schedule.n_stages} stages keeps every stage under max_stage_memory={cap:,} bytes under "
         f"{schedule.name!r} with {schedule.n_microbatches} microbatches{pinned}: the stages keep {list(in_flight)} "
@@ -130,8 +203,10 @@ def _memory_message(chain: Chain, schedule: Schedule, in_flight: Sequence[int], 
     )
 
 
-def step_lower_bound(seconds: np.ndarray, schedule: Schedule) -> float:
+def step_lower_bound(seconds: np.ndarray, schedule: Schedule, checkpoint: bool = False) -> float:
     """A step time no split can beat: the busiest rank does at least its share of all the
-    work, and one microbatch must go forward through every stage and back (W may wait)."""
+    work, and one microbatch must go forward through every stage and back (W may wait).
+    Checkpointing adds the recomputed forward to the work (before each backward)."""
     f, i, w = seconds.sum(axis=0)
-    return max(schedule.n_microbatches * (f + i + w) / schedule.n_ranks, f + i)
+    redo = f if checkpoint else 0.0
+    return max(schedule.n_microbatches * (f + redo + i + w) / schedule.n_ranks, f + redo + i)

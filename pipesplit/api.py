@@ -16,7 +16,15 @@ from pipesplit.errors import PlanError
 from pipesplit.passes.costs import annotate_costs
 from pipesplit.passes.calibrate import calibrate
 from pipesplit.passes.objective import CommModel, MemoryModel
-from pipesplit.passes.planner import CostSpec, check_plan, cost_function, evaluate, plan_from_split_points, plan_partition
+from pipesplit.passes.planner import (
+    CostSpec,
+    check_plan,
+    cheap_to_recompute,
+    cost_function,
+    evaluate,
+    plan_from_split_points,
+    plan_partition,
+)
 from pipesplit.passes.recompute import recomputable
 from pipesplit.passes.profile import profile_nodes
 from pipesplit.passes.split import check_devices, split_graph
@@ -93,6 +101,9 @@ def compile(
         no_split: module paths (wildcards allowed, ``"blocks.*"``) that no cut may enter.
         comm: link latency and bandwidth for pricing boundaries (defaults per device kind).
         memory: optimizer/gradient factors and checkpointing for the memory estimate.
+            ``MemoryModel(checkpoint=True)`` plans for activation checkpointing: a stage
+            holds its inputs per microbatch in flight plus one microbatch's activations,
+            its backward pays a second forward, and ``Pipeline`` checkpoints every stage.
         recompute: ``"auto"`` rebuilds cheap input-derived values (masks, rotary tables) in
             each stage that needs them instead of sending them; ``"never"`` sends everything.
         batch_dim: the inputs' batch dimension, kept dynamic by export and cut into
@@ -122,6 +133,13 @@ def compile(
     with _timed("plan", timings):
         if plan is not None or split_points is not None:
             chosen = _choose_plan(gm, captured.module_paths, num_stages, cost, split_points, plan)
+            if split_points is not None:  # the planner's choices that a manual split still wants
+                if recompute not in ("auto", "never"):
+                    raise PlanError(f"recompute must be 'auto' or 'never', got {recompute!r}.")
+                if recompute == "auto":
+                    kind = torch.device(device0).type
+                    chosen.recompute = sorted(cheap_to_recompute(gm, captured.mutated_targets, comm or CommModel(), kind))
+                chosen.checkpoint = bool(memory and memory.checkpoint)
         else:
             k = 1 if num_stages is None else num_stages
             sched = None
@@ -161,6 +179,7 @@ def _choose_plan(
         name, fn = cost_function(cost)
         checked = evaluate(gm, given.stages, name, fn, "loaded")
         checked.recompute = [r for r in given.recompute if r in recomputable(gm)]
+        checked.checkpoint = given.checkpoint
         return checked
     assert split_points is not None
     chosen = plan_from_split_points(gm, list(split_points), module_paths, cost)

@@ -35,6 +35,7 @@ class Plan:
     n_microbatches: int | None = None
     predicted_step_s: float | None = None  # simulated step time of this plan under the schedule
     ideal_step_s: float | None = None  # a lower bound on the step time of any split
+    checkpoint: bool = False  # planned for activation checkpointing: Pipeline checkpoints every stage by default
 
     @property
     def num_stages(self) -> int:

@@ -19,7 +19,7 @@ from pipesplit.meta import node_cost
 from pipesplit.models import gpt
 from pipesplit.passes.chain import Chain
 from pipesplit.passes.costs import annotate_costs
-from pipesplit.passes.partition import solve_chain
+from pipesplit.passes.partition import rebalance, solve_chain
 from pipesplit.passes.planner import plan_partition
 from pipesplit.passes.split import split_graph
 from tests.zoo import CASE_BY_NAME
@@ -147,6 +147,45 @@ def test_slack_buys_the_fewest_bytes_within_bound(problem, slack):
         assert sol.bottleneck <= bound * (1 + 1e-9) + 1e-9
         inside = [c for b, c, _ in solutions if b <= bound * (1 - 1e-9)]
         assert sol.cut_bytes <= min(inside)
+
+
+def _sorted_costs(chain: Chain, starts) -> list[float]:
+    bounds = [*starts, chain.n]
+    return sorted((float(chain.cost[a:b].sum()) for a, b in zip(bounds, bounds[1:])), reverse=True)
+
+
+@FAST
+@given(chain_problems(), st.sampled_from([0.0, 0.25]))
+def test_rebalance_never_worsens_the_split(problem, slack):
+    """Same k, cuts where allowed, the memory cap kept, the bottleneck kept; with an exact
+    side solver, the stage costs sorted from the largest are lexicographically no larger."""
+    chain, k, mem_cap, integer = problem
+    if not brute_force(chain, k, mem_cap):
+        return
+    sol = solve_chain(chain, k, mem_cap=mem_cap, slack=slack)
+    got = rebalance(chain, sol.starts, lambda sub, s, _st, _p: solve_chain(sub, s, mem_cap=mem_cap, slack=slack).starts)
+    assert len(got) == k and got[0] == 0 and all(a < b for a, b in zip(got, got[1:])) and got[-1] < chain.n
+    assert all(chain.allowed[x] for x in got)
+    bounds = [*got, chain.n]
+    if mem_cap is not None:
+        assert all(stage_memory(chain, a, b) <= mem_cap for a, b in zip(bounds, bounds[1:]))
+    before, after = _sorted_costs(chain, sol.starts), _sorted_costs(chain, got)
+    assert _close(after[0], before[0], integer)
+    if slack == 0.0 and integer:
+        assert after <= before
+
+
+def test_rebalance_spreads_layers_around_an_indivisible_head():
+    """One node (a vocabulary head) sets the bottleneck; cuts right after the first nodes
+    are cheapest (token ids). The fewest-bytes split piles the layers on one stage;
+    rebalance keeps the head alone and splits the 12 layers 4 / 4 / 4."""
+    cost = [1.0] * 12 + [20.0]
+    cut_bytes = [1, 1] + [10] * 10
+    chain = make_chain(cost, cut_bytes=cut_bytes)
+    sol = solve_chain(chain, 4, slack=0.05)
+    assert _sorted_costs(chain, sol.starts)[1] > 4  # skewed: the bytes objective does not care
+    got = rebalance(chain, sol.starts, lambda sub, s, _st, _p: solve_chain(sub, s, slack=0.05).starts)
+    assert got == (0, 4, 8, 12)
 
 
 def test_deepspeed_counter_example():
@@ -407,3 +446,70 @@ def test_memory_cap_counts_tied_weights_in_every_stage(gpt8):
         feasible += 1
         assert all(m <= cap for m in plan.stage_memory), (cap, plan.stage_memory)
     assert feasible >= 3
+
+
+# ------------------------------------------------------------------ checkpointed memory limits
+def test_range_chmin_matches_a_loop():
+    from pipesplit.passes.partition import _range_chmin
+
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        n = int(rng.integers(1, 40))
+        lo = rng.integers(0, n, size=n)
+        hi = lo + rng.integers(-2, n, size=n)
+        hi = np.minimum(hi, n - 1)
+        vals = np.where(rng.random(n) < 0.2, np.inf, rng.integers(0, 100, size=n).astype(float))
+        want = np.full(n, np.inf)
+        for i in range(n):
+            for j in range(lo[i], hi[i] + 1):
+                want[j] = min(want[j], vals[i])
+        np.testing.assert_array_equal(_range_chmin(lo, hi, vals, n), want)
+
+
+@st.composite
+def checkpoint_problems(draw):
+    n = draw(st.integers(2, 8))
+    cost = draw(st.lists(st.integers(0, 20), min_size=n, max_size=n))
+    cut_bytes = draw(st.lists(st.integers(0, 30), min_size=n - 1, max_size=n - 1))
+    act = draw(st.lists(st.integers(0, 10), min_size=n, max_size=n))
+    state = draw(st.lists(st.integers(0, 10), min_size=n, max_size=n))
+    positions = st.lists(st.integers(0, n - 1), min_size=2, max_size=3, unique=True).map(lambda p: tuple(sorted(p)))
+    shared = draw(st.lists(st.tuples(st.integers(0, 15), positions), max_size=1))
+    chain = make_chain(cost, None, cut_bytes, [a + b for a, b in zip(act, state)], shared)
+    chain.act = np.asarray(act, dtype=np.int64)
+    k = draw(st.integers(1, n))
+    in_flight = draw(st.lists(st.integers(1, 4), min_size=k, max_size=k))
+    cap = draw(st.integers(0, 120))
+    return chain, k, in_flight, cap
+
+
+@FAST
+@given(checkpoint_problems())
+def test_checkpointed_memory_limits_match_brute_force(problem):
+    """With checkpointing, stage s holds state + one microbatch's activations + its inputs
+    x in_flight[s]: not an interval of starts. The solver still finds the exact best."""
+    from pipesplit.passes.partition import StageLimits, checkpointed_memory_ends, solve_candidates
+
+    chain, k, in_flight, cap = problem
+    n = chain.n
+
+    def held(s, a, b):
+        return stage_memory(chain, a, b) + in_flight[s] * int(chain.cut_bytes[a])
+
+    feasible = []
+    for cuts in itertools.combinations(range(1, n), k - 1):
+        bounds = [0, *cuts, n]
+        if all(held(s, a, b) <= cap for s, (a, b) in enumerate(zip(bounds, bounds[1:]))):
+            bottleneck = max(float(chain.cost[a:b].sum()) for a, b in zip(bounds, bounds[1:]))
+            feasible.append((bottleneck, int(sum(chain.cut_bytes[c] for c in cuts)), (0, *cuts)))
+    limits = StageLimits(end_hi=checkpointed_memory_ends(chain, cap, in_flight))
+    if not feasible:
+        with pytest.raises(pipesplit.PlanError):
+            solve_candidates(chain, k, [0.0], limits=limits)
+        return
+    sol = solve_candidates(chain, k, [0.0], limits=limits)[0]
+    best = min(b for b, _, _ in feasible)
+    assert sol.bottleneck == best
+    assert sol.cut_bytes == min(c for b, c, _ in feasible if b <= best)
+    bounds = [*sol.starts, n]
+    assert all(held(s, a, b) <= cap for s, (a, b) in enumerate(zip(bounds, bounds[1:])))

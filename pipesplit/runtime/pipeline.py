@@ -104,6 +104,12 @@ class Pipeline:
     (``executor="distributed"``, the default when one exists) each process runs the
     stages of its own rank and keeps only their parameters.
 
+    ``checkpoint`` recomputes stages' activations in the backward instead of keeping
+    them: ``True`` (every stage), a list of stage indices, or ``False``. Left as None it
+    follows the plan: a program compiled with ``memory=MemoryModel(checkpoint=True)``
+    was planned for checkpointing (its memory limits count only the stage inputs of the
+    microbatches in flight), so every stage is checkpointed.
+
     >>> import torch, pipesplit
     >>> model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)])
     >>> prog = pipesplit.compile(model, torch.randn(4, 8), num_stages=2)
@@ -122,7 +128,7 @@ class Pipeline:
         n_ranks: int | None = None,
         batch_dim: int | None = None,  # default: the program's (compile(..., batch_dim=...))
         loss_reduction: str = "mean",  # "mean": loss_fn averages over the batch; "sum": it sums
-        checkpoint: bool | Sequence[int] = False,
+        checkpoint: bool | Sequence[int] | None = None,  # default: as planned (compile(memory=MemoryModel(checkpoint=True)))
         timeout: float = 300.0,
         executor: str = "auto",
     ):
@@ -158,6 +164,9 @@ class Pipeline:
             )
         rank_of = self.schedule.stage_to_rank
         local = [s for s in prog.stages if self.rank is None or rank_of[s.index] == self.rank]
+        planned = checkpoint is None and bool(prog.plan.checkpoint)
+        if checkpoint is None:
+            checkpoint = planned
         ckpt = set(range(prog.num_stages)) if checkpoint is True else set(checkpoint or ())
         bad = sorted(i for i in ckpt if not 0 <= i < prog.num_stages)
         if bad:
@@ -167,7 +176,11 @@ class Pipeline:
                 if any(t in prog.mutated_targets for t in s.attr_targets):
                     raise PipesplitError(
                         f"stage {s.index} updates buffers in place (e.g. BatchNorm running stats); activation "
-                        "checkpointing would update them twice. Disable checkpoint or use eval-mode normalisation."
+                        "checkpointing would update them twice. "
+                        + ("The plan was made for checkpointing (compile(memory=MemoryModel(checkpoint=True))): "
+                           "compile without it, or pass checkpoint=False (the plan's memory figures then no longer "
+                           "hold), or use eval-mode normalisation." if planned
+                           else "Disable checkpoint or use eval-mode normalisation.")
                     )
         if executor == "distributed":
             tags = {}
