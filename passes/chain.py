@@ -60,14 +60,17 @@ def build_chain(
     *,
     state_factor: float = 2.0,
     recompute: Collection[str] = (),
+    order: list[fx.Node] | None = None,
 ) -> Chain:
     """Lay out ``gm``'s compute nodes as a chain; ``annotate_costs`` must have run.
+
+    ``order`` is a topological order of the compute nodes (default: the program's).
 
     ``state_factor`` multiplies the bytes of trainable parameters (weights + gradients
     by default; add optimizer state for training memory). Values named in
     ``recompute`` are rebuilt by each stage that needs them, so they never cross a cut.
     """
-    nodes = compute_nodes(gm)
+    nodes = compute_nodes(gm) if order is None else list(order)
     n = len(nodes)
     pos = {node: i for i, node in enumerate(nodes)}
     cost = np.array([float(cost_fn(node)) for node in nodes], dtype=np.float64)

@@ -434,7 +434,7 @@ def solve_candidates(
         while feasible(hi) is None:  # gallop up, then bisect
             lo, hi = hi + 1, min(total, hi + step)
             step *= 2
-        while hi - lo > max(1, hi >> 20):
+        while hi - lo > (hi >> 20):  # exact for small integers, to 1e-6 for large ones
             mid = (lo + hi) // 2
             if feasible(mid) is None:
                 lo = mid + 1

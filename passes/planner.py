@@ -2,21 +2,23 @@
 
 from __future__ import annotations
 
-import operator
 import difflib
+import operator
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence, Union
 
 import torch.fx as fx
 
 from pipesplit.errors import CostError, PlanError
 from pipesplit.meta import NodeCost, node_cost
-from pipesplit.passes.chain import build_chain, compute_nodes
+from pipesplit.passes.chain import Chain, build_chain, compute_nodes
 from pipesplit.passes.constraints import forbid_cuts_inside, pin_ranges
 from pipesplit.passes.costs import unknown_ops
 from pipesplit.passes.objective import DEFAULT_FLOPS_PER_S, CommModel, MemoryModel
+from pipesplit.passes.orders import candidate_orders
 from pipesplit.passes.partition import StageLimits, rebalance, solve_candidates, solve_chain
 from pipesplit.passes.recompute import recomputable
-from pipesplit.passes.step_planner import best_for_schedule, node_seconds
+from pipesplit.passes.step_planner import TIE, best_for_schedule, node_seconds
 from pipesplit.plan import Plan
 from pipesplit.schedules import Schedule
 
@@ -119,6 +121,7 @@ def plan_partition(
     mutated_targets: set[str] = frozenset(),  # type: ignore[assignment]
     device_kind: str = "cpu",
     flops_per_s: float | None = None,
+    order: str = "auto",
 ) -> Plan:
     """The balanced plan.
 
@@ -127,54 +130,109 @@ def plan_partition(
     time of that schedule (see :mod:`pipesplit.passes.step_planner`), with
     ``max_stage_memory`` counting parameters, gradients, optimizer state and the
     activations of every microbatch the schedule keeps in flight on each stage.
+
+    ``order="auto"`` solves the chain for the program's order of the nodes and for the
+    order that runs every node as late as possible (see :mod:`pipesplit.passes.orders`),
+    and keeps the better; ``"program"`` solves the program's order only.
     """
     name, fn = cost_function(cost)
     rate = flops_per_s or DEFAULT_FLOPS_PER_S.get(device_kind, DEFAULT_FLOPS_PER_S["cpu"])
     if recompute not in ("auto", "never"):
         raise PlanError(f"recompute must be 'auto' or 'never', got {recompute!r}.")
+    if order not in ("auto", "program"):
+        raise PlanError(f"order must be 'auto' or 'program', got {order!r}.")
     rebuild = cheap_to_recompute(gm, mutated_targets, comm, device_kind, rate) if recompute == "auto" else set()
-    state_factor = 1.0 + memory.grad_factor + (memory.optimizer_factor if schedule is not None else 0.0)
-    chain = build_chain(gm, fn, state_factor=state_factor, recompute=rebuild)
-    if chain.n == 0:
+    if not compute_nodes(gm):
         raise PlanError("the model's graph has no operations to split.")
-    known = module_paths or set()
+    orders = candidate_orders(gm) if order == "auto" else [("program", compute_nodes(gm))]
+    solved: list[_Solved] = []
+    for i, (label, nodes) in enumerate(orders):
+        try:
+            solved.append(_solve_order(
+                gm, nodes, label, fn, name, rate, num_stages, rebuild, max_stage_memory=max_stage_memory,
+                slack=slack, known=module_paths or set(), pins=pins or {}, no_split=no_split, schedule=schedule,
+                comm=comm, memory=memory, device_kind=device_kind,
+            ))
+        except PlanError:
+            if i == 0:  # the program's order: the user's error
+                raise
+    best = _best_order(solved, slack)
+    bounds = list(best.starts) + [best.chain.n]
+    stages = [[n.name for n in best.chain.nodes[a:b]] for a, b in zip(bounds, bounds[1:])]
+    plan = evaluate(gm, stages, name, fn, "planner")
+    plan.recompute = sorted(rebuild)
+    plan.checkpoint = memory.checkpoint
+    plan.order = best.label
+    for key, value in best.extra.items():
+        setattr(plan, key, value)
+    if best.memory is not None:
+        plan.stage_memory = best.memory
+    return plan
+
+
+@dataclass
+class _Solved:
+    """The best split of one order of the nodes, with what it is compared by."""
+
+    label: str
+    chain: Chain
+    starts: tuple[int, ...]
+    bottleneck: float
+    cut_bytes: int
+    step_s: float | None = None
+    memory: list[int] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _solve_order(
+    gm: fx.GraphModule, nodes: list[fx.Node], label: str, fn: CostFn, name: str, rate: float, num_stages: int,
+    rebuild: set[str], *, max_stage_memory: int | None, slack: float, known: set[str], pins: Mapping[str, int],
+    no_split: Sequence[str], schedule: Schedule | None, comm: CommModel, memory: MemoryModel, device_kind: str,
+) -> _Solved:
+    state_factor = 1.0 + memory.grad_factor + (memory.optimizer_factor if schedule is not None else 0.0)
+    chain = build_chain(gm, fn, state_factor=state_factor, recompute=rebuild, order=nodes)
     if no_split:
         chain.allowed = forbid_cuts_inside(chain.nodes, chain.allowed, no_split, known)
-    ranges = pin_ranges(chain.nodes, pins or {}, num_stages, known)
+    ranges = pin_ranges(chain.nodes, pins, num_stages, known)
     limits = StageLimits(None, ranges.start_lo, ranges.start_hi) if ranges else StageLimits()
-    extra: dict[str, Any] = {}
     if schedule is not None:
         seconds = node_seconds(chain.nodes, name, fn, rate)
         best, ideal = best_for_schedule(
             chain, seconds, schedule, comm=comm, memory=memory, mem_cap=max_stage_memory,
             limits=limits, device_kind=device_kind,
         )
-        starts = best.starts
         extra = dict(schedule=schedule.name, n_microbatches=schedule.n_microbatches,
                      predicted_step_s=best.step_s, ideal_step_s=ideal)
-        memory_per_stage = [int(m) for m in best.figures.memory]
-    elif ranges is not None:
+        return _Solved(label, chain, best.starts, _largest(chain, best.starts), best.cut_bytes, best.step_s,
+                       [int(m) for m in best.figures.memory], extra)
+    if ranges is not None:
         cands = solve_candidates(chain, num_stages, [slack], limits=limits, mem_cap=max_stage_memory)
         best_b = min(c.bottleneck for c in cands)
         ok = [c for c in cands if c.bottleneck <= best_b * (1 + slack)]
         starts = min(ok, key=lambda c: (c.cut_bytes, c.bottleneck)).starts
-        memory_per_stage = None
     else:
         starts = solve_chain(chain, num_stages, mem_cap=max_stage_memory, slack=slack).starts
         # the stages on each side of the bottleneck by the same rule, for their own bottleneck
         starts = rebalance(chain, starts, lambda sub, k, _s, _p: solve_chain(sub, k, mem_cap=max_stage_memory,
                                                                              slack=slack).starts)
-        memory_per_stage = None
+    return _Solved(label, chain, tuple(starts), _largest(chain, starts), int(chain.cut_bytes[list(starts[1:])].sum()))
+
+
+def _largest(chain: Chain, starts: Sequence[int]) -> float:
     bounds = list(starts) + [chain.n]
-    stages = [[n.name for n in chain.nodes[a:b]] for a, b in zip(bounds, bounds[1:])]
-    plan = evaluate(gm, stages, name, fn, "planner")
-    plan.recompute = sorted(rebuild)
-    plan.checkpoint = memory.checkpoint
-    for key, value in extra.items():
-        setattr(plan, key, value)
-    if memory_per_stage is not None:
-        plan.stage_memory = memory_per_stage
-    return plan
+    return max(float(chain.cost[a:b].sum()) for a, b in zip(bounds, bounds[1:]))
+
+
+def _best_order(solved: list[_Solved], slack: float) -> _Solved:
+    """The program's order unless another one is clearly better: a lower predicted step (beyond
+    the planner's tie), or, without a schedule, fewer bytes within ``slack`` of the best bottleneck."""
+    program = solved[0]
+    if program.step_s is not None:
+        best = min(solved, key=lambda s: s.step_s)  # type: ignore[arg-type, return-value]
+        return best if best.step_s < program.step_s * (1 - TIE) else program  # type: ignore[operator]
+    opt = min(s.bottleneck for s in solved)
+    ok = [s for s in solved if s.bottleneck <= opt * (1 + slack) + 1e-12]
+    return min(ok, key=lambda s: (s.cut_bytes, s.bottleneck))
 
 
 def cheap_to_recompute(

@@ -2,10 +2,13 @@
 
 The exact chain solver proposes candidates (the fewest cut bytes within several
 slacks of the optimal bottleneck, under per-stage memory limits that count the
-microbatches the schedule keeps in flight); the schedule simulator prices each with
-stage forward, input-gradient and weight-gradient times plus communication at the
-cuts; the cheapest wins. A lower bound that holds for every split (the busiest rank's
-share of the work; one microbatch's forward and input-gradient path) is reported too.
+microbatches the schedule keeps in flight), and each of them again with the stages on
+either side of its bottleneck re-split for their own balance (``partition.rebalance``);
+the schedule simulator prices each with stage forward, input-gradient and
+weight-gradient times plus communication at the cuts; the cheapest wins, and of
+predictions within ``TIE`` of it the best balanced. A lower bound that holds for every
+split (the busiest rank's share of the work; one microbatch's forward and
+input-gradient path) is reported too.
 """
 
 from __future__ import annotations

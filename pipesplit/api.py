@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -10,6 +11,7 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
 from pipesplit.capture import capture
 from pipesplit.errors import PlanError
@@ -27,11 +29,12 @@ from pipesplit.passes.planner import (
 )
 from pipesplit.passes.recompute import recomputable
 from pipesplit.passes.profile import profile_nodes
+from pipesplit.passes.refine import correct_node_times
 from pipesplit.passes.split import check_devices, split_graph
 from pipesplit.plan import Plan
 from pipesplit.program import SplitProgram
 from pipesplit.runtime.pipeline import resolve_schedule
-from pipesplit.schedules import Schedule
+from pipesplit.schedules import Schedule, simulate
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +75,8 @@ def compile(
     comm: CommModel | None = None,
     memory: MemoryModel | None = None,
     recompute: str = "auto",
+    order: str = "auto",
+    refine: int = 0,
     batch_dim: int = 0,
     progress: bool = True,
 ) -> SplitProgram:
@@ -106,6 +111,15 @@ def compile(
             its backward pays a second forward, and ``Pipeline`` checkpoints every stage.
         recompute: ``"auto"`` rebuilds cheap input-derived values (masks, rotary tables) in
             each stage that needs them instead of sending them; ``"never"`` sends everything.
+        order: ``"auto"`` also solves the order that computes each node as late as its
+            consumers allow (a branch computed early but used late need not cross every
+            cut) and keeps the better plan (``plan.order`` says which); ``"program"``
+            solves the program's own order only.
+        refine: with ``cost="profile"`` or ``"hybrid"``, time the planned stages (forward +
+            backward of the example on their devices), scale their nodes' profiled times to
+            what the stages measured, and plan again; ``refine`` rounds, keeping the plan
+            that measured best (``plan.measured_s``: its measured bottleneck, or with a
+            ``schedule`` the step simulated from the measured stages).
         batch_dim: the inputs' batch dimension, kept dynamic by export and cut into
             microbatches by :class:`pipesplit.Pipeline`.
         progress: show a progress bar while profiling.
@@ -119,6 +133,13 @@ def compile(
     """
     if num_stages is not None and num_stages < 1:  # fail before the (slow) export
         raise PlanError(f"num_stages must be at least 1, got {num_stages}.")
+    if refine < 0 or (refine and not (isinstance(cost, str) and cost in ("profile", "hybrid"))):
+        raise PlanError(
+            f"refine={refine!r}: refining corrects profiled times with measured ones, so it needs a number of rounds "
+            f">= 0 and cost='profile' or 'hybrid' (got cost={cost!r})."
+        )
+    if refine and (plan is not None or split_points is not None):
+        raise PlanError("refine= re-plans from measured stage times; it cannot change a given plan= or split_points=.")
     timings: dict[str, float] = {}
     with _timed("capture", timings):
         captured = capture(model, example_input, example_kwargs, batch_dim=batch_dim)
@@ -145,12 +166,22 @@ def compile(
             sched = None
             if schedule is not None:
                 sched = resolve_schedule(schedule, k, n_ranks, n_microbatches or 4 * k)
-            chosen = plan_partition(
-                gm, k, cost, max_stage_memory=max_stage_memory, slack=slack, module_paths=captured.module_paths,
-                pins=pins, no_split=no_split, schedule=sched, comm=comm or CommModel(), memory=memory or MemoryModel(),
-                recompute=recompute, mutated_targets=captured.mutated_targets,
-                device_kind=torch.device(device0).type,
-            )
+            def replan() -> Plan:
+                return plan_partition(
+                    gm, k, cost, max_stage_memory=max_stage_memory, slack=slack, module_paths=captured.module_paths,
+                    pins=pins, no_split=no_split, schedule=sched, comm=comm or CommModel(),
+                    memory=memory or MemoryModel(), recompute=recompute, mutated_targets=captured.mutated_targets,
+                    device_kind=torch.device(device0).type, order=order,
+                )
+
+            chosen = replan()
+            if refine:
+                devs = check_devices(list(devices) if devices is not None else [device0] * k, k)
+                args = example_input if isinstance(example_input, tuple) else (example_input,)
+                chosen = refine_plan(
+                    gm, captured, chosen, replan, devs, args, example_kwargs or {}, rounds=refine, schedule=sched,
+                    comm=comm or CommModel(), progress=progress,
+                )
     k = chosen.num_stages
     devs = check_devices(list(devices) if devices is not None else [device0] * k, k)
     with _timed("split", timings):
@@ -159,6 +190,33 @@ def compile(
     timings["export"] = captured.export_seconds
     program.timings = timings
     return program
+
+
+def refine_plan(
+    gm: Any, captured: Any, plan: Plan, replan: Any, devices: list[str], args: tuple[Any, ...],
+    kwargs: dict[str, Any], *, rounds: int, schedule: Schedule | None, comm: CommModel, progress: bool,
+) -> Plan:
+    """Measure ``plan``'s stages, correct the node times (``passes/refine.py``), re-plan; keep the best measured."""
+    from pipesplit.bench.predict import cut_seconds
+    from pipesplit.runtime.measure import measure_stage_costs
+
+    seen: dict[str, tuple[float, Plan]] = {}
+    for _ in tqdm(range(rounds + 1), desc="refine", disable=not progress, leave=False):
+        key = json.dumps(plan.stages)
+        if key in seen:  # planning again gave a split already measured: converged
+            break
+        prog = SplitProgram(captured, split_graph(gm, plan.stages, devices, recompute=plan.recompute), plan, devices)
+        measured = measure_stage_costs(prog, *args, repeats=3, warmup=1, reduce="min", backward="fused", **kwargs)
+        if schedule is not None:
+            cuts = cut_seconds(prog, prog.example_batch or 1, schedule.n_microbatches, comm)
+            score = simulate(schedule, measured, comm_cost=cuts or 0.0).step_time
+        else:
+            score = max(c.forward + c.backward for c in measured)
+        plan.measured_s = score
+        seen[key] = (score, plan)
+        correct_node_times(gm, plan.stages, measured)
+        plan = replan()
+    return min(seen.values(), key=lambda x: x[0])[1]
 
 
 def _choose_plan(

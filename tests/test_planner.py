@@ -402,3 +402,103 @@ def test_stages_that_do_not_set_the_bottleneck_are_balanced(big_head, sched, k):
     assert max(others) - min(others) <= 1.5 * block, (others, costs[head])
     # and the bottleneck is the optimum: the head's stage alone
     assert costs[head] == pytest.approx(max(costs))
+
+
+# ------------------------------------------------------------------ node orders
+class EarlyBranch(nn.Module):
+    """A cheap but wide side branch computed first in the code and used only at the very
+    end: in the program's order its 1024-wide result crosses every cut; computed late,
+    only the 64-wide input does."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(8))
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 1024))  # learnt: not a value to recompute
+
+    def forward(self, x):
+        side = torch.tanh(torch.cat([x] * 16, dim=1) * self.scale)
+        h = x
+        for layer in self.layers:
+            h = layer(h)
+        return h + side.view(x.shape[0], 16, 64).mean(1)
+
+
+@pytest.mark.parametrize("sched", [None, "1f1b"])
+def test_late_order_keeps_an_early_branch_off_the_cuts(sched):
+    torch.manual_seed(0)
+    model = EarlyBranch()
+    x = torch.randn(16, 64)
+    kw = dict(num_stages=3, schedule=sched, n_microbatches=4, progress=False,
+              comm=CommModel(latency_s=1e-5, bandwidth=1e6))  # a slow link: bytes matter
+    auto = pipesplit.compile(model, x, **kw)
+    program = pipesplit.compile(model, x, order="program", **kw)
+    assert program.plan.order == "program" and auto.plan.order == "late"
+    sent = lambda prog: sum(b.nbytes for b in prog.boundaries)  # noqa: E731
+    assert sent(auto) < sent(program) / 4
+    assert auto.plan.bottleneck <= program.plan.bottleneck * (1 + 0.05)
+    if sched:
+        assert auto.plan.predicted_step_s < program.plan.predicted_step_s
+    check_exact(model, (x,), {}, auto, (torch.randn(5, 64),), {})
+    loss_fn = lambda out, y: torch.nn.functional.mse_loss(out, y)  # noqa: E731
+    pipe = pipesplit.Pipeline(auto, "1f1b", n_microbatches=4, loss_fn=loss_fn)
+    xb, y = torch.randn(16, 64), torch.randn(16, 64)
+    torch.testing.assert_close(pipe.step(xb, target=y), loss_fn(model(xb), y).detach(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("sched", [None, "1f1b"])
+def test_auto_order_is_never_worse_than_the_program_order(gpt6, sched):
+    _, _, _, gm = gpt6
+    for k in (2, 3, 5):
+        schedule = get_schedule(sched, n_stages=k, n_ranks=k, n_microbatches=2 * k) if sched else None
+        auto = plan_partition(gm, k, "flops", schedule=schedule)
+        program = plan_partition(gm, k, "flops", schedule=schedule, order="program")
+        if sched:
+            assert auto.predicted_step_s <= program.predicted_step_s
+        else:
+            assert auto.bottleneck <= program.bottleneck * 1.05 + 1e-9
+            assert sum(auto.sent_bytes) <= sum(program.sent_bytes) or auto.bottleneck < program.bottleneck
+
+
+def test_bad_order_is_refused(gpt6):
+    _, _, _, gm = gpt6
+    with pytest.raises(PlanError, match="order"):
+        plan_partition(gm, 2, "flops", order="random")
+
+
+# ------------------------------------------------------------------ refinement from measured stages
+def test_corrected_node_times_add_up_to_the_measured_stages(wide):
+    from pipesplit.passes.profile import profile_nodes
+    from pipesplit.passes.refine import correct_node_times
+    from pipesplit.schedules import StageCost
+
+    model, x, _, _ = wide
+    cap = capture(model, x)
+    gm = annotate_costs(cap.gm)
+    profile_nodes(gm, cap.example_flat, "cpu", repeats=1, warmup=0, progress=False)
+    plan = plan_partition(gm, 3, "profile")
+    measured = [StageCost(0.002 * (s + 1), 0.001, 0.003 * (s + 1)) for s in range(3)]  # any times
+    correct_node_times(gm, plan.stages, measured)
+    chain = build_chain(gm, lambda n: 1.0)
+    seconds = node_seconds(chain.nodes, "profile", lambda n: 1.0, 1.0)
+    pos = {n.name: i for i, n in enumerate(chain.nodes)}
+    for names, m in zip(plan.stages, measured):
+        f, i, w = seconds[[pos[x] for x in names]].sum(axis=0)
+        assert f == pytest.approx(m.forward, rel=1e-9)
+        assert i + w == pytest.approx(m.backward, rel=1e-9)
+
+
+def test_refined_plan_is_measured_and_exact(gpt6):
+    model, idx, _, _ = gpt6
+    prog = pipesplit.compile(model, idx, num_stages=3, cost="profile", refine=2, progress=False)
+    assert prog.plan.measured_s is not None and prog.plan.measured_s > 0
+    check_exact(model, (idx,), {}, prog, (torch.randint(0, 64, (3, 16)),), {})
+    sched = pipesplit.compile(model, idx, num_stages=2, cost="hybrid", refine=1, schedule="1f1b", progress=False)
+    assert sched.plan.measured_s is not None and sched.plan.predicted_step_s is not None
+
+
+@pytest.mark.parametrize("bad", [dict(cost="flops", refine=1), dict(cost="profile", refine=-1),
+                                 dict(cost="profile", refine=1, split_points=["blocks.2"])])
+def test_refine_needs_profiled_costs_and_a_planned_split(gpt6, bad):
+    model, idx, _, _ = gpt6
+    with pytest.raises(PlanError, match="refine"):
+        pipesplit.compile(model, idx, num_stages=2, progress=False, **bad)
