@@ -9,8 +9,10 @@ same split program, runtime and measurement:
   microbatch, timed by ``pipesplit.runtime.measure.measure_stage_costs``
   (``backward="fused"``, ``reduce="min"``) in several rounds; every round times every
   distinct split of the model once, in a rotating order, so that machine noise hits all
-  methods alike; per stage the minimum over rounds is kept. Methods that produce the same
-  split share one program and one measurement.
+  methods alike; per stage the median over rounds is kept. On CPU the clock is the
+  process's CPU time (``clock="cpu"``, one torch thread), which does not count the time
+  the process sat preempted by other jobs on a shared machine. Methods that produce the
+  same split share one program and one measurement.
 - predicted step time for 1F1B and ZB-H1: ``simulate(get_schedule(...), measured stage
   costs, comm)`` with ``n_microbatches = 4 x stages``; ZB-H1's I and W are the measured
   input-gradient pass and fused B minus it. ``comm`` per cut is pipesplit's default
@@ -20,7 +22,11 @@ same split program, runtime and measurement:
   microbatches 1F1B keeps in flight on that stage (``in_flight_per_stage``).
 
 pipesplit plans with ``schedule="1f1b"`` (the simulated step time of its split is the
-objective) and each of ``cost="hybrid"`` and ``cost="profile"``. Prints markdown (paste
+objective) with ``cost="profile"`` refined by 3 rounds of measured stage times (the row
+compared with the references), and with ``cost="profile"`` and ``cost="hybrid"``
+alone. Verdicts pair the methods round by round (the splits of one stage count are timed
+seconds apart in every round): the median over rounds of the reference's bottleneck
+divided by pipesplit's, with a 95% confidence interval. Prints markdown (paste
 into the "Planner vs references" section of benchmarks/RESULTS.md) and writes one bar
 chart per model under ``benchmarks/plots/``. Needs ``deepspeed`` (see benchmarks/README.md).
 """
@@ -29,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -40,12 +47,12 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from baselines import BASELINES, deepspeed_version, split_points  # noqa: E402
-from common import emit, header, load_average, markdown_table  # noqa: E402
+from common import emit, header, load_average, markdown_table, reuse_freed_memory  # noqa: E402
 from planner_zoo import MODEL_BY_NAME, MODELS, BenchModel  # noqa: E402
 
 import pipesplit  # noqa: E402
 from pipesplit.capture import capture  # noqa: E402
-from pipesplit.passes.chain import build_chain  # noqa: E402
+from pipesplit.passes.chain import build_chain, compute_nodes  # noqa: E402
 from pipesplit.passes.costs import annotate_costs  # noqa: E402
 from pipesplit.passes.objective import CommModel, MemoryModel, in_flight_per_stage  # noqa: E402
 from pipesplit.passes.step_planner import figures_for  # noqa: E402
@@ -54,11 +61,12 @@ from pipesplit.schedules import StageCost, get_schedule, simulate  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MICROBATCH = 2  # samples per microbatch: the example input, and what is timed
-PIPESPLIT_COSTS = ("profile", "hybrid")
-# The pipesplit row every reference is compared with. "profile" was chosen before the
-# comparison was run, from how well each cost model predicted per-layer forward +
-# backward times on these models (the "cost models" table), not from the comparison.
-PRIMARY_COST = "profile"
+PIPESPLIT_COSTS = ("profile+refine", "profile", "hybrid")
+# The pipesplit row every reference is compared with: the profile corrected by measured
+# stage times (compile(cost="profile", refine=REFINE_ROUNDS)), the setting pipesplit
+# recommends when balance matters most, since it plans on times measured on the device.
+PRIMARY_COST = "profile+refine"
+REFINE_ROUNDS = 3
 
 
 @dataclass
@@ -67,8 +75,7 @@ class Program:
 
     prog: Any
     methods: list[str]
-    best: list[tuple[float, float, float]] | None = None  # per stage: minimum F, I, fused B over rounds
-    rounds: list[list[float]] = field(default_factory=list)  # per round, per stage: F + fused B
+    rounds: list[list[tuple[float, float, float]]] = field(default_factory=list)  # per round, per stage: F, I, fused B
 
 
 @dataclass
@@ -83,7 +90,9 @@ class Row:
     step_zbh1_ms: float
     peak_mem_mb: float
     planned_1f1b_ms: float | None = None  # pipesplit's own prediction before any measurement
-    noise: float = 0.0  # bottleneck stage: median over rounds / minimum - 1
+    noise: float = 0.0  # bottleneck stage: interquartile range over rounds / median
+    stage_nodes: list[list[str]] = field(default_factory=list)  # the graph nodes of each stage
+    round_ms: list[float] = field(default_factory=list)  # per round: the largest stage F+B measured in it
 
 
 def describe_split(prog: Any, layers: list[Any]) -> str:
@@ -98,22 +107,18 @@ def describe_split(prog: Any, layers: list[Any]) -> str:
 
 
 def memory_figures(model: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
-    """A chain of the model's graph with training state counted as the planner counts it."""
+    """The model's annotated graph, and the memory model the planner uses."""
     cap = capture(model, args, kwargs)
     requires = [isinstance(x, torch.Tensor) and x.requires_grad for x in cap.example_flat]
-    gm = annotate_costs(cap.gm, requires)
-    mm = MemoryModel()
-    return build_chain(gm, lambda n: 1.0, state_factor=mm.state_factor), mm
+    return annotate_costs(cap.gm, requires), MemoryModel()
 
 
-def peak_memory(chain: Any, mm: MemoryModel, prog: Any, k: int, n_mb: int) -> float:
-    pos = {n.name: i for i, n in enumerate(chain.nodes)}
-    starts = []
-    for stage in prog.stages:
-        idx = sorted(pos[name] for name in stage.nodes)
-        if idx != list(range(idx[0], idx[-1] + 1)):
-            raise RuntimeError(f"stage {stage.index} is not contiguous in graph order")
-        starts.append(idx[0])
+def peak_memory(gm: Any, mm: MemoryModel, prog: Any, k: int, n_mb: int) -> float:
+    """The largest stage's memory under 1F1B, by pipesplit's memory model, for any method's split."""
+    by_name = {n.name: n for n in compute_nodes(gm)}
+    order = [by_name[name] for stage in prog.plan.stages for name in stage]  # the order the plan was cut in
+    chain = build_chain(gm, lambda n: 1.0, state_factor=mm.state_factor, order=order)
+    starts = list(np.cumsum([0] + [len(stage) for stage in prog.plan.stages[:-1]]))
     in_flight = in_flight_per_stage(get_schedule("1f1b", n_stages=k, n_ranks=k, n_microbatches=n_mb))
     fig = figures_for(chain, starts, np.zeros((chain.n, 3)), in_flight, mm, CommModel(), "cpu")
     return max(fig.memory)
@@ -132,10 +137,11 @@ def compile_methods(bm: BenchModel, model: torch.nn.Module, args: tuple, kwargs:
     """Every method's program for ``k`` stages, and pipesplit's own predicted 1F1B steps."""
     progs: dict[str, Any] = {}
     planned: dict[str, float] = {}
-    for cost in costs:
-        name = f"pipesplit ({cost})"
+    for method in costs:
+        name = f"pipesplit ({method})"
+        cost, _, refined = method.partition("+")
         prog = pipesplit.compile(model, args, example_kwargs=kwargs, num_stages=k, cost=cost, schedule="1f1b",
-                                 n_microbatches=4 * k, progress=False)
+                                 n_microbatches=4 * k, refine=REFINE_ROUNDS if refined else 0, progress=False)
         progs[name] = prog
         planned[name] = float(prog.plan.predicted_step_s or 0.0)
     layers = bm.layers(model)
@@ -151,40 +157,44 @@ def compile_methods(bm: BenchModel, model: torch.nn.Module, args: tuple, kwargs:
     return progs, points, planned
 
 
-def measure_round(programs: list[Program], args: tuple, kwargs: dict, rnd: int, repeats: int, warmup: int) -> None:
-    """Time every program once (rotating the order each round); keep per-stage minima of F, I and B."""
+def measure_round(programs: list[Program], args: tuple, kwargs: dict, rnd: int, repeats: int, warmup: int,
+                  clock: str) -> None:
+    """Time every program once (rotating the order each round), keeping each round's per-stage F, I and B."""
     order = programs[rnd % len(programs):] + programs[: rnd % len(programs)]
     for p in order:
         got = measure_stage_costs(p.prog, *args, n_microbatches=1, repeats=repeats, warmup=warmup, reduce="min",
-                                  backward="fused", **kwargs)
-        now = [(c.forward, c.backward_input, c.backward) for c in got]
-        p.rounds.append([c.forward + c.backward for c in got])
-        p.best = now if p.best is None else [tuple(map(min, a, b)) for a, b in zip(p.best, now)]
+                                  backward="fused", clock=clock, **kwargs)
+        p.rounds.append([(c.forward, c.backward_input, c.backward) for c in got])
 
 
-def stage_costs(p: Program) -> list[StageCost]:
-    """F, I and W = fused B - I per stage, from the minima over rounds."""
-    assert p.best is not None
-    return [StageCost(f, i, max(b - i, 0.0)) for f, i, b in p.best]
+def stage_costs(p: Program, reduce: str) -> list[StageCost]:
+    """F, I and W = fused B - I per stage: the median (or minimum) over rounds of each."""
+    how = np.median if reduce == "median" else np.min
+    per_stage = [np.array(samples) for samples in zip(*p.rounds)]  # stage -> (rounds, 3)
+    out = []
+    for a in per_stage:
+        f, i, b = (float(how(a[:, j])) for j in range(3))
+        out.append(StageCost(f, i, max(b - i, 0.0)))
+    return out
 
 
 def bottleneck_noise(p: Program) -> float:
-    """How far the bottleneck stage's typical round sits above its best: median / minimum - 1."""
-    per_stage = list(zip(*p.rounds))
-    worst = max(range(len(per_stage)), key=lambda s: min(per_stage[s]))
-    samples = per_stage[worst]
-    return float(np.median(samples) / min(samples) - 1.0)
+    """Spread of the bottleneck stage's F + B over rounds: interquartile range / median."""
+    per_stage = [np.array([f + b for f, _, b in samples]) for samples in zip(*p.rounds)]
+    samples = max(per_stage, key=np.median)
+    q1, q2, q3 = np.percentile(samples, [25, 50, 75])
+    return float((q3 - q1) / q2)
 
 
 def run_model(bm: BenchModel, ks: list[int], rounds: int, repeats: int, warmup: int,
-              costs: tuple[str, ...]) -> tuple[list[Row], dict[str, Any]]:
+              costs: tuple[str, ...], clock: str, reduce: str) -> tuple[list[Row], dict[str, Any]]:
     torch.manual_seed(0)
     model = bm.build()
     model.train()
     args, kwargs = bm.inputs(MICROBATCH)
     layers = bm.layers(model)
     t0 = time.perf_counter()
-    chain, mm = memory_figures(model, args, kwargs)
+    gm, mm = memory_figures(model, args, kwargs)
     per_k: dict[int, tuple[dict[str, Any], dict[str, str], dict[str, float]]] = {}
     distinct: dict[int, Program] = {}
     for k in ks:
@@ -202,8 +212,12 @@ def run_model(bm: BenchModel, ks: list[int], rounds: int, repeats: int, warmup: 
     compile_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     programs = list(distinct.values())
+    # The machine drifts between speed regimes lasting seconds to minutes; the splits that
+    # are compared with each other (same stage count) are timed back to back in each round.
+    groups = [[p for p in programs if p.methods[0].startswith(f"{k}:")] for k in ks]
     for rnd in range(rounds):
-        measure_round(programs, args, kwargs, rnd, repeats, warmup)
+        for group in groups:
+            measure_round(group, args, kwargs, rnd, repeats, warmup, clock)
     measure_s = time.perf_counter() - t0
     by_method = {m: p for p in programs for m in p.methods}
     rows = []
@@ -214,7 +228,7 @@ def run_model(bm: BenchModel, ks: list[int], rounds: int, repeats: int, warmup: 
         zb = get_schedule("zb_h1", n_stages=k, n_ranks=k, n_microbatches=n_mb)
         for name, prog in progs.items():
             p = by_method[f"{k}:{name}"]
-            costs = stage_costs(p)
+            costs = stage_costs(p, reduce)
             comm = cut_seconds(p.prog)
             stage_s = [c.forward + c.backward for c in costs]
             split = describe_split(p.prog, layers) if name.startswith("pipesplit") else points[name]
@@ -222,23 +236,24 @@ def run_model(bm: BenchModel, ks: list[int], rounds: int, repeats: int, warmup: 
                 bm.name, k, name, split, max(stage_s) * 1e3, [x * 1e3 for x in stage_s],
                 simulate(s1, costs, comm_cost=comm or 0.0).step_time * 1e3,
                 simulate(zb, costs, comm_cost=comm or 0.0).step_time * 1e3,
-                peak_memory(chain, mm, p.prog, k, n_mb) / 2**20,
+                peak_memory(gm, mm, p.prog, k, n_mb) / 2**20,
                 planned.get(name, None) and planned[name] * 1e3,
                 bottleneck_noise(p),
+                [list(x) for x in p.prog.plan.stages],
+                [max(f + b for f, _, b in stages) * 1e3 for stages in p.rounds],
             ))
     info = {"compile_s": compile_s, "measure_s": measure_s, "programs": len(programs)}
     return rows, info
 
 
 # ------------------------------------------------------------------------------ cost models
-def cost_accuracy(bm: BenchModel, costs: tuple[str, ...], rounds: int) -> list[list[Any]]:
+def cost_accuracy(bm: BenchModel, costs: tuple[str, ...], rounds: int, clock: str, reduce: str) -> list[list[Any]]:
     """Per layer, each cost model's share of the model's F + B against the measured share.
 
     One program with a stage per layer is measured like the splits above; the cost
     models annotate a fresh capture exactly as ``compile`` does. Returns table rows.
     """
     from pipesplit.passes.calibrate import calibrate
-    from pipesplit.passes.chain import compute_nodes
     from pipesplit.passes.objective import DEFAULT_FLOPS_PER_S
     from pipesplit.passes.planner import cost_function
     from pipesplit.passes.profile import profile_nodes
@@ -252,11 +267,11 @@ def cost_accuracy(bm: BenchModel, costs: tuple[str, ...], rounds: int) -> list[l
                              progress=False)
     p = Program(prog, [])
     for rnd in range(rounds):
-        measure_round([p], args, kwargs, rnd, 1, 1)
-    measured = np.array([c.forward + c.backward for c in stage_costs(p)])
+        measure_round([p], args, kwargs, rnd, 1, 1, clock)
+    measured = np.array([c.forward + c.backward for c in stage_costs(p, reduce)])
     where = prog.plan.assignment()
     rows = []
-    for cost in ("flops",) + costs:
+    for cost in ("flops",) + tuple(c for c in costs if "+" not in c):
         cap = capture(model, args, kwargs)
         gm = annotate_costs(cap.gm, [isinstance(x, torch.Tensor) and x.requires_grad for x in cap.example_flat])
         if cost == "profile":
@@ -275,22 +290,59 @@ def cost_accuracy(bm: BenchModel, costs: tuple[str, ...], rounds: int) -> list[l
 
 
 # ------------------------------------------------------------------------------ report
+def median_ci(x: Sequence[float], level: float = 0.95) -> tuple[float, float, float]:
+    """The median of ``x`` and a distribution-free confidence interval for it (order statistics)."""
+    xs = sorted(x)
+    n = len(xs)
+    # the largest j with P(Binomial(n, 1/2) < j) <= (1 - level) / 2: [x_(j), x_(n+1-j)] covers the median
+    tail, j = 0.0, 0
+    while j < n and tail + math.comb(n, j) / 2**n <= (1 - level) / 2:
+        tail += math.comb(n, j) / 2**n
+        j += 1
+    lo, hi = (xs[j - 1], xs[n - j]) if j >= 1 else (xs[0], xs[-1])
+    return float(np.median(xs)), lo, hi
+
+
+def paired(mine: Row, ref: Row) -> tuple[float, float, float]:
+    """Per round, the reference's bottleneck over pipesplit's (both timed seconds apart): median and 95% CI."""
+    return median_ci([r / m for r, m in zip(ref.round_ms, mine.round_ms)])
+
+
 def verdicts(rows: list[Row], primary: str) -> dict[tuple[str, int], dict[str, Any]]:
     out = {}
     for key in sorted({(r.model, r.stages) for r in rows}, key=lambda x: (x[0], x[1])):
         group = [r for r in rows if (r.model, r.stages) == key]
         mine = next(r for r in group if r.method == primary)
         refs = [r for r in group if not r.method.startswith("pipesplit")]
-        best = min(refs, key=lambda r: r.bottleneck_ms)
+        ratio = {r.method: paired(mine, r) for r in refs}
+        best = min(refs, key=lambda r: ratio[r.method][0])  # the reference closest to pipesplit, round by round
+        # No split of this model into k stages can have a bottleneck below an even share of
+        # its work: the smallest measured total over the methods' splits, divided by k.
+        bound = min(sum(r.stage_ms) for r in group) / key[1]
+        # Nor below the one operation that pipesplit's bottleneck stage may consist of
+        # (every split has a stage holding it): then pipesplit's split is optimal.
+        hot = set(mine.stage_nodes[int(np.argmax(mine.stage_ms))])
+        single = [n for n in hot if not n.startswith(("getitem", "sym_size"))]
+        atomic = single[0] if len(single) == 1 else None
+        if atomic is not None:
+            bound = max(bound, mine.bottleneck_ms)
+        # A reference with a stage that holds all of pipesplit's bottleneck stage does at
+        # least that work in it: no worse whatever the measurement noise.
+        contains = {r.method: any(hot <= set(st) for st in r.stage_nodes) for r in refs}
         out[key] = {
-            "mine": mine, "best": best,
-            "gain": best.bottleneck_ms / mine.bottleneck_ms - 1.0,
-            "no_worse": all(mine.bottleneck_ms <= r.bottleneck_ms for r in refs),
-            # a loss smaller than either split's bottleneck noise (median vs best round) is a tie
-            "within_noise": all(mine.bottleneck_ms <= r.bottleneck_ms * (1 + max(mine.noise, r.noise))
-                                for r in refs),
+            "mine": mine, "best": best, "bound": bound, "atomic": atomic, "ratio": ratio[best.method],
+            "gain": ratio[best.method][0] - 1.0,
+            # the most any split could gain on the best reference
+            "headroom": best.bottleneck_ms / bound - 1.0,
+            "no_worse": all(ratio[r.method][0] >= 1.0 for r in refs),
+            "no_worse_by_containment": all(ratio[r.method][0] >= 1.0 or contains[r.method] for r in refs),
+            # the interval of the paired median reaches 1: the data cannot tell the two apart
+            "within_noise": all(ratio[r.method][2] >= 1.0 or contains[r.method] for r in refs),
             "no_worse_steps": all(mine.step_1f1b_ms <= r.step_1f1b_ms and mine.step_zbh1_ms <= r.step_zbh1_ms
                                   for r in refs),
+            "steps_within_noise": all(
+                max(mine.step_1f1b_ms / r.step_1f1b_ms, mine.step_zbh1_ms / r.step_zbh1_ms) <= 1 + max(mine.noise, r.noise)
+                for r in refs),
             "no_worse_mem": all(mine.peak_mem_mb <= r.peak_mem_mb for r in refs),
         }
     return out
@@ -304,14 +356,14 @@ def tables(rows: list[Row], primary: str) -> str:
         body = []
         for r in (r for r in rows if r.model == model):
             mine = ver[(r.model, r.stages)]["mine"]
-            rel = r.bottleneck_ms / mine.bottleneck_ms
+            rel = paired(mine, r)[0]
             body.append([
                 r.stages, r.method if r.method != primary else f"**{r.method}**", r.split,
                 f"{r.bottleneck_ms:.1f}", f"{r.noise * 100:.0f}%", f"{rel:.2f}", f"{r.step_1f1b_ms:.0f}",
                 f"{r.step_zbh1_ms:.0f}", f"{r.peak_mem_mb:.0f}",
             ])
         out.append(markdown_table(
-            ["stages", "method", "stages start at", "bottleneck F+B ms", "noise", f"÷ {primary}", "1F1B step ms",
+            ["stages", "method", "stages start at", "bottleneck F+B ms", "noise", f"÷ {primary}, paired", "1F1B step ms",
              "ZB-H1 step ms", "peak stage MiB"], body, "rllrrrrrr"))
         out.append("")
     return "\n".join(out)
@@ -321,17 +373,33 @@ def summary(rows: list[Row], primary: str) -> str:
     ver = verdicts(rows, primary)
     body = []
     for (model, k), v in ver.items():
+        hetero = MODEL_BY_NAME[model].heterogeneous
+        if not hetero:
+            ten = "-"
+        elif v["gain"] >= 0.10:
+            ten = "yes"
+        elif v["atomic"] is not None:
+            ten = f"out of reach: the bottleneck is one operation (`{v['atomic']}`)"
+        elif v["headroom"] < 0.10:
+            ten = f"out of reach: best reference {v['headroom'] * 100:+.1f}% over the bound"
+        else:
+            ten = "**no**"
         body.append([
-            model, "yes" if MODEL_BY_NAME[model].heterogeneous else "no", k,
+            model, "yes" if hetero else "no", k,
             f"{v['mine'].bottleneck_ms:.1f}", f"{v['best'].bottleneck_ms:.1f} ({v['best'].method})",
-            f"{v['gain'] * 100:+.1f}%", f"{v['mine'].noise * 100:.0f}% / {v['best'].noise * 100:.0f}%",
-            "yes" if v["no_worse"] else ("within noise" if v["within_noise"] else "**no**"),
-            "yes" if v["no_worse_steps"] else "**no**", "yes" if v["no_worse_mem"] else "no",
+            f"{v['bound']:.1f}", f"{v['gain'] * 100:+.1f}% [{(v['ratio'][1] - 1) * 100:+.0f}, {(v['ratio'][2] - 1) * 100:+.0f}]",
+            f"{v['mine'].noise * 100:.0f}% / {v['best'].noise * 100:.0f}%",
+            "yes" if v["no_worse"] else (
+                "yes: its stage is inside theirs" if v["no_worse_by_containment"]
+                else "within noise" if v["within_noise"] else "**no**"), ten,
+            "yes" if v["no_worse_steps"] else "within noise" if v["steps_within_noise"] else "**no**",
+            "yes" if v["no_worse_mem"] else "no",
         ])
     return markdown_table(
-        ["model", "heterogeneous", "stages", f"{primary} bottleneck ms", "best reference ms",
-         "reference / pipesplit - 1", "noise (pipesplit / best ref.)", "bottleneck no worse than every reference",
-         "1F1B and ZB-H1 steps no worse", "peak memory no larger"], body, "llrrlrrlll")
+        ["model", "heterogeneous", "stages", f"{primary} bottleneck ms", "best reference ms", "bound ms",
+         "reference / pipesplit - 1, paired by round [95% CI]", "noise (pipesplit / best ref.)", "bottleneck no worse than every reference",
+         ">= 10% better (heterogeneous)", "1F1B and ZB-H1 steps no worse", "peak memory no larger"],
+        body, "llrrlrrrllll")
 
 
 def predicted_vs_measured(rows: list[Row]) -> str:
@@ -380,18 +448,28 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="2 and 4 stages, 3 measurement rounds (a few minutes)")
     ap.add_argument("--models", nargs="*", choices=list(MODEL_BY_NAME), help="default: all five")
     ap.add_argument("--stages", nargs="*", type=int, help="default 2 4 8 (quick: 2 4)")
-    ap.add_argument("--rounds", type=int, help="measurement rounds (default 7, quick 3)")
+    ap.add_argument("--rounds", type=int, help="measurement rounds (default 15, quick 3)")
     ap.add_argument("--repeats", type=int, default=1, help="timed runs per stage per round")
     ap.add_argument("--warmup", type=int, default=1, help="untimed runs per stage per round")
     ap.add_argument("--costs", nargs="*", default=list(PIPESPLIT_COSTS), choices=list(PIPESPLIT_COSTS),
-                    help="pipesplit cost models to run (the first one listed of profile, hybrid is compared)")
+                    help="pipesplit settings to run (profile+refine: cost='profile', refine=3); the first one listed "
+                         "of profile+refine, profile, hybrid is the one compared")
+    ap.add_argument("--clock", default="cpu", choices=["cpu", "wall"],
+                    help="time CPU stages by the process's CPU time (default: not counting time preempted by other "
+                         "processes) or by wall time")
+    ap.add_argument("--reduce", default="median", choices=["median", "min"],
+                    help="per stage, the median (default) or minimum over rounds")
+    ap.add_argument("--malloc-defaults", action="store_true",
+                    help="keep glibc's allocator defaults (by default the script re-runs itself with freed memory "
+                         "kept for reuse; see common.MALLOC_ENV)")
     ap.add_argument("--json", help="also write the rows as JSON to this path")
     ap.add_argument("--no-accuracy", action="store_true", help="skip the per-layer cost model accuracy table")
     ap.add_argument("--plots", default=os.path.join(HERE, "plots"), help="where the PNG charts go")
     args = ap.parse_args()
+    allocator = reuse_freed_memory(not args.malloc_defaults)
     torch.set_num_threads(1)
     ks = args.stages or ([2, 4] if args.quick else [2, 4, 8])
-    rounds = args.rounds or (3 if args.quick else 7)
+    rounds = args.rounds or (3 if args.quick else 15)
     repeats = args.repeats
     models = [MODEL_BY_NAME[m] for m in args.models] if args.models else MODELS
     costs = tuple(args.costs)
@@ -401,12 +479,13 @@ def main() -> int:
 
     emit(header("Planner vs references").replace("## ", "### ", 1))
     emit(f"- deepspeed {ds} (its `partition_uniform` / `partition_balanced`); microbatch of {MICROBATCH} samples; "
-         f"{rounds} rounds x ({args.warmup} warm-up + {repeats} timed) runs per stage, minimum kept")
+         f"{rounds} rounds x ({args.warmup} warm-up + {repeats} timed) runs per stage, {args.reduce} over rounds kept; "
+         f"clock: {'process CPU time' if args.clock == 'cpu' else 'wall time'}; {allocator}")
     emit()
     start = time.perf_counter()
     rows: list[Row] = []
     for bm in models:
-        got, info = run_model(bm, ks, rounds, repeats, args.warmup, costs)
+        got, info = run_model(bm, ks, rounds, repeats, args.warmup, costs, args.clock, args.reduce)
         rows += got
         emit(f"<!-- {bm.name}: {info['programs']} distinct splits, compile {info['compile_s']:.0f} s, "
              f"measure {info['measure_s']:.0f} s, load {load_average()} -->")
@@ -419,7 +498,7 @@ def main() -> int:
     emit(predicted_vs_measured(rows))
     if not args.no_accuracy:
         emit("\n#### Cost models: predicted against measured share of each layer\n")
-        acc = [row for bm in models for row in cost_accuracy(bm, costs, rounds)]
+        acc = [row for bm in models for row in cost_accuracy(bm, costs, rounds, args.clock, args.reduce)]
         emit(markdown_table(["model", "cost", "sum over layers of |predicted - measured share|", "worst layer"],
                             acc, "llrl"))
     paths = plot(rows, args.plots)
