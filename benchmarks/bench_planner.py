@@ -344,6 +344,8 @@ def verdicts(rows: list[Row], primary: str) -> dict[tuple[str, int], dict[str, A
                 max(mine.step_1f1b_ms / r.step_1f1b_ms, mine.step_zbh1_ms / r.step_zbh1_ms) <= 1 + max(mine.noise, r.noise)
                 for r in refs),
             "no_worse_mem": all(mine.peak_mem_mb <= r.peak_mem_mb for r in refs),
+            # memory against the reference whose bottleneck comes closest (the fastest one)
+            "fastest": min(refs, key=lambda r: r.bottleneck_ms),
         }
     return out
 
@@ -393,13 +395,15 @@ def summary(rows: list[Row], primary: str) -> str:
                 "yes: its stage is inside theirs" if v["no_worse_by_containment"]
                 else "within noise" if v["within_noise"] else "**no**"), ten,
             "yes" if v["no_worse_steps"] else "within noise" if v["steps_within_noise"] else "**no**",
+            f"{v['mine'].peak_mem_mb:.0f} / {v['fastest'].peak_mem_mb:.0f} ({v['fastest'].method})",
             "yes" if v["no_worse_mem"] else "no",
         ])
     return markdown_table(
         ["model", "heterogeneous", "stages", f"{primary} bottleneck ms", "best reference ms", "bound ms",
          "reference / pipesplit - 1, paired by round [95% CI]", "noise (pipesplit / best ref.)", "bottleneck no worse than every reference",
-         ">= 10% better (heterogeneous)", "1F1B and ZB-H1 steps no worse", "peak memory no larger"],
-        body, "llrrlrrrllll")
+         ">= 10% better (heterogeneous)", "1F1B and ZB-H1 steps no worse",
+         "peak stage MiB: pipesplit / fastest reference", "peak memory no larger than every reference"],
+        body, "llrrlrrrlllrl")
 
 
 def predicted_vs_measured(rows: list[Row]) -> str:
@@ -443,6 +447,23 @@ def plot(rows: list[Row], path_dir: str) -> list[str]:
     return paths
 
 
+def render(path: str, plots: str) -> int:
+    """The summary, per-model tables and plots of a saved run, without measuring anything."""
+    with open(path) as f:
+        rows = [Row(**d) for d in json.load(f)]
+    methods = {r.method for r in rows}
+    primary = next((f"pipesplit ({c})" for c in PIPESPLIT_COSTS if f"pipesplit ({c})" in methods), rows[0].method)
+    emit("#### Summary\n")
+    emit(summary(rows, primary))
+    emit()
+    emit(tables(rows, primary))
+    emit("#### pipesplit's own prediction against the measured stages\n")
+    emit(predicted_vs_measured(rows))
+    paths = plot(rows, plots)
+    emit("\nPlots: " + ", ".join(f"`{os.path.relpath(p, os.path.dirname(HERE))}`" for p in paths))
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="2 and 4 stages, 3 measurement rounds (a few minutes)")
@@ -462,10 +483,13 @@ def main() -> int:
     ap.add_argument("--malloc-defaults", action="store_true",
                     help="keep glibc's allocator defaults (by default the script re-runs itself with freed memory "
                          "kept for reuse; see common.MALLOC_ENV)")
+    ap.add_argument("--from-json", help="only print the tables and plots of a run saved with --json")
     ap.add_argument("--json", help="also write the rows as JSON to this path")
     ap.add_argument("--no-accuracy", action="store_true", help="skip the per-layer cost model accuracy table")
     ap.add_argument("--plots", default=os.path.join(HERE, "plots"), help="where the PNG charts go")
     args = ap.parse_args()
+    if args.from_json:
+        return render(args.from_json, args.plots)
     allocator = reuse_freed_memory(not args.malloc_defaults)
     torch.set_num_threads(1)
     ks = args.stages or ([2, 4] if args.quick else [2, 4, 8])

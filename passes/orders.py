@@ -30,16 +30,17 @@ def dependency_graph(nodes: list[fx.Node]) -> nx.DiGraph:
 def late_order(nodes: list[fx.Node]) -> list[fx.Node]:
     """A topological order that runs every node as late as possible (ALAP), ties in program order.
 
-    A node's level is the length of the longest path from it to the end of the graph,
-    counted backwards: a node whose result is used only by the last operation gets the
-    level just below it, however early the program computes it.
+    A node's depth is the length of the longest path from it to the end of the graph (its
+    topological generation in the reversed graph): a node whose result only the last
+    operation uses gets depth 1, however early the program computes it. Sorting by
+    decreasing depth is topological, since a producer is always deeper than its consumers.
     """
-    g = dependency_graph(nodes)
+    depth = {}
+    for d, generation in enumerate(nx.topological_generations(dependency_graph(nodes).reverse(copy=False))):
+        for n in generation:
+            depth[n] = d
     pos = {n: i for i, n in enumerate(nodes)}
-    depth: dict[fx.Node, int] = {}
-    for n in reversed(list(nx.topological_sort(g))):
-        depth[n] = max((depth[u] + 1 for u in g.successors(n)), default=0)
-    return list(nx.lexicographical_topological_sort(g, key=lambda n: (-depth[n], pos[n])))
+    return sorted(nodes, key=lambda n: (-depth[n], pos[n]))
 
 
 def candidate_orders(gm: fx.GraphModule) -> list[tuple[str, list[fx.Node]]]:

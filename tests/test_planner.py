@@ -31,13 +31,17 @@ def _starts(chain, stages):
     return [pos[s[0]] for s in stages]
 
 
-@pytest.fixture(scope="module")
-def gpt6():
+def _captured_gpt(layers: int, vocab: int):
     torch.manual_seed(0)
-    model = gpt(layers=6, dim=32, vocab=64, seq=16, heads=2)
-    idx = torch.randint(0, 64, (2, 16))
+    model = gpt(layers=layers, dim=32, vocab=vocab, seq=16, heads=2)
+    idx = torch.randint(0, vocab, (2, 16))
     cap = capture(model, idx)
     return model, idx, cap, annotate_costs(cap.gm)
+
+
+@pytest.fixture(scope="module")
+def gpt6():
+    return _captured_gpt(6, 64)
 
 
 class Wide(nn.Module):
@@ -378,11 +382,7 @@ def test_interleaved_plan_runs_exactly(gpt6):
 @pytest.fixture(scope="module")
 def big_head():
     """A GPT whose tied vocabulary head alone outweighs all its blocks together."""
-    torch.manual_seed(0)
-    model = gpt(layers=8, dim=32, vocab=8192, seq=16, heads=2)
-    idx = torch.randint(0, 8192, (2, 16))
-    cap = capture(model, idx)
-    return model, idx, cap, annotate_costs(cap.gm)
+    return _captured_gpt(8, 8192)
 
 
 @pytest.mark.parametrize("sched", [None, "1f1b"])
