@@ -40,7 +40,7 @@ import os
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -453,15 +453,23 @@ def render(path: str, plots: str) -> int:
         rows = [Row(**d) for d in json.load(f)]
     methods = {r.method for r in rows}
     primary = next((f"pipesplit ({c})" for c in PIPESPLIT_COSTS if f"pipesplit ({c})" in methods), rows[0].method)
+    emit_tables(rows, primary)
+    emit_plots(rows, plots)
+    return 0
+
+
+def emit_tables(rows: list[Row], primary: str) -> None:
     emit("#### Summary\n")
     emit(summary(rows, primary))
     emit()
     emit(tables(rows, primary))
     emit("#### pipesplit's own prediction against the measured stages\n")
     emit(predicted_vs_measured(rows))
+
+
+def emit_plots(rows: list[Row], plots: str) -> None:
     paths = plot(rows, plots)
     emit("\nPlots: " + ", ".join(f"`{os.path.relpath(p, os.path.dirname(HERE))}`" for p in paths))
-    return 0
 
 
 def main() -> int:
@@ -514,19 +522,13 @@ def main() -> int:
         emit(f"<!-- {bm.name}: {info['programs']} distinct splits, compile {info['compile_s']:.0f} s, "
              f"measure {info['measure_s']:.0f} s, load {load_average()} -->")
     emit(f"\nTotal {time.perf_counter() - start:.0f} s.\n")
-    emit("#### Summary\n")
-    emit(summary(rows, primary))
-    emit()
-    emit(tables(rows, primary))
-    emit("#### pipesplit's own prediction against the measured stages\n")
-    emit(predicted_vs_measured(rows))
+    emit_tables(rows, primary)
     if not args.no_accuracy:
         emit("\n#### Cost models: predicted against measured share of each layer\n")
         acc = [row for bm in models for row in cost_accuracy(bm, costs, rounds, args.clock, args.reduce)]
         emit(markdown_table(["model", "cost", "sum over layers of |predicted - measured share|", "worst layer"],
                             acc, "llrl"))
-    paths = plot(rows, args.plots)
-    emit("\nPlots: " + ", ".join(f"`{os.path.relpath(p, os.path.dirname(HERE))}`" for p in paths))
+    emit_plots(rows, args.plots)
     if args.json:
         with open(args.json, "w") as f:
             json.dump([asdict(r) for r in rows], f, indent=1)
