@@ -16,7 +16,8 @@ from pipesplit.passes.constraints import forbid_cuts_inside, pin_ranges
 from pipesplit.passes.costs import unknown_ops
 from pipesplit.passes.objective import DEFAULT_FLOPS_PER_S, CommModel, MemoryModel
 from pipesplit.passes.orders import candidate_orders
-from pipesplit.passes.partition import StageLimits, rebalance, solve_candidates, solve_chain
+from pipesplit.passes.balance import rebalance
+from pipesplit.passes.partition import StageLimits, solve_candidates, solve_chain
 from pipesplit.passes.recompute import recomputable
 from pipesplit.passes.step_planner import TIE, best_for_schedule, node_seconds
 from pipesplit.plan import Plan

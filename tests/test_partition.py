@@ -19,7 +19,8 @@ from pipesplit.meta import node_cost
 from pipesplit.models import gpt
 from pipesplit.passes.chain import Chain
 from pipesplit.passes.costs import annotate_costs
-from pipesplit.passes.partition import rebalance, solve_chain
+from pipesplit.passes.balance import rebalance
+from pipesplit.passes.partition import solve_chain
 from pipesplit.passes.planner import plan_partition
 from pipesplit.passes.split import split_graph
 from tests.zoo import CASE_BY_NAME
