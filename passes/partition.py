@@ -16,6 +16,11 @@ import numpy as np
 
 from pipesplit.errors import PlanError
 from pipesplit.passes.chain import Chain
+from pipesplit.passes.pushed import checkpointed_memory_ends, pushed_bytes
+
+__all__ = [
+    "ChainSplit", "StageLimits", "solve_chain", "solve_candidates", "stage_memory_limits", "checkpointed_memory_ends",
+]
 
 _INF = np.iinfo(np.int64).max // 4
 
@@ -262,107 +267,10 @@ def stage_memory_limits(chain: Chain, cap: int, in_flight: Sequence[int]) -> tup
     return tuple(cache[k] for k in in_flight)
 
 
-def checkpointed_memory_ends(chain: Chain, cap: int, in_flight: Sequence[int]) -> tuple[np.ndarray, ...]:
-    """``StageLimits.end_hi`` for activation checkpointing under a memory cap.
-
-    A checkpointed stage ``[i, j)`` keeps its inputs (``cut_bytes[i]``) for each of the
-    ``in_flight[s]`` microbatches it holds and one microbatch's activations while it
-    recomputes: ``state + act(i, j) + in_flight[s] * cut_bytes[i]``, shared tensors
-    once. Returns, per stage, the last end ``j`` that fits for every start ``i`` (``i``
-    itself when none does).
-    """
-    n = chain.n
-    M = np.concatenate([[0], np.cumsum(chain.mem)])  # state + one microbatch's activations
-    starts = np.arange(n + 1)
-    # next position at or after i that reads each shared tensor (n when none)
-    next_read = [np.searchsorted(np.array(pos), starts, side="left") for _, pos in chain.shared]
-    reads = [np.append(np.array(pos), n) for _, pos in chain.shared]
-
-    def held(i: np.ndarray, j: np.ndarray, k: int) -> np.ndarray:
-        out = M[j] - M[i] + k * chain.cut_bytes[i]
-        for (nbytes, _), nxt, pos in zip(chain.shared, next_read, reads):
-            out = out + nbytes * (pos[nxt[i]] < j)
-        return out
-
-    cache: dict[int, np.ndarray] = {}
-    for k in in_flight:
-        if k in cache:
-            continue
-        lo, hi = starts.copy(), np.full(n + 1, n)  # held(i, lo) fits (empty stage holds nothing we count)
-        while np.any(lo < hi):
-            mid = (lo + hi + 1) // 2
-            fits = held(starts, mid, max(k, 1)) <= cap
-            lo, hi = np.where(fits, mid, lo), np.where(fits, hi, mid - 1)
-        cache[k] = lo
-    return tuple(cache[k] for k in in_flight)
-
-
-def _range_chmin(lo: np.ndarray, hi: np.ndarray, values: np.ndarray, n: int) -> np.ndarray:
-    """``out[j]`` = min of ``values[i]`` over the ``i`` whose range ``[lo[i], hi[i]]`` holds ``j`` (inf if none).
-
-    The push counterpart of :class:`_RangeMin`: each range is covered by two windows of
-    length ``2**l``; window minima are pushed down level by level to single positions.
-    """
-    keep = (hi >= lo) & np.isfinite(values)
-    lo, hi, values = lo[keep], hi[keep], values[keep]
-    out = np.full(n, np.inf)
-    if lo.size == 0:
-        return out
-    level = np.floor(np.log2(hi - lo + 1)).astype(np.int64)
-    table = np.full((int(level.max()) + 1, n), np.inf)
-    table[0] = out
-    np.minimum.at(table, (level, lo), values)
-    np.minimum.at(table, (level, hi - (1 << level) + 1), values)
-    for lv in range(table.shape[0] - 1, 0, -1):
-        span = 1 << (lv - 1)
-        np.minimum(table[lv - 1], table[lv], out=table[lv - 1])
-        np.minimum(table[lv - 1, span:], table[lv, : n - span], out=table[lv - 1, span:])
-    return table[0]
-
-
-def _pushed_bytes(solver: "_Solver", k: int, cap: int, limits: StageLimits) -> tuple[float, list[int]] | None:
-    """``_limited_bytes`` for limits given per start (``end_hi``): each start pushes to the ends it may reach."""
-    n, P = solver.n, solver.P
-    j = np.arange(n + 1)
-    tail = np.where(j < n, solver.cut_bytes, 0.0)
-    base = np.searchsorted(P, P + cap, side="right") - 1  # cost: the last end within cap
-    base = np.minimum(base, np.searchsorted(solver.mem_lo, j, side="right") - 1)
-
-    def reach(s: int) -> tuple[np.ndarray, np.ndarray]:
-        """Per start i of stage s: is it a start stage s may take, and the last end it reaches."""
-        end = base
-        if limits.mem_lo is not None:
-            end = np.minimum(end, np.searchsorted(limits.mem_lo[s], j, side="right") - 1)
-        if limits.end_hi is not None:
-            end = np.minimum(end, limits.end_hi[s])
-        ok = solver.allowed.copy()
-        if limits.start_lo is not None and limits.start_hi is not None and s > 0:
-            ok &= (j >= limits.start_lo[s]) & (j <= limits.start_hi[s])
-        return ok & (j < n), end
-
-    dp = np.full(n + 1, np.inf)
-    dp[0] = 0.0
-    history = []
-    for s in range(k):
-        ok, end = reach(s)
-        src = np.where(ok, dp, np.inf)
-        history.append((src, end))
-        dp = _range_chmin(j + 1, end, src, n + 1)
-        dp = np.where(solver.allowed, dp, np.inf) + tail
-    if not np.isfinite(dp[n]):
-        return None
-    starts, pos = [], n
-    for src, end in reversed(history):  # the leftmost cheapest start that reaches pos
-        cand = np.where((j < pos) & (end >= pos), src, np.inf)
-        pos = int(np.argmin(cand))
-        starts.append(pos)
-    return float(dp[n]), sorted(starts)
-
-
 def _limited_bytes(solver: "_Solver", k: int, cap: int, limits: StageLimits) -> tuple[float, list[int]] | None:
     """Like ``_Solver.fewest_bytes`` with per-stage memory windows and start ranges."""
     if limits.end_hi is not None:
-        return _pushed_bytes(solver, k, cap, limits)
+        return pushed_bytes(solver, k, cap, limits)
     n, P = solver.n, solver.P
     j = np.arange(n + 1)
     base = np.maximum(np.searchsorted(P, P - cap, side="left"), solver.mem_lo)

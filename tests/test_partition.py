@@ -451,7 +451,7 @@ def test_memory_cap_counts_tied_weights_in_every_stage(gpt8):
 
 # ------------------------------------------------------------------ checkpointed memory limits
 def test_range_chmin_matches_a_loop():
-    from pipesplit.passes.partition import _range_chmin
+    from pipesplit.passes.pushed import _range_chmin
 
     rng = np.random.default_rng(0)
     for _ in range(200):
