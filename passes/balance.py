@@ -1,9 +1,8 @@
-"""Second objectives after the bottleneck: balance the other stages, or hold less memory.
+"""A second objective after the bottleneck: balance the stages that do not set it.
 
-A min-max split says nothing about the stages that do not set the bottleneck. These
-re-split the positions on either side of the bottleneck stage, keeping it where it is:
-:func:`rebalance` for the other stages' own balance, :func:`least_memory` for the
-smallest peak memory under a cost cap just below the bottleneck.
+A min-max split says nothing about the stages that do not set the bottleneck;
+:func:`rebalance` re-splits the positions on either side of the bottleneck stage,
+keeping it where it is, for those stages' own balance.
 """
 
 from __future__ import annotations
@@ -13,7 +12,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from pipesplit.passes.chain import Chain
-from pipesplit.passes.partition import StageLimits, _checked_solver, _largest_stage, _limited_bytes
+from pipesplit.passes.partition import _largest_stage
 
 Solve = Callable[[Chain, int, int, int], Sequence[int]]
 
@@ -70,40 +69,3 @@ def rebalance(chain: Chain, starts: Sequence[int], solve: Solve) -> tuple[int, .
         return [a + x for x in inner]
 
     return tuple(side(0, t) + [bounds[t]] + side(t + 1, k))
-
-
-MemoryLimits = Callable[[Chain, int, Sequence[int]], StageLimits]
-
-
-def least_memory(
-    chain: Chain, k: int, cost_cap: float, in_flight: Sequence[int], limits_for: MemoryLimits,
-    hi: float, rel: float = 0.01,
-) -> tuple[tuple[int, ...], int] | None:
-    """The split into ``k`` stages, each costing at most ``cost_cap``, whose largest stage
-    memory is smallest (to ``rel``), searching caps up to ``hi`` bytes, and that memory
-    cap; None if none fits.
-
-    ``limits_for(chain, mem_cap, in_flight)`` turns a memory cap into per-stage limits
-    (stage ``s`` holding ``in_flight[s]`` microbatches, with or without checkpointing).
-    """
-    solver = _checked_solver(chain, k, None)
-    total = float(chain.cost.sum())
-    scale = float(solver.P[-1]) / total if total > 0 else 1.0
-    cap = int(cost_cap * scale)
-
-    def fits(mem: float) -> list[int] | None:
-        found = _limited_bytes(solver, k, cap, limits_for(chain, int(mem), in_flight))
-        return None if found is None else found[1]
-
-    best = fits(hi)
-    if best is None:
-        return None
-    lo = 0.0
-    while hi - lo > rel * hi:
-        mid = (lo + hi) / 2
-        got = fits(mid)
-        if got is None:
-            lo = mid
-        else:
-            hi, best = mid, got
-    return tuple(best), int(hi)

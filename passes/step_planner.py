@@ -5,12 +5,10 @@ slacks of the optimal bottleneck, under per-stage memory limits that count the
 microbatches the schedule keeps in flight), and each of them again with the stages on
 either side of its bottleneck re-split for their own balance (``balance.rebalance``);
 the schedule simulator prices each with stage forward, input-gradient and
-weight-gradient times plus communication at the cuts; the cheapest wins. One more
-candidate keeps the fastest one's bottleneck stage and re-splits each side for the
-least peak memory (``balance.least_memory``); of predictions within ``TIE`` of the
-cheapest, the one holding the least memory wins, then the best balanced. A lower bound
-that holds for every split (the busiest rank's share of the work; one microbatch's
-forward and input-gradient path) is reported too.
+weight-gradient times plus communication at the cuts; the cheapest wins, and of
+predictions within ``TIE`` of it the best balanced. A lower bound that holds for every
+split (the busiest rank's share of the work; one microbatch's forward and
+input-gradient path) is reported too.
 """
 
 from __future__ import annotations
@@ -25,7 +23,7 @@ from pipesplit.errors import PlanError
 from pipesplit.meta import node_cost
 from pipesplit.passes.chain import Chain
 from pipesplit.passes.objective import CommModel, MemoryModel, StageFigures, in_flight_per_stage, step_time
-from pipesplit.passes.balance import Solve, least_memory, rebalance, sub_chain
+from pipesplit.passes.balance import Solve, rebalance
 from pipesplit.passes.partition import StageLimits, checkpointed_memory_ends, solve_candidates, stage_memory_limits
 from pipesplit.schedules import Schedule, StageCost
 
@@ -119,60 +117,11 @@ def best_for_schedule(
                 starts.append(rebalance(chain, split, solve))
             except PlanError:  # a side the limits make unsolvable on its own: keep the split as it is
                 continue
-    def candidate(st: tuple[int, ...]) -> Candidate:
+    cands = []
+    for st in dict.fromkeys(starts):
         fig = figures_for(chain, st, seconds, in_flight, memory, comm, device_kind)
-        return Candidate(st, fig, step_time(schedule, fig), int(sum(chain.cut_bytes[list(st[1:])])))
-
-    cands = [candidate(st) for st in dict.fromkeys(starts)]
-    fastest = min(cands, key=lambda c: c.step_s)
-    lean = _memory_lean(chain, fastest, in_flight, limits, mem_cap, memory.checkpoint)
-    if lean is not None and lean not in {c.starts for c in cands}:
-        cands.append(candidate(lean))
+        cands.append(Candidate(st, fig, step_time(schedule, fig), int(sum(chain.cut_bytes[list(st[1:])]))))
     return choose(cands), step_lower_bound(seconds, schedule, memory.checkpoint)
-
-
-# The least-memory candidate keeps the stages beside the bottleneck this far below it, so
-# that an estimate a few percent off does not make one of them the bottleneck instead.
-LEAN_MARGIN = 0.05
-
-
-def _memory_lean(
-    chain: Chain, best: Candidate, in_flight: Sequence[int], limits: StageLimits, mem_cap: int | None,
-    checkpoint: bool,
-) -> tuple[int, ...] | None:
-    """``best``'s bottleneck stage kept, each side re-split for the least peak memory (stages
-    that hold more microbatches in flight get less work), every stage under the bottleneck."""
-    k = len(best.starts)
-    bounds = list(best.starts) + [chain.n]
-    costs = [float(chain.cost[a:b].sum()) for a, b in zip(bounds, bounds[1:])]
-    t = int(np.argmax(costs))
-    hi = float(max(best.figures.memory)) if mem_cap is None else float(min(max(best.figures.memory), mem_cap))
-    out: list[int] = []
-    for first, last in ((0, t), (t + 1, k)):
-        a, b = bounds[first], bounds[last]
-        if last - first <= 1:
-            out += bounds[first:last]
-        else:
-            lo_pin = hi_pin = None
-            if limits.start_lo is not None and limits.start_hi is not None:
-                lo_pin = np.maximum(limits.start_lo[first:last] - a, 0)
-                hi_pin = limits.start_hi[first:last] - a
-
-            def limits_for(c: Chain, cap: int, flight: Sequence[int]) -> StageLimits:
-                return _memory_limits(c, cap, flight, checkpoint, lo_pin, hi_pin)
-
-            sub = sub_chain(chain, a, b)
-            try:
-                found = least_memory(sub, last - first, costs[t] * (1 - LEAN_MARGIN), in_flight[first:last],
-                                     limits_for, hi)
-                side = None if found is None else _balanced_under(sub, found, in_flight[first:last], checkpoint,
-                                                                  pinned=lo_pin is not None)
-            except PlanError:
-                side = None
-            out += bounds[first:last] if side is None else [a + x for x in side]
-        if first == 0:
-            out.append(bounds[t])
-    return tuple(out)
 
 
 # Each side of the bottleneck is re-split exactly for balance, and for the fewest bytes within 5% of it.
@@ -182,32 +131,16 @@ REBALANCE_SLACKS = (0.0, 0.05)
 TIE = 0.002
 
 
-def _balanced_under(
-    sub: Chain, found: tuple[tuple[int, ...], int], in_flight: Sequence[int], checkpoint: bool, pinned: bool
-) -> tuple[int, ...]:
-    """Among the splits that hold no more than the least peak memory, the best balanced: the
-    fewest-bytes split that ``least_memory`` returns may leave stages nearly empty."""
-    starts, cap = found
-    if pinned:
-        return starts
-
-    def solve(c: Chain, k: int, first_stage: int, _pos: int) -> Sequence[int]:
-        limits = _memory_limits(c, cap, in_flight[first_stage : first_stage + k], checkpoint)
-        return solve_candidates(c, k, [0.0], limits=limits)[0].starts
-
-    return rebalance(sub, solve(sub, len(starts), 0, 0), solve)
-
-
 def choose(cands: Sequence[Candidate]) -> Candidate:
-    """The lowest predicted step; among ties, the least peak memory, then the best balanced
-    (stage times sorted from the largest), then the fewest bytes."""
+    """The lowest predicted step; among ties, the best balanced (stage times sorted from the
+    largest), then the fewest bytes."""
     best_s = min(c.step_s for c in cands)
     ties = [c for c in cands if c.step_s <= best_s * (1 + TIE)]
 
     def balance(c: Candidate) -> tuple[float, ...]:
         return tuple(sorted((x.forward + x.backward for x in c.figures.costs), reverse=True))
 
-    return min(ties, key=lambda c: (max(c.figures.memory), balance(c), c.cut_bytes, c.step_s))
+    return min(ties, key=lambda c: (balance(c), c.cut_bytes, c.step_s))
 
 
 def _memory_limits(
