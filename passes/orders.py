@@ -15,8 +15,6 @@ from __future__ import annotations
 import networkx as nx
 import torch.fx as fx
 
-from pipesplit.passes.chain import compute_nodes
-
 
 def dependency_graph(nodes: list[fx.Node]) -> nx.DiGraph:
     """Producer -> consumer edges between compute nodes."""
@@ -43,9 +41,9 @@ def late_order(nodes: list[fx.Node]) -> list[fx.Node]:
     return sorted(nodes, key=lambda n: (-depth[n], pos[n]))
 
 
-def candidate_orders(gm: fx.GraphModule) -> list[tuple[str, list[fx.Node]]]:
-    """``("program", ...)`` first, then the other orders worth solving (those that differ from it)."""
-    program = compute_nodes(gm)
+def candidate_orders(program: list[fx.Node]) -> list[tuple[str, list[fx.Node]]]:
+    """The program's order of its compute nodes first, then the other orders worth solving
+    (those that differ from it)."""
     out = [("program", program)]
     late = late_order(program)
     if late != program:

@@ -17,7 +17,7 @@ from pipesplit.passes.costs import unknown_ops
 from pipesplit.passes.objective import DEFAULT_FLOPS_PER_S, CommModel, MemoryModel
 from pipesplit.passes.orders import candidate_orders
 from pipesplit.passes.balance import rebalance
-from pipesplit.passes.partition import StageLimits, solve_candidates, solve_chain
+from pipesplit.passes.partition import StageLimits, _largest_stage, solve_candidates, solve_chain
 from pipesplit.passes.recompute import recomputable
 from pipesplit.passes.step_planner import TIE, best_for_schedule, node_seconds
 from pipesplit.plan import Plan
@@ -138,14 +138,13 @@ def plan_partition(
     """
     name, fn = cost_function(cost)
     rate = flops_per_s or DEFAULT_FLOPS_PER_S.get(device_kind, DEFAULT_FLOPS_PER_S["cpu"])
-    if recompute not in ("auto", "never"):
-        raise PlanError(f"recompute must be 'auto' or 'never', got {recompute!r}.")
-    if order not in ("auto", "program"):
-        raise PlanError(f"order must be 'auto' or 'program', got {order!r}.")
+    check_choice("recompute", recompute, RECOMPUTE_CHOICES)
+    check_choice("order", order, ORDER_CHOICES)
     rebuild = cheap_to_recompute(gm, mutated_targets, comm, device_kind, rate) if recompute == "auto" else set()
-    if not compute_nodes(gm):
+    program = compute_nodes(gm)
+    if not program:
         raise PlanError("the model's graph has no operations to split.")
-    orders = candidate_orders(gm) if order == "auto" else [("program", compute_nodes(gm))]
+    orders = candidate_orders(program) if order == "auto" else [("program", program)]
     solved: list[_Solved] = []
     for i, (label, nodes) in enumerate(orders):
         try:
@@ -169,6 +168,16 @@ def plan_partition(
     if best.memory is not None:
         plan.stage_memory = best.memory
     return plan
+
+
+RECOMPUTE_CHOICES = ("auto", "never")
+ORDER_CHOICES = ("auto", "program")
+
+
+def check_choice(name: str, value: Any, choices: Sequence[str]) -> None:
+    """Raise PlanError unless ``value`` is one of ``choices`` (a planner option given by name)."""
+    if value not in choices:
+        raise PlanError(f"{name} must be {' or '.join(map(repr, choices))}, got {value!r}.")
 
 
 @dataclass
@@ -204,7 +213,7 @@ def _solve_order(
         )
         extra = dict(schedule=schedule.name, n_microbatches=schedule.n_microbatches,
                      predicted_step_s=best.step_s, ideal_step_s=ideal)
-        return _Solved(label, chain, best.starts, _largest(chain, best.starts), best.cut_bytes, best.step_s,
+        return _Solved(label, chain, best.starts, _largest_stage(chain, best.starts), best.cut_bytes, best.step_s,
                        [int(m) for m in best.figures.memory], extra)
     if ranges is not None:
         cands = solve_candidates(chain, num_stages, [slack], limits=limits, mem_cap=max_stage_memory)
@@ -216,12 +225,8 @@ def _solve_order(
         # the stages on each side of the bottleneck by the same rule, for their own bottleneck
         starts = rebalance(chain, starts, lambda sub, k, _s, _p: solve_chain(sub, k, mem_cap=max_stage_memory,
                                                                              slack=slack).starts)
-    return _Solved(label, chain, tuple(starts), _largest(chain, starts), int(chain.cut_bytes[list(starts[1:])].sum()))
-
-
-def _largest(chain: Chain, starts: Sequence[int]) -> float:
-    bounds = list(starts) + [chain.n]
-    return max(float(chain.cost[a:b].sum()) for a, b in zip(bounds, bounds[1:]))
+    return _Solved(label, chain, tuple(starts), _largest_stage(chain, starts),
+                   int(chain.cut_bytes[list(starts[1:])].sum()))
 
 
 def _best_order(solved: list[_Solved], slack: float) -> _Solved:

@@ -17,19 +17,8 @@ from typing import Sequence
 import torch.fx as fx
 
 from pipesplit.meta import node_cost, set_node_cost
+from pipesplit.passes.step_planner import node_seconds
 from pipesplit.schedules import StageCost
-
-
-def _backward_s(node: fx.Node) -> float:
-    """The node's backward time as the planner prices it (profiled, or forward x FLOP ratio)."""
-    c = node_cost(node)
-    if c.time_s is None:
-        return 0.0
-    if c.bwd_time_s is not None:
-        return c.bwd_time_s
-    if c.fwd_flops:
-        return c.time_s * c.bwd_flops / c.fwd_flops
-    return c.time_s if c.requires_grad else 0.0
 
 
 def correct_node_times(
@@ -44,8 +33,9 @@ def correct_node_times(
     factors = []
     for names, m in zip(stages, measured):
         nodes = [by_name[x] for x in names if node_cost(by_name[x]).time_s is not None]
-        fwd = sum(node_cost(n).time_s or 0.0 for n in nodes)
-        bwd = sum(_backward_s(n) for n in nodes)
+        # forward and backward as the planner prices them (profiled, or forward x FLOP ratio)
+        fwd, igrad, wgrad = node_seconds(nodes, "profile", lambda n: 0.0, 1.0).sum(axis=0)
+        bwd = igrad + wgrad
         ff = m.forward / fwd if fwd > 0 and m.forward > 0 else 1.0
         fb = m.backward / bwd if bwd > 0 and m.backward > 0 else 1.0
         for n in nodes:

@@ -179,25 +179,24 @@ def _memory_message(
     state = int((chain.mem - act).sum()) + sum(nbytes for nbytes, _ in chain.shared)
     one = int(act.sum())
     pinned = " (and the pins)" if limits.start_lo is not None else ""
+    head = (
+        f"no split into {schedule.n_stages} stages keeps every stage under max_stage_memory={cap:,} bytes under "
+        f"{schedule.name!r} with {schedule.n_microbatches} microbatches{pinned}"
+    )
+    largest = f"the largest single operation holds {int(chain.node_memory().max(initial=0)):,} bytes with its parameters"
     if checkpoint:
         return (
-            f"no split into {schedule.n_stages} stages keeps every stage under max_stage_memory={cap:,} bytes under "
-            f"{schedule.name!r} with {schedule.n_microbatches} microbatches{pinned}, even with activation "
-            f"checkpointing: each stage holds its training state, one microbatch's activations and its inputs for "
-            f"each of the {list(in_flight)} microbatches in flight; the training state is {state:,} bytes, one "
-            f"microbatch's activations {one:,} bytes, and the largest single operation holds "
-            f"{int(chain.node_memory().max(initial=0)):,} bytes with its parameters. Use more stages, fewer or "
-            "smaller microbatches in flight, or a larger max_stage_memory."
+            f"{head}, even with activation checkpointing: each stage holds its training state, one microbatch's "
+            f"activations and its inputs for each of the {list(in_flight)} microbatches in flight; the training "
+            f"state is {state:,} bytes, one microbatch's activations {one:,} bytes, and {largest}. Use more stages, "
+            "fewer or smaller microbatches in flight, or a larger max_stage_memory."
         )
     return (
-        f"no split into {schedule.n_stages} stages keeps every stage under max_stage_memory={cap:,} bytes under "
-        f"{schedule.name!r} with {schedule.n_microbatches} microbatches{pinned}: the stages keep {list(in_flight)} "
-        f"microbatches of activations in flight; the model's training state (parameters, gradients, optimizer) is "
-        f"{state:,} bytes and one microbatch's activations {one:,} bytes, so some stage holds at least "
-        f"{(state + one * min(in_flight)) // schedule.n_stages:,} bytes; the largest single operation holds "
-        f"{int(chain.node_memory().max(initial=0)):,} bytes with its parameters. Use more stages, fewer "
-        "microbatches in flight (a schedule that holds fewer, or smaller microbatches), activation "
-        "checkpointing, or a larger max_stage_memory."
+        f"{head}: the stages keep {list(in_flight)} microbatches of activations in flight; the model's training "
+        f"state (parameters, gradients, optimizer) is {state:,} bytes and one microbatch's activations {one:,} "
+        f"bytes, so some stage holds at least {(state + one * min(in_flight)) // schedule.n_stages:,} bytes; "
+        f"{largest}. Use more stages, fewer microbatches in flight (a schedule that holds fewer, or smaller "
+        "microbatches), activation checkpointing, or a larger max_stage_memory."
     )
 
 

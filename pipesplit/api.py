@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -19,7 +18,10 @@ from pipesplit.passes.costs import annotate_costs
 from pipesplit.passes.calibrate import calibrate
 from pipesplit.passes.objective import CommModel, MemoryModel
 from pipesplit.passes.planner import (
+    ORDER_CHOICES,
+    RECOMPUTE_CHOICES,
     CostSpec,
+    check_choice,
     check_plan,
     cheap_to_recompute,
     cost_function,
@@ -138,6 +140,8 @@ def compile(
             f"refine={refine!r}: refining corrects profiled times with measured ones, so it needs a number of rounds "
             f">= 0 and cost='profile' or 'hybrid' (got cost={cost!r})."
         )
+    check_choice("recompute", recompute, RECOMPUTE_CHOICES)
+    check_choice("order", order, ORDER_CHOICES)
     if refine and (plan is not None or split_points is not None):
         raise PlanError("refine= re-plans from measured stage times; it cannot change a given plan= or split_points=.")
     timings: dict[str, float] = {}
@@ -155,8 +159,6 @@ def compile(
         if plan is not None or split_points is not None:
             chosen = _choose_plan(gm, captured.module_paths, num_stages, cost, split_points, plan)
             if split_points is not None:  # the planner's choices that a manual split still wants
-                if recompute not in ("auto", "never"):
-                    raise PlanError(f"recompute must be 'auto' or 'never', got {recompute!r}.")
                 if recompute == "auto":
                     kind = torch.device(device0).type
                     chosen.recompute = sorted(cheap_to_recompute(gm, captured.mutated_targets, comm or CommModel(), kind))
@@ -200,9 +202,9 @@ def refine_plan(
     from pipesplit.bench.predict import cut_seconds
     from pipesplit.runtime.measure import measure_stage_costs
 
-    seen: dict[str, tuple[float, Plan]] = {}
+    seen: dict[tuple[tuple[str, ...], ...], tuple[float, Plan]] = {}
     for _ in tqdm(range(rounds + 1), desc="refine", disable=not progress, leave=False):
-        key = json.dumps(plan.stages)
+        key = tuple(map(tuple, plan.stages))
         if key in seen:  # planning again gave a split already measured: converged
             break
         prog = SplitProgram(captured, split_graph(gm, plan.stages, devices, recompute=plan.recompute), plan, devices)
