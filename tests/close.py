@@ -1,0 +1,61 @@
+"""Closeness for tests: a relative norm whose tolerance follows the dtype compared.
+
+Elementwise ``atol``/``rtol`` fail on noise: an embedding gradient of scale 1e-3 summed in
+another order differs by ~1e-7 per element, well past ``atol=1e-6`` relative to it. Here
+``||actual - expected|| <= rtol(dtype) * ||expected||`` (or both are ~0).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping
+
+import torch
+
+# Relative-norm tolerances by dtype: a few ulps of accumulated rounding over a model.
+RTOL = {
+    torch.float64: 1e-9,
+    torch.float32: 2e-5,
+    torch.float16: 5e-3,
+    torch.bfloat16: 3e-2,
+}
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """``||actual - expected|| / ||expected||`` in float64 (0 when both are zero)."""
+    a, e = actual.detach().double().cpu(), expected.detach().double().cpu()
+    num = torch.linalg.vector_norm(a - e).item()
+    den = max(torch.linalg.vector_norm(e).item(), torch.linalg.vector_norm(a).item())
+    return 0.0 if den == 0.0 else num / den
+
+
+def assert_close(actual: Any, expected: Any, *, name: str = "value", rtol: float | None = None) -> None:
+    """Shapes equal and the relative norm of the difference within the dtype's tolerance."""
+    if not isinstance(expected, torch.Tensor):
+        assert actual == expected, f"{name}: {actual!r} != {expected!r}"
+        return
+    assert isinstance(actual, torch.Tensor), f"{name}: expected a tensor, got {type(actual).__name__}"
+    assert actual.shape == expected.shape, f"{name}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    if not expected.is_floating_point():
+        assert torch.equal(actual.cpu(), expected.cpu()), f"{name}: integer values differ"
+        return
+    tol = rtol if rtol is not None else max(RTOL.get(actual.dtype, 1e-5), RTOL.get(expected.dtype, 1e-5))
+    err = rel_err(actual, expected)
+    assert err <= tol, f"{name}: relative error {err:.3g} > {tol:.3g} ({actual.dtype} vs {expected.dtype})"
+
+
+def assert_grads_close(
+    got: Mapping[str, torch.nn.Parameter] | Iterable[tuple[str, torch.nn.Parameter]],
+    ref: torch.nn.Module,
+    *,
+    rtol: float | None = None,
+) -> None:
+    """Every parameter of ``ref`` that has a gradient has the same one in ``got`` (by name)."""
+    held = dict(got)
+    ref_params = dict(ref.named_parameters())
+    assert held.keys() == ref_params.keys(), f"parameter names differ: {sorted(set(held) ^ set(ref_params))[:5]}"
+    for name, p in ref_params.items():
+        if p.grad is None:
+            assert held[name].grad is None or not held[name].grad.any(), f"{name}: gradient where the model has none"
+            continue
+        assert held[name].grad is not None, f"no gradient for {name}"
+        assert_close(held[name].grad, p.grad, name=f"gradient of {name}", rtol=rtol)
