@@ -18,6 +18,8 @@ from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from pipesplit import comm
 from pipesplit.errors import PlanError
+from pipesplit.rng import seed_random_ops
+from pipesplit.passes.aliasing import inplace_inputs
 from pipesplit.passes.chain import COMPUTE_OPS
 from pipesplit.passes.flops import hint
 
@@ -47,6 +49,7 @@ class StagePiece:
     inputs: list[tuple[str, str, int]]  # (placeholder name, "input" | "stage", flat index | src stage)
     outputs: list[str]  # names of the values it returns, in order
     nodes: list[str]
+    mutated_inputs: frozenset[str] = frozenset()  # placeholders the stage writes in place
 
 
 @dataclass
@@ -159,9 +162,12 @@ def split_graph(
         else:
             outs = [n for n in produced if n in consumers]
         graph.output(tuple(env[o] for o in outs))
+        seed_random_ops(graph)  # reproducible per (stage, microbatch) under a pipeline; see pipesplit.rng
         graph.lint()
         attr_objs = {t: operator.attrgetter(t)(gm) for t in attrs[s]}
-        pieces.append(StagePiece(s, graph, attr_objs, inputs, [o.name for o in outs], list(names)))
+        pieces.append(
+            StagePiece(s, graph, attr_objs, inputs, [o.name for o in outs], list(names), frozenset(inplace_inputs(graph)))
+        )
 
     root, boundaries = _root_graph(gm, pieces, placeholders, devices, stage_of, by_name)
     outputs = [("value", o.name) if isinstance(o, fx.Node) else ("const", o) for o in flat_outputs]

@@ -9,7 +9,7 @@ import os
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Collection
 
 import torch
 import torch.fx as fx
@@ -45,6 +45,9 @@ class InputInfo:
     shape: tuple[int | None, ...] | None  # None marks a dynamic dimension
     dtype: torch.dtype | None
     example: Any  # the example value itself for non-tensors
+    # per dynamic dimension: the sizes torch.export assumed it can take, (low, high or None)
+    ranges: dict[int, tuple[int, int | None]] = field(default_factory=dict)
+    unbatched: bool = False  # marked by the user: the same whole tensor goes to every microbatch
 
 
 @dataclass
@@ -68,6 +71,7 @@ class Captured:
     export_seconds: float
     training: bool
     notes: list[str] = field(default_factory=list)
+    defaults: dict[str, Any] = field(default_factory=dict)  # keyword arguments pipesplit added (use_cache)
 
     @property
     def mutated_names(self) -> set[str]:
@@ -78,7 +82,7 @@ class Captured:
     @property
     def batch_dynamic(self) -> bool:
         d = self.batch_dim
-        tensors = [i for i in self.inputs if i.is_tensor and i.shape and len(i.shape) > d]
+        tensors = [i for i in self.inputs if i.is_tensor and i.shape and len(i.shape) > d and not i.unbatched]
         return bool(tensors) and all(i.shape[d] is None for i in tensors if i.shape)
 
 
@@ -86,8 +90,11 @@ def _as_args(example_input: Any) -> tuple[Any, ...]:
     return example_input if isinstance(example_input, tuple) else (example_input,)
 
 
-def _dynamic_shapes(model: nn.Module, args: tuple, kwargs: dict, batch_dim: int) -> dict[str, Any]:
-    """Mark the batch dim of every tensor input ``Dim.AUTO``: dynamic wherever the model allows."""
+def _dynamic_shapes(
+    model: nn.Module, args: tuple, kwargs: dict, batch_dim: int, unbatched: Collection[str] = ()
+) -> dict[str, Any]:
+    """Mark the batch dim of every tensor input ``Dim.AUTO`` (dynamic wherever the model allows),
+    except in the arguments named in ``unbatched``, which stay static."""
     bound = inspect.signature(model.forward).bind(*args, **kwargs)
 
     def spec(x: Any) -> Any:
@@ -95,7 +102,64 @@ def _dynamic_shapes(model: nn.Module, args: tuple, kwargs: dict, batch_dim: int)
             return {batch_dim: Dim.AUTO}
         return None
 
-    return {name: pytree.tree_map(spec, value) for name, value in bound.arguments.items()}
+    return {
+        name: pytree.tree_map(lambda x: None, value) if name in unbatched else pytree.tree_map(spec, value)
+        for name, value in bound.arguments.items()
+    }
+
+
+def _argument_of_each_leaf(model: nn.Module, args: tuple, kwargs: dict) -> list[str]:
+    """For each flat input (in ``tree_flatten((args, kwargs))`` order), the forward() argument it belongs to."""
+    params = list(inspect.signature(model.forward).parameters.values())
+    leaves, _ = pytree.tree_flatten_with_path((args, kwargs))
+    out = []
+    for path, _leaf in leaves:
+        where, key = path[0].idx, path[1]
+        if where == 0:
+            i = key.idx
+            p = params[min(i, len(params) - 1)]
+            out.append(p.name if p.kind is not inspect.Parameter.VAR_POSITIONAL else f"{p.name}[{i}]")
+        else:
+            out.append(str(key.key))
+    return out
+
+
+def _default_use_cache(model: nn.Module, kwargs: dict[str, Any], notes: list[str]) -> dict[str, Any]:
+    """Hugging Face models return a KV-cache object (not tensors) by default: ask for none."""
+    try:
+        accepts = "use_cache" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return kwargs
+    config = getattr(model, "config", None)
+    if not accepts or "use_cache" in kwargs or not getattr(config, "use_cache", False):
+        return kwargs
+    notes.append(
+        "called forward with use_cache=False: the model's config asks for a KV cache, an object that cannot "
+        "cross a pipeline stage; pass use_cache= in example_kwargs to choose yourself"
+    )
+    log.info("pipesplit: %s", notes[-1])
+    return {**kwargs, "use_cache": False}
+
+
+def _ranges(ep: Any, val: torch.Tensor) -> dict[int, tuple[int, int | None]]:
+    """The sizes export assumed for each dynamic dimension of an input (from its range constraints)."""
+    out: dict[int, tuple[int, int | None]] = {}
+    for dim, size in enumerate(val.shape):
+        if is_concrete_int(size):
+            continue
+        vr = ep.range_constraints.get(size.node.expr)
+        if vr is None:
+            continue
+        out[dim] = (_finite(vr.lower) or 0, _finite(vr.upper))
+    return out
+
+
+def _finite(bound: Any) -> int | None:
+    """A range bound as an int, None for torch's and sympy's infinities."""
+    try:
+        return int(bound)
+    except (TypeError, ValueError, OverflowError, AttributeError):
+        return None
 
 
 def _user_frame(exc: BaseException) -> str | None:
@@ -191,21 +255,32 @@ def static_dim(d: Any) -> int | None:
     return int(d) if is_concrete_int(d) else None
 
 
-def _input_infos(gm: fx.GraphModule, example_flat: list[Any]) -> list[InputInfo]:
+def _input_infos(gm: fx.GraphModule, example_flat: list[Any], ep: Any, unbatched: list[bool]) -> list[InputInfo]:
     infos = []
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    for node, example in zip(placeholders, example_flat):
+    for node, example, fixed in zip(placeholders, example_flat, unbatched):
         val = node.meta.get("val")
         if isinstance(val, torch.Tensor):
             shape = tuple(static_dim(d) for d in val.shape)
-            infos.append(InputInfo(node.name, True, shape, val.dtype, None))
+            infos.append(InputInfo(node.name, True, shape, val.dtype, None, _ranges(ep, val), fixed))
         else:
             infos.append(InputInfo(node.name, False, None, None, example))
     return infos
 
 
-def capture(model: nn.Module, args: Any, kwargs: dict[str, Any] | None = None, batch_dim: int = 0) -> Captured:
+def capture(
+    model: nn.Module,
+    args: Any,
+    kwargs: dict[str, Any] | None = None,
+    batch_dim: int = 0,
+    unbatched: Collection[str] = (),
+) -> Captured:
     """Export ``model`` on the example inputs; the batch dimension is made dynamic where possible.
+
+    ``unbatched`` names forward() arguments that have no batch dimension (a lookup table):
+    they stay static and every microbatch gets them whole. A model whose ``forward`` takes
+    ``use_cache`` and whose config asks for a KV cache (Hugging Face's default) is called
+    with ``use_cache=False`` unless the example kwargs say otherwise (see ``notes``).
 
     >>> cap = capture(torch.nn.Linear(4, 2), torch.randn(3, 4))
     >>> [i.shape for i in cap.inputs]
@@ -214,9 +289,12 @@ def capture(model: nn.Module, args: Any, kwargs: dict[str, Any] | None = None, b
     if not isinstance(model, nn.Module):
         raise CaptureError(f"compile() takes an nn.Module, got {type(model).__name__}.")
     args = _as_args(args)
-    kwargs = dict(kwargs or {})
+    notes: list[str] = []
+    given = dict(kwargs or {})
+    kwargs = _default_use_cache(model, given, notes)
     try:
-        dyn = _dynamic_shapes(model, args, kwargs, batch_dim)
+        owners = _argument_of_each_leaf(model, args, kwargs)
+        dyn = _dynamic_shapes(model, args, kwargs, batch_dim, unbatched)
     except TypeError as e:
         raise CaptureError(
             f"the example inputs do not fit {type(model).__name__}.forward{inspect.signature(model.forward)}: {e}. "
@@ -260,8 +338,13 @@ def capture(model: nn.Module, args: Any, kwargs: dict[str, Any] | None = None, b
         _rebind(gm, target, entries[idx].tensor)
 
     flat, _ = pytree.tree_flatten((args, kwargs))
-    notes = []
-    infos = _input_infos(gm, flat)
+    unknown = sorted(set(unbatched) - set(owners))
+    if unknown:
+        raise CaptureError(
+            f"unbatched names {unknown}, which the example call does not pass; the arguments passed are "
+            f"{sorted(set(owners))}."
+        )
+    infos = _input_infos(gm, flat, ep, [o in unbatched for o in owners])
     captured = Captured(
         gm=gm,
         in_spec=info.in_spec,
@@ -276,13 +359,14 @@ def capture(model: nn.Module, args: Any, kwargs: dict[str, Any] | None = None, b
         export_seconds=export_seconds,
         training=model.training,
         notes=notes,
+        defaults={k: v for k, v in kwargs.items() if k not in given},
         batch_dim=batch_dim,
     )
     d = batch_dim
-    tensor_inputs = [i for i in infos if i.is_tensor and i.shape and len(i.shape) > d]
+    tensor_inputs = [i for i in infos if i.is_tensor and i.shape and len(i.shape) > d and not i.unbatched]
     if tensor_inputs and not captured.batch_dynamic:
         pinned = [f"{i.name}[{d}]={x.shape[d]}" for i, x in zip(infos, flat)
-                  if i.is_tensor and i.shape and len(i.shape) > d and i.shape[d] is not None]
+                  if i.is_tensor and i.shape and len(i.shape) > d and i.shape[d] is not None and not i.unbatched]
         why = " (an example batch of size 1 always pins it: use a batch of 2 or more)" if any(
             isinstance(x, torch.Tensor) and x.dim() > d and x.shape[d] == 1 for x in flat) else ""
         notes.append(f"the model pins the batch dimension ({', '.join(pinned)}){why}; "

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping
 
 import torch
@@ -12,9 +12,11 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from pipesplit.capture import Captured, InputInfo, static_dim
-from pipesplit.errors import InputError, PlanError
+from pipesplit.errors import InputError, PipesplitError, PlanError
+from pipesplit.passes.modes import eval_graph
 from pipesplit.passes.split import Boundary, SplitGraph
 from pipesplit.plan import Plan
+from pipesplit.rng import seeded
 from pipesplit.state import Tied, attach, place, zero_grads
 
 
@@ -30,6 +32,15 @@ class Stage:
     nodes: list[str]
     cost: float = 0.0
     attr_targets: tuple[str, ...] = ()  # get_attr targets of its graph
+    mutated_inputs: frozenset[str] = frozenset()  # inputs the stage writes in place (relu_, +=)
+    modes: dict[bool, fx.GraphModule] = field(default_factory=dict, repr=False)  # training -> module
+
+    def module_for(self, training: bool) -> fx.GraphModule:
+        """This stage's module in training or eval mode (the eval twin is derived on first use)."""
+        if training not in self.modes:
+            base = self.modes[True]
+            self.modes[False] = fx.GraphModule(base, eval_graph(base.graph), class_name=f"Stage{self.index}Eval")
+        return self.modes[training]
 
     @property
     def input_names(self) -> list[str]:
@@ -53,7 +64,9 @@ class SplitProgram:
         self.in_spec = captured.in_spec
         self.out_spec = captured.out_spec
         self.notes = list(captured.notes)
-        self.training = captured.training
+        self.defaults = dict(captured.defaults)  # keyword arguments every call gets (use_cache=False)
+        self.training = captured.training  # the mode the stages run in; see train() / eval()
+        self.captured_training = captured.training
         self.mutated_targets = set(captured.mutated_targets)
         self.export_seconds = captured.export_seconds
         self.batch_dim = d = captured.batch_dim  # the dimension microbatches are cut along
@@ -83,6 +96,7 @@ class SplitProgram:
             and static_dim(v.meta["val"].shape[d]) is None
             for v in out_node.args[0]
         ]
+        self.random_ops = sum(n.target is seeded for p in split.stages for n in p.graph.nodes)  # dropout & co.
         self._tied: list[Tied] = []
         placed: list[dict[torch.device, torch.Tensor]] = [{} for _ in captured.state]
         self.stages: list[Stage] = []
@@ -111,7 +125,8 @@ class SplitProgram:
             module = fx.GraphModule(holder, piece.graph, class_name=f"Stage{piece.index}")
             cost = plan.stage_costs[piece.index] if plan.stage_costs else 0.0
             self.stages.append(
-                Stage(piece.index, module, device, piece.inputs, piece.outputs, piece.nodes, cost, tuple(piece.attrs))
+                Stage(piece.index, module, device, piece.inputs, piece.outputs, piece.nodes, cost, tuple(piece.attrs),
+                      piece.mutated_inputs, {captured.training: module})
             )
         self._owner: list[torch.Tensor | None] = [next(iter(p.values()), None) for p in placed]
         for idx, copies in enumerate(placed):
@@ -131,11 +146,38 @@ class SplitProgram:
             root.add_module(f"stage_{stage.index}", stage.module)
         self.root = fx.GraphModule(root, split.root, class_name="SplitRoot")
 
+    def train(self, mode: bool = True) -> "SplitProgram":
+        """Run every stage in training (``True``) or eval mode, as ``model.train(mode)`` would.
+
+        Eval mode turns dropout off and has BatchNorm use (and not update) its running
+        statistics; it equals ``model.eval()``. A program compiled from a model in eval
+        mode has no training behaviour to switch on: compile from ``model.train()``.
+        """
+        if mode and not self.captured_training:
+            raise PipesplitError(
+                "this program was compiled from a model in eval mode, so its graph holds no training behaviour "
+                "(dropout, BatchNorm batch statistics) to switch on. Compile from model.train() and call "
+                "prog.eval() when you need eval mode."
+            )
+        for stage in self.stages:
+            if stage.module is None:  # another rank's stage
+                continue
+            stage.module = stage.module_for(bool(mode))
+            if self.root is not None:
+                setattr(self.root, f"stage_{stage.index}", stage.module)
+        self.training = bool(mode)
+        return self
+
+    def eval(self) -> "SplitProgram":
+        """Eval mode: ``prog.train(False)``."""
+        return self.train(False)
+
     def keep_only(self, stages: set[int]) -> None:
         """Drop every other stage's module and state (a rank of a distributed run keeps its own)."""
         for stage in self.stages:
             if stage.index not in stages:
                 stage.module = None  # type: ignore[assignment]
+                stage.modes = {}
                 self.stage_entries[stage.index] = {}
         kept = {idx: t for s in sorted(stages) for idx, t in reversed(list(self.stage_entries[s].items()))}
         self._owner = [kept.get(idx) for idx in range(len(self._owner))]
@@ -165,6 +207,7 @@ class SplitProgram:
 
     def flatten_inputs(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> list[Any]:
         """Flatten (args, kwargs) like the example, checking structure and shapes."""
+        kwargs = {**kwargs, **{k: v for k, v in self.defaults.items() if k not in kwargs}}
         flat, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
         if spec != self.in_spec:
             got = _structure(pytree.tree_map(_shown, (tuple(args), dict(kwargs))))
@@ -355,5 +398,27 @@ def check_input(value: Any, info: InputInfo) -> None:
                 f"input {info.name!r} has shape {tuple(value.shape)}; the program takes {expected}: "
                 f"dimension {dim} must be {want}, got {got}.{hint}"
             )
+    for dim in info.ranges:
+        check_range(info, dim, int(value.shape[dim]))
     if value.dtype != info.dtype:
         raise InputError(f"input {info.name!r} has dtype {value.dtype}; the program was compiled for {info.dtype}.")
+
+
+def check_range(info: InputInfo, dim: int, size: int, what: str = "") -> None:
+    """``size`` lies in the range torch.export assumed for ``info``'s dimension ``dim``.
+
+    Export's default range for a dynamic size starts at 2 (sizes 0 and 1 are treated as
+    special while tracing) yet its graphs hold for 1 as well, as torch's own module accepts;
+    a larger lower bound, or any upper bound, comes from the model's code (``if x.shape[0] > 2``)
+    and the graph is wrong outside it.
+    """
+    low, high = info.ranges[dim]
+    low = min(low, 1) if low <= 2 else low
+    if size < low or (high is not None and size > high):
+        span = f"{low}..{high}" if high is not None else f">= {low}"
+        raise InputError(
+            f"input {info.name!r} has size {size} in dimension {dim}{what}, but the program was captured for sizes "
+            f"{span} there: the model's code depends on that size (a branch such as `if x.shape[{dim}] > {low - 1}`), "
+            "and its graph only holds inside that range. Use a size in the range, or compile with an example "
+            "whose size takes the other branch."
+        )

@@ -173,8 +173,10 @@ def test_dropout_trains():
     prog = pipesplit.compile(model, torch.randint(0, 64, (2, 16)), num_stages=2)
     pipe = pipesplit.Pipeline(prog, "1f1b", n_microbatches=2, loss_fn=dot_loss, loss_reduction="sum")
     x = torch.randint(0, 64, (4, 16))
-    outs = [pipe.eval(x) for _ in range(2)]
+    outs = [pipe.forward(x) for _ in range(2)]
     assert not torch.equal(outs[0], outs[1]), "dropout should make two training-mode passes differ"
+    assert torch.equal(pipe.eval(x), pipe.eval(x)), "eval mode has no dropout"
+    assert pipe.training, "pipe.eval(x) restores the mode it found"
     pipe.step(x, target=torch.randn(4, 16, 64))
     grads = [p.grad for p in pipe.parameters()]
     assert all(g is not None and torch.isfinite(g).all() for g in grads)

@@ -8,6 +8,7 @@ import torch
 
 from pipesplit.capture import InputInfo
 from pipesplit.errors import InputError
+from pipesplit.program import check_range
 
 
 def batch_size(flat: Sequence[Any], infos: Sequence[InputInfo], batch_dim: int = 0) -> int:
@@ -24,7 +25,11 @@ def batch_size(flat: Sequence[Any], infos: Sequence[InputInfo], batch_dim: int =
         )
     distinct = set(sizes.values())
     if len(distinct) > 1:
-        raise InputError(f"inputs disagree on the batch size along dim {batch_dim}: {sizes}.")
+        raise InputError(
+            f"inputs disagree on the batch size along dim {batch_dim}: {sizes}. Every input with a batch "
+            "dimension is cut into microbatches along it; an input without one (a lookup table, a shared mask) "
+            "must be marked when compiling: pipesplit.compile(..., unbatched=['<forward argument name>'])."
+        )
     return distinct.pop()
 
 
@@ -56,6 +61,9 @@ def split_microbatches(
             f"{n_microbatches}, or n_microbatches among {[d for d in range(1, size + 1) if size % d == 0]}."
         )
     per = size // n_microbatches
+    for value, info in zip(flat, infos):
+        if _is_batched(value, info, batch_dim) and batch_dim in info.ranges:
+            check_range(info, batch_dim, per, f" (a microbatch: a batch of {size} in {n_microbatches} microbatches)")
     out: list[list[Any]] = [[] for _ in range(n_microbatches)]
     for value, info in zip(flat, infos):
         if _is_batched(value, info, batch_dim):
@@ -67,16 +75,28 @@ def split_microbatches(
     return out
 
 
-def split_target(target: Any, n_microbatches: int, batch_dim: int = 0) -> list[Any]:
-    """Split a loss target (a tensor or a pytree of tensors) along the batch dimension."""
-    leaves, spec = torch.utils._pytree.tree_flatten(target)
+def split_target(target: Any, n_microbatches: int, batch_dim: int | None = 0, batch: int | None = None) -> list[Any]:
+    """Split a loss target (a tensor or a pytree of tensors) along the batch dimension.
+
+    ``batch_dim=None`` hands the whole target to every microbatch. With ``batch`` given,
+    a tensor leaf whose size along ``batch_dim`` is not a multiple of the inputs' batch
+    size is refused (a multiple is a flattened batch, e.g. ``(batch * seq,)`` token labels).
+    """
+    leaves, spec = torch.utils._pytree.tree_flatten_with_path(target)
     pieces: list[list[Any]] = [[] for _ in range(n_microbatches)]
-    for leaf in leaves:
-        if isinstance(leaf, torch.Tensor) and leaf.dim() > batch_dim:
-            if leaf.shape[batch_dim] % n_microbatches:
+    for path, leaf in leaves:
+        where = "the target" + torch.utils._pytree.keystr(path)
+        if batch_dim is not None and isinstance(leaf, torch.Tensor) and leaf.dim() > batch_dim:
+            size = leaf.shape[batch_dim]
+            if batch is not None and size % batch:
                 raise InputError(
-                    f"the target's batch of {leaf.shape[batch_dim]} does not split into {n_microbatches} microbatches."
+                    f"{where} has size {size} along dim {batch_dim}, not a multiple of the inputs' batch of {batch}: "
+                    "each microbatch "
+                    f"takes its slice of the target. If the target has no batch dimension, pass "
+                    f"Pipeline(..., target_batch_dim=None) so every microbatch gets it whole."
                 )
+            if size % n_microbatches:
+                raise InputError(f"{where}'s batch of {size} does not split into {n_microbatches} microbatches.")
             for m, piece in enumerate(leaf.chunk(n_microbatches, dim=batch_dim)):
                 pieces[m].append(piece)
         else:

@@ -6,7 +6,7 @@ import queue
 import threading
 import time
 import weakref
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -40,6 +40,21 @@ def resolve_schedule(schedule: str | Schedule, n_stages: int, n_ranks: int | Non
     if n_ranks is None and schedule_info(schedule).constraints.stages_per_rank is None:
         n_ranks = max(1, n_stages // 2)
     return get_schedule(schedule, n_stages=n_stages, n_ranks=n_ranks, n_microbatches=n_microbatches)
+
+
+def _autocast_state() -> list[tuple[str, torch.dtype, bool]]:
+    """The caller's enabled autocast regions: (device type, dtype, weight cache)."""
+    kinds = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    return [(k, torch.get_autocast_dtype(k), torch.is_autocast_cache_enabled()) for k in kinds
+            if torch.is_autocast_enabled(k)]
+
+
+@contextmanager
+def _autocast(state: list[tuple[str, torch.dtype, bool]]) -> Iterator[None]:
+    with ExitStack() as stack:
+        for kind, dtype, cache in state:
+            stack.enter_context(torch.autocast(kind, dtype=dtype, cache_enabled=cache))
+        yield
 
 
 def _forward_only(schedule: Schedule) -> list[list[Any]]:
@@ -131,6 +146,7 @@ class Pipeline:
         checkpoint: bool | Sequence[int] | None = None,  # default: as planned (compile(memory=MemoryModel(checkpoint=True)))
         timeout: float = 300.0,
         executor: str = "auto",
+        target_batch_dim: int | None | str = "same",  # default: batch_dim; None: every microbatch gets it whole
     ):
         import torch.distributed as dist
 
@@ -147,6 +163,7 @@ class Pipeline:
                 f"batch_dim={batch_dim} but the program was compiled with batch_dim={prog.batch_dim}, so only that "
                 "dimension may change size; compile with pipesplit.compile(..., batch_dim=...) to match."
             )
+        self.target_batch_dim = self.batch_dim if target_batch_dim == "same" else target_batch_dim
         self.n_microbatches, self.loss_reduction, self.timeout = n_microbatches, loss_reduction, timeout
         self.executor = executor
         if executor == "distributed":
@@ -254,24 +271,58 @@ class Pipeline:
                   if isinstance(x, torch.Tensor) and i.shape and i.shape[self.batch_dim] is None)
         if training and self.loss_fn is None:
             raise PipesplitError("step() needs a loss_fn: Pipeline(prog, ..., loss_fn=lambda out, target: ...).")
-        targets = split_target(target, self.n_microbatches, self.batch_dim) if target is not None else None
+        targets = None
+        if target is not None:
+            batch = mb * self.n_microbatches
+            targets = split_target(target, self.n_microbatches, self.target_batch_dim, batch)
         scale = 1.0 / self.n_microbatches if self.loss_reduction == "mean" else 1.0
-        return StepData(inputs, targets, self.loss_fn, scale, training, mb)
+        return StepData(inputs, targets, self.loss_fn, scale, training, mb, seed=self._step_seed())
+
+    def _step_seed(self) -> int:
+        """One draw from torch's default generator per step (``torch.manual_seed`` makes steps
+        reproducible); every rank uses rank 0's draw."""
+        seed = int(torch.randint(0, 2**62, ()).item())
+        if self.executor == "distributed" and self.prog.random_ops:
+            import torch.distributed as dist
+
+            buf = torch.tensor(seed, dtype=torch.int64, device=self._collective_device())
+            dist.broadcast(buf, src=0)
+            seed = int(buf.item())
+        return seed
 
     def step(self, *args: Any, target: Any = None, **kwargs: Any) -> torch.Tensor | None:
         """Forward and backward over all microbatches; gradients accumulate into ``.grad``.
 
-        Returns the loss of the whole batch (the mean of the microbatch losses for
-        ``loss_reduction="mean"``), on every rank.
+        Equals gradient accumulation over the same microbatches on the original model:
+        the loss, every gradient and BatchNorm's running statistics (BatchNorm sees each
+        microbatch, not the whole batch). Returns the loss of the whole batch (the mean
+        of the microbatch losses for ``loss_reduction="mean"``), on every rank.
+
+        Random ops (dropout) of stage ``s`` on microbatch ``m`` draw from their own stream,
+        seeded from one draw of torch's default generator per step: after
+        ``torch.manual_seed(k)`` the losses and gradients are bit-identical under every
+        schedule, executor and checkpointing setting. A ``torch.autocast`` block around
+        the call applies in every stage.
         """
         data = self._prepare(args, kwargs, target, training=True)
         self._run(self.schedule.actions, data)
         loss = sum(data.losses.values()) if data.losses else None
         return self._share_loss(loss)
 
+    # -------------------------------------------------------------------- modes
+    @property
+    def training(self) -> bool:
+        return self.prog.training
+
+    def train(self, mode: bool = True) -> "Pipeline":
+        """Training or eval mode for every stage (see :meth:`SplitProgram.train`)."""
+        self.prog.train(mode)
+        return self
+
     @torch.no_grad()
-    def eval(self, *args: Any, **kwargs: Any) -> Any:
-        """A forward-only pipeline pass; outputs merged back to the full batch (on the last rank)."""
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """A forward-only pipeline pass in the current mode; outputs merged back to the full
+        batch (on the last rank; ``None`` on the others)."""
         data = self._prepare(args, kwargs, None, training=False)
         self._run(_forward_only(self.schedule), data)
         if not data.outputs:
@@ -279,6 +330,26 @@ class Pipeline:
         per_mb = [data.outputs[m] for m in range(self.n_microbatches)]
         merged = merge_outputs(per_mb, self.prog.output_batched, self.batch_dim)
         return pytree.tree_unflatten(merged, self.prog.out_spec)
+
+    __call__ = forward
+
+    def eval(self, *args: Any, **kwargs: Any) -> Any:
+        """``pipe.eval()`` switches to eval mode (returns the pipeline, like ``nn.Module.eval``);
+        ``pipe.eval(x)`` runs one forward-only pass in eval mode and restores the mode.
+
+        Eval mode equals ``model.eval()``: dropout off, BatchNorm on its running statistics,
+        which it does not update.
+        """
+        if not args and not kwargs:
+            self.prog.eval()
+            return self
+        was_training = self.prog.training
+        self.prog.eval()
+        try:
+            return self.forward(*args, **kwargs)
+        finally:
+            if was_training:
+                self.prog.train()
 
     def _run(self, actions: Any, data: StepData) -> None:
         tracer = self._tracer
@@ -294,27 +365,30 @@ class Pipeline:
     def _execute(self, actions: Any, data: StepData) -> None:
         self.prog.sync_tied()
         if self.executor == "distributed":
+            earlier = self._stash_tied() if data.training else {}
             for a in actions[self.rank]:
                 if a.kind.is_compute:
                     self.workers[a.stage].run(a, data)
             self.transport.flush()
             if data.training:
-                self._reduce_tied()
+                self._reduce_tied(earlier)
             return
         self.prog.defer_tied_gradients(True)
         errors: list[BaseException] = []
         transport: LocalTransport = self.transport
+        autocast = _autocast_state()  # thread-local in torch: carry the caller's into the rank threads
 
         def work(rank_actions: Any) -> None:
             try:
-                for a in rank_actions:
-                    if transport.failed is not None:  # another rank failed (or the caller was interrupted)
-                        raise Aborted()
-                    if a.kind.is_compute:
-                        worker = self.workers[a.stage]
-                        if worker.stage.device.type == "cuda":
-                            torch.cuda.set_device(worker.stage.device)
-                        worker.run(a, data)
+                with _autocast(autocast):
+                    for a in rank_actions:
+                        if transport.failed is not None:  # another rank failed (or the caller was interrupted)
+                            raise Aborted()
+                        if a.kind.is_compute:
+                            worker = self.workers[a.stage]
+                            if worker.stage.device.type == "cuda":
+                                torch.cuda.set_device(worker.stage.device)
+                            worker.run(a, data)
             except Aborted:
                 pass
             except BaseException as e:  # re-raised in the caller's thread
@@ -357,14 +431,39 @@ class Pipeline:
                     groups.append((group, idx))
         return groups
 
-    def _reduce_tied(self) -> None:
+    def _tied_local(self, idx: int) -> torch.Tensor:
+        return next(self.prog.stage_entries[s][idx] for s in sorted(self.workers) if idx in self.prog.stage_entries[s])
+
+    def _stash_tied(self) -> dict[int, torch.Tensor]:
+        """Take the tied parameters' gradients from earlier steps aside: only this step's share is summed."""
+        stash = {}
+        for _, idx in self._tied_groups:
+            local = self._tied_local(idx)
+            if local.grad is not None:
+                stash[idx], local.grad = local.grad, None
+        return stash
+
+    def _reduce_tied(self, earlier: dict[int, torch.Tensor]) -> None:
+        """Sum this step's gradient of each tied parameter over the ranks holding it, then add back
+        what earlier steps had accumulated (gradient accumulation across steps stays exact)."""
         import torch.distributed as dist
 
         for group, idx in self._tied_groups:
-            local = next(self.prog.stage_entries[s][idx] for s in sorted(self.workers) if idx in self.prog.stage_entries[s])
+            local = self._tied_local(idx)
             if local.grad is None:
                 local.grad = torch.zeros_like(local)
             dist.all_reduce(local.grad, group=group)
+            if idx in earlier:
+                local.grad += earlier[idx]
+
+    def _collective_device(self) -> torch.device:
+        """Where this rank's collectives put their buffers: its stages' device (NCCL needs CUDA)."""
+        import torch.distributed as dist
+
+        if dist.get_backend() == "nccl":
+            return next((w.stage.device for w in self.workers.values() if w.stage.device.type == "cuda"),
+                        torch.device("cuda", torch.cuda.current_device()))
+        return torch.device("cpu")
 
     def _share_loss(self, loss: Any) -> torch.Tensor | None:
         if self.executor == "local":
@@ -372,8 +471,7 @@ class Pipeline:
         import torch.distributed as dist
 
         last_rank = self.schedule.stage_to_rank[-1]
-        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-        buf = torch.zeros((), dtype=torch.float64, device=device)
+        buf = torch.zeros((), dtype=torch.float64, device=self._collective_device())
         if self.rank == last_rank and loss is not None:
             buf.fill_(float(loss))
         dist.broadcast(buf, src=last_rank)

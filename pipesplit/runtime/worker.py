@@ -12,6 +12,7 @@ import torch.utils._pytree as pytree
 from torch.utils.checkpoint import checkpoint
 
 from pipesplit.program import SplitProgram, Stage
+from pipesplit.rng import random_stream, stream_seed
 from pipesplit.runtime.transport import Message, Transport
 from pipesplit.schedules import Action, ActionKind
 
@@ -26,6 +27,7 @@ class StepData:
     loss_scale: float
     training: bool
     microbatch_size: int
+    seed: int = 0  # the step's random seed: stage s, microbatch m draws from stream_seed(seed, s, m)
     outputs: dict[int, list[Any]] = field(default_factory=dict)  # microbatch -> flat outputs (last stage)
     losses: dict[int, torch.Tensor] = field(default_factory=dict)
 
@@ -148,14 +150,26 @@ class StageWorker:
             value = received[(name, where)]
             if isinstance(value, torch.Tensor) and value.requires_grad and value.is_leaf:
                 saved.inputs.append((name, where, value))
+            if name in self.stage.mutated_inputs and isinstance(value, torch.Tensor):
+                # The stage writes this input in place (relu_, +=): autograd forbids that on the
+                # leaf we take its gradient at, and the sender may still hold the storage. A
+                # clone costs what the out-of-place op would have allocated anyway.
+                value = value.clone()
             args.append(value)
         saved.inputs.sort(key=lambda t: (t[1], self.prog.stages[t[1]].outputs.index(t[0])))  # send order
         grad_mode = torch.enable_grad() if data.training else torch.no_grad()
+        module, device = self.stage.module, self.stage.device
+        seed = stream_seed(data.seed, self.index, m)
+
+        def run_stage(*xs: Any) -> Any:  # checkpointing replays it, masks and all, from the same seed
+            with random_stream(seed, device):
+                return module(*xs)
+
         with grad_mode:
             if self.checkpointing and data.training:
-                outs = checkpoint(self.stage.module, *args, use_reentrant=False)
+                outs = checkpoint(run_stage, *args, use_reentrant=False, preserve_rng_state=False)
             else:
-                outs = self.stage.module(*args)
+                outs = run_stage(*args)
             outs = tuple(outs)
             if self.is_last:
                 flat = self.prog.assemble_outputs(outs)

@@ -1,0 +1,125 @@
+"""Random streams per (stage, microbatch): the same seed gives the same dropout masks under any
+schedule, executor or activation checkpointing.
+
+torch's default generators are process-global, and a pipeline runs stages concurrently
+(threads, or processes that each draw in their own order), so a random op's draw would
+depend on timing. The split pass routes every random op of a stage graph through
+:func:`seeded`. Outside a :func:`random_stream` block it calls the op as it is (``prog(x)``
+draws from torch's default generator exactly like the model does); inside one, it runs
+the op on the stream's own generator state, swapped into the default generator under a
+lock, and puts the caller's state back: the user's RNG does not move.
+"""
+
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import torch
+import torch.fx as fx
+
+_MASK = (1 << 64) - 1
+_local = threading.local()
+_lock = threading.Lock()
+
+# The "train" flag's position in the ops whose randomness a mode switches off.
+_DROPOUT_TRAIN_ARG = {"dropout": 2, "native_dropout": 2, "feature_dropout": 2, "alpha_dropout": 2,
+                      "feature_alpha_dropout": 2}
+
+
+def stream_seed(step_seed: int, stage: int, microbatch: int) -> int:
+    """A well-mixed 63-bit seed for one (stage, microbatch) of a step (splitmix64 finaliser)."""
+    z = (step_seed * 0x9E3779B97F4A7C15 + stage * 0xBF58476D1CE4E5B9 + microbatch * 0x94D049BB133111EB + 1) & _MASK
+    for shift, mult in ((30, 0xBF58476D1CE4E5B9), (27, 0x94D049BB133111EB)):
+        z = ((z ^ (z >> shift)) * mult) & _MASK
+    return (z ^ (z >> 31)) & ((1 << 63) - 1)
+
+
+class _Stream:
+    """Generator states of one stream: CPU always, plus the stage's CUDA device when it has one."""
+
+    def __init__(self, seed: int, device: torch.device):
+        self.states: dict[Any, torch.Tensor] = {}
+        for key in _keys(device):
+            g = torch.Generator(device="cpu" if key == "cpu" else f"cuda:{key}")
+            g.manual_seed(seed)
+            self.states[key] = g.get_state()
+
+
+def _keys(device: torch.device) -> list[Any]:
+    if device.type == "cuda":
+        return ["cpu", device.index if device.index is not None else torch.cuda.current_device()]
+    return ["cpu"]
+
+
+def _default(key: Any) -> torch.Generator:
+    return torch.default_generator if key == "cpu" else torch.cuda.default_generators[key]
+
+
+@contextmanager
+def random_stream(seed: int, device: torch.device | str = "cpu") -> Iterator[None]:
+    """Random ops of stage graphs run in this thread draw from a stream seeded with ``seed``.
+
+    >>> import torch
+    >>> with random_stream(7):
+    ...     a = seeded(torch.ops.aten.rand.default, [3])
+    >>> with random_stream(7):
+    ...     b = seeded(torch.ops.aten.rand.default, [3])
+    >>> torch.equal(a, b)
+    True
+    """
+    prev = getattr(_local, "stream", None)
+    _local.stream = _Stream(seed, torch.device(device))
+    try:
+        yield
+    finally:
+        _local.stream = prev
+
+
+def seeded(op: Any, *args: Any, **kwargs: Any) -> Any:
+    """Run random ``op`` on the current thread's stream (or torch's default generator if none)."""
+    stream: _Stream | None = getattr(_local, "stream", None)
+    if stream is None:
+        return op(*args, **kwargs)
+    with _lock:
+        saved = {key: _default(key).get_state() for key in stream.states}
+        try:
+            for key, state in stream.states.items():
+                _default(key).set_state(state)
+            out = op(*args, **kwargs)
+            for key in stream.states:
+                stream.states[key] = _default(key).get_state()
+        finally:
+            for key, state in saved.items():
+                _default(key).set_state(state)
+    return out
+
+
+def _is_random(node: fx.Node) -> bool:
+    op = node.target
+    if node.op != "call_function" or not isinstance(op, torch._ops.OpOverload):
+        return False
+    if torch.Tag.nondeterministic_seeded not in op.tags:
+        return False
+    name = op._schema.name.split("::")[-1]
+    if name.startswith("scaled_dot_product") or name.startswith("_scaled_dot_product"):
+        p = node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
+        return p != 0.0
+    if name in _DROPOUT_TRAIN_ARG:
+        i = _DROPOUT_TRAIN_ARG[name]
+        train = node.args[i] if len(node.args) > i else node.kwargs.get("train", True)
+        p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
+        return bool(train) and p != 0.0
+    return True
+
+
+def seed_random_ops(graph: fx.Graph) -> int:
+    """Route every random op of ``graph`` through :func:`seeded`, in place; returns how many."""
+    count = 0
+    for node in graph.nodes:
+        if _is_random(node):
+            node.args = (node.target, *node.args)
+            node.target = seeded
+            count += 1
+    return count
