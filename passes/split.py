@@ -31,7 +31,7 @@ class Boundary:
     name: str
     src: int
     dst: int
-    kind: str  # "tensor" or "int" (a size) or "scalar"
+    kind: str  # "tensor", "int" (a size), "float" / "bool" (derived from sizes) or "scalar"
     shape: tuple[int | None, ...] | None  # None marks a dynamic (batch) dimension
     dtype: torch.dtype | None
     nbytes: int  # at the example's shapes
@@ -72,8 +72,12 @@ def _value_info(node: fx.Node) -> tuple[str, tuple[int | None, ...] | None, torc
         for d in val.shape:
             n *= hint(d)
         return "tensor", shape, val.dtype, n * val.element_size(), tuple(_expr(d) for d in val.shape)
+    if isinstance(val, (bool, torch.SymBool)):  # before int: a bool is an int
+        return "bool", None, None, 8, (val if isinstance(val, bool) else val.node.expr,)
     if isinstance(val, (int, torch.SymInt)):
         return "int", None, None, 8, (_expr(val),)
+    if isinstance(val, (float, torch.SymFloat)):  # e.g. x.shape[0] ** -0.5
+        return "float", None, None, 8, (val if isinstance(val, float) else val.node.expr,)
     return "scalar", None, None, 8, None
 
 

@@ -80,6 +80,7 @@ def compile(
     order: str = "auto",
     refine: int = 0,
     batch_dim: int = 0,
+    unbatched: Sequence[str] = (),
     progress: bool = True,
 ) -> SplitProgram:
     """Split ``model`` into pipeline stages that compute exactly what it computes.
@@ -124,6 +125,8 @@ def compile(
             ``schedule`` the step simulated from the measured stages).
         batch_dim: the inputs' batch dimension, kept dynamic by export and cut into
             microbatches by :class:`pipesplit.Pipeline`.
+        unbatched: names of forward() arguments without a batch dimension (a lookup table, a
+            shared mask): kept at their example shape and given whole to every microbatch.
         progress: show a progress bar while profiling.
 
     >>> import torch, pipesplit
@@ -144,9 +147,16 @@ def compile(
     check_choice("order", order, ORDER_CHOICES)
     if refine and (plan is not None or split_points is not None):
         raise PlanError("refine= re-plans from measured stage times; it cannot change a given plan= or split_points=.")
+    if plan is not None or split_points is not None:
+        _refuse_planner_options(
+            "plan=" if plan is not None else "split_points=",
+            max_stage_memory=(max_stage_memory, None), pins=(pins, None), no_split=(tuple(no_split), ()),
+            schedule=(schedule, None), slack=(slack, 0.05), order=(order, "auto"), n_microbatches=(n_microbatches, None),
+            n_ranks=(n_ranks, None), **({"memory": (memory, None), "comm": (comm, None)} if plan is not None else {}),
+        )
     timings: dict[str, float] = {}
     with _timed("capture", timings):
-        captured = capture(model, example_input, example_kwargs, batch_dim=batch_dim)
+        captured = capture(model, example_input, example_kwargs, batch_dim=batch_dim, unbatched=unbatched)
     device0 = str(devices[0]) if devices else _default_device(model)
     with _timed("annotate", timings):
         requires = [isinstance(x, torch.Tensor) and x.requires_grad for x in captured.example_flat]
@@ -245,6 +255,16 @@ def _choose_plan(
     chosen = plan_from_split_points(gm, list(split_points), module_paths, cost)
     _check_count(num_stages, chosen.num_stages, f"{len(split_points)} split points make")
     return chosen
+
+
+def _refuse_planner_options(given: str, **options: tuple[Any, Any]) -> None:
+    """Options only the planner reads must not be passed beside a fixed split, where they would do nothing."""
+    passed = [name for name, (value, default) in options.items() if value != default]
+    if passed:
+        raise PlanError(
+            f"{', '.join(f'{n}=' for n in passed)} only steer the planner, and {given} fixes the split without it, "
+            f"so they would be ignored. Drop them, or drop {given} and let the planner split under them."
+        )
 
 
 def _check_count(requested: int | None, actual: int, what: str) -> None:

@@ -78,7 +78,7 @@ class ChainStage(nn.Module):
             if (name, where) in self.int_inputs:
                 if batch is None:
                     raise PipesplitError(f"stage {self.index} cannot recompute size {name!r}: no batched input.")
-                args.append(self.prog.resolve_int(self.int_inputs[(name, where)], batch))
+                args.append(self.prog.resolve_value(self.int_inputs[(name, where)], batch))
             elif kind == "input" and not self.prog.inputs[where].is_tensor:
                 args.append(self.prog.inputs[where].example)
             else:

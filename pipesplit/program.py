@@ -240,10 +240,30 @@ class SplitProgram:
         by_name = dict(zip(self.stages[-1].outputs, last_stage_outputs))
         return [by_name[v] if kind == "value" else v for kind, v in self._outputs]
 
-    def resolve_int(self, boundary: Boundary, batch: int) -> int:
-        """The value of a size that crosses a boundary, for a given (micro)batch size."""
-        assert boundary.sizes is not None
-        return self._eval_size(boundary.sizes[0], batch)
+    def resolve_value(self, boundary: Boundary, batch: int) -> Any:
+        """The value of a non-tensor that crosses a boundary (a size, or a float or bool derived
+        from sizes, such as ``x.shape[0] ** -0.5``) for a given (micro)batch size."""
+        if boundary.sizes is None:
+            raise PlanError(
+                f"boundary {boundary.name!r} (stage {boundary.src} -> {boundary.dst}) carries a {boundary.kind} that "
+                "is neither a tensor nor computed from sizes, so a pipeline stage cannot rebuild it. Keep its producer "
+                f"and users in one stage (no_split=[...] or pins=...), or pass it as a tensor."
+            )
+        expr = boundary.sizes[0]
+        if isinstance(expr, (bool, int, float)):
+            return expr
+        free = expr.free_symbols
+        if not free <= self._batch_symbols:
+            raise InputError(
+                f"a boundary value {expr} depends on {sorted(map(str, free - self._batch_symbols))}, not only on the "
+                "batch size; only the batch dimension may vary between calls."
+            )
+        value = expr.subs({sym: batch for sym in free})
+        if boundary.kind == "float":
+            return float(value)
+        if boundary.kind == "bool":
+            return bool(value)
+        return int(value)
 
     def resolve_shape(self, boundary: Boundary, batch: int) -> tuple[int, ...]:
         """A boundary tensor's concrete shape for a given (micro)batch size."""
@@ -304,6 +324,16 @@ class SplitProgram:
             raise InputError(
                 f"state_dict does not match the model: {len(missing)} missing key(s) {missing[:5]}, "
                 f"{len(unexpected)} unexpected key(s) {unexpected[:5]}. Pass strict=False to load a subset."
+            )
+        wrong = [
+            f"{k}: {tuple(state_dict[k].shape)} for {tuple(self._state[i].tensor.shape)}"
+            for k, i in self._state_keys.items()
+            if k in state_dict and tuple(state_dict[k].shape) != tuple(self._state[i].tensor.shape)
+        ]
+        if wrong:  # copy_ would broadcast a (1, d) tensor into (n, d) without a word
+            raise InputError(
+                f"state_dict has {len(wrong)} tensor(s) of the wrong shape (given for expected): {wrong[:5]}. "
+                "Load a state_dict of the model this program was compiled from."
             )
         with torch.no_grad():
             for key, idx in self._state_keys.items():

@@ -87,11 +87,11 @@ class StageWorker:
             shape = self._shapes[key] = self.prog.resolve_shape(b, data.microbatch_size)
         return shape, b.dtype, self.stage.device
 
-    def _int(self, b: Any, data: StepData) -> int:
+    def _scalar(self, b: Any, data: StepData) -> Any:
         key = (b.name, b.src, data.microbatch_size)
         value = self._ints.get(key)
         if value is None:
-            value = self._ints[key] = self.prog.resolve_int(b, data.microbatch_size)
+            value = self._ints[key] = self.prog.resolve_value(b, data.microbatch_size)
         return value
 
     def _to_device(self, v: Any) -> Any:
@@ -135,7 +135,7 @@ class StageWorker:
         ):
             b = self.in_bounds[(name, where)]
             if b.kind != "tensor":  # sizes are known from the microbatch size on every rank
-                received[(name, where)] = self._int(b, data)
+                received[(name, where)] = self._scalar(b, data)
                 continue
             msg = Message("F", name, where, self.index, m)
             value = self._to_device(self._recv(msg, self.rank_of[where], self._like(b, data)))
