@@ -1,0 +1,175 @@
+"""Training through Pipeline equals gradient accumulation on the model users really have.
+
+Every model of the zoo, a ResNet whose blocks end in ``relu_`` and ``+=``, and Hugging Face
+GPT-2, Llama, BERT and T5 with their default configs (KV cache on), at 2 and 4 stages,
+under 1F1B and ZB-H1, for several optimizer steps: loss, every gradient, BatchNorm's
+running statistics and the updated parameters.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+from torch import nn
+
+import pipesplit
+from tests.training import check_training
+from tests.zoo import CASES
+
+SCHEDULES = ["1f1b", "zb_h1"]
+
+
+def _pipe(model, example, stages, schedule, m=4, **compile_kw):
+    args, kwargs = example
+    prog = pipesplit.compile(model, args, example_kwargs=kwargs, num_stages=stages, progress=False, **compile_kw)
+    assert prog.num_stages == stages
+    return pipesplit.Pipeline(prog, schedule, n_microbatches=m, loss_fn=None or _loss, loss_reduction="sum")
+
+
+def _loss(out, target):
+    from tests.training import dot_loss
+
+    return dot_loss(out, target)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("stages", [2, 4])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_every_zoo_model_trains_like_gradient_accumulation(case, stages, schedule):
+    torch.manual_seed(0)
+    model = case.build()
+    pipe = _pipe(model, case.inputs(2), stages, schedule)
+    check_training(model, pipe, [case.inputs(8), case.inputs(8)], m=4)
+
+
+# ----------------------------------------------------------------- in place
+class BasicBlock(nn.Module):
+    """torchvision's ResNet block: ``relu(inplace=True)`` and ``out += identity``."""
+
+    def __init__(self, c: int):
+        super().__init__()
+        self.conv1 = nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(c)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(c)
+
+    def forward(self, x):
+        identity = x
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        out += identity
+        return self.relu(out)
+
+
+class ResNet(nn.Module):
+    def __init__(self, c: int = 8, blocks: int = 4):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, c, 3, padding=1, bias=False), nn.BatchNorm2d(c), nn.ReLU(inplace=True))
+        self.layers = nn.Sequential(*[BasicBlock(c) for _ in range(blocks)])
+        self.fc = nn.Linear(c, 10)
+
+    def forward(self, x):
+        return self.fc(torch.flatten(nn.functional.adaptive_avg_pool2d(self.layers(self.stem(x)), 1), 1))
+
+
+def _images(b):
+    return (torch.randn(b, 3, 8, 8),), {}
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb_h1"])
+@pytest.mark.parametrize("stages", [2, 3, 4, 5])
+def test_resnet_with_inplace_relu_trains_at_every_cut(stages, schedule):
+    torch.manual_seed(0)
+    model = ResNet()
+    pipe = _pipe(model, _images(2), stages, schedule, m=2)
+    assert any(b.name.startswith(("relu_", "add_")) for b in pipe.prog.boundaries), "no cut at an in-place op"
+    check_training(model, pipe, [_images(4), _images(4)], m=2)
+
+
+class AddInPlace(nn.Module):
+    """``y += h`` on a value that a manual split makes a stage input."""
+
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x):
+        y = self.a(x)
+        h = torch.tanh(self.b(x))
+        y += h
+        y.mul_(0.5)
+        return self.c(y)
+
+
+def test_split_right_before_an_inplace_add():
+    torch.manual_seed(0)
+    model = AddInPlace()
+    x = torch.randn(2, 8)
+    prog = pipesplit.compile(model, x, split_points=["b"], progress=False)
+    assert prog.stages[1].mutated_inputs, "the second stage writes its input in place"
+    pipe = pipesplit.Pipeline(prog, "1f1b", n_microbatches=2, loss_fn=_loss, loss_reduction="sum")
+    check_training(model, pipe, [((torch.randn(4, 8),), {})], m=2, steps=3)
+
+
+# ------------------------------------------------------------ Hugging Face
+def _hf(name):
+    transformers = pytest.importorskip("transformers")
+    small = dict(vocab_size=96, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    if name == "gpt2":
+        cfg = transformers.GPT2Config(n_layer=4, n_embd=32, n_head=2, n_positions=32, **small)
+        cfg.attn_pdrop = cfg.resid_pdrop = cfg.embd_pdrop = 0.0
+        return transformers.GPT2LMHeadModel(cfg)
+    if name == "llama":
+        cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                       num_attention_heads=4, num_key_value_heads=2, **small)
+        return transformers.LlamaForCausalLM(cfg)
+    if name == "bert":
+        cfg = transformers.BertConfig(hidden_size=32, num_hidden_layers=4, num_attention_heads=2,
+                                      intermediate_size=64, max_position_embeddings=32, vocab_size=96, pad_token_id=0)
+        cfg.hidden_dropout_prob = cfg.attention_probs_dropout_prob = 0.0
+        return transformers.BertForMaskedLM(cfg)
+    if name == "t5":
+        cfg = transformers.T5Config(d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
+                                    relative_attention_num_buckets=8, vocab_size=96, decoder_start_token_id=0,
+                                    pad_token_id=0, eos_token_id=1)
+        cfg.dropout_rate = 0.0
+        return transformers.T5ForConditionalGeneration(cfg)
+    raise KeyError(name)
+
+
+def _hf_inputs(name, b):
+    ids = torch.randint(1, 96, (b, 12))
+    if name == "t5":
+        return (ids,), {"decoder_input_ids": torch.randint(1, 96, (b, 6))}
+    if name == "bert":
+        return (ids,), {"attention_mask": torch.ones(b, 12, dtype=torch.long)}
+    return (ids,), {}
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("stages", [2, 4])
+@pytest.mark.parametrize("name", ["gpt2", "llama", "bert", "t5"])
+def test_hugging_face_default_configs_train(name, stages, schedule):
+    """Default configs (use_cache on for the decoders), dropout set to 0 so the reference is exact."""
+    torch.manual_seed(0)
+    model = _hf(name)
+    example = _hf_inputs(name, 2)
+    pipe = _pipe(model, example, stages, schedule)
+    ref_kwargs = {}
+    if getattr(model.config, "use_cache", False) and "use_cache" in inspect.signature(model.forward).parameters:
+        assert any("use_cache=False" in n for n in pipe.prog.notes), pipe.prog.notes
+        ref_kwargs = {"use_cache": False}  # the pipeline is called as the model is, without it
+    check_training(model, pipe, [_hf_inputs(name, 8), _hf_inputs(name, 8)], m=4, ref_kwargs=ref_kwargs)
+
+
+# ------------------------------------------------------------------ dtypes
+def test_bf16_model_trains():
+    torch.manual_seed(0)
+    model = CASES[2].build().to(torch.bfloat16)  # gpt_tied
+    args, kwargs = CASES[2].inputs(2)
+    pipe = _pipe(model, (args, kwargs), 2, "1f1b", m=2)
+    assert all(p.dtype is torch.bfloat16 for p in pipe.parameters())
+    check_training(model, pipe, [CASES[2].inputs(4)], m=2, steps=2, rtol=3e-2)
