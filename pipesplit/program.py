@@ -17,7 +17,7 @@ from pipesplit.passes.modes import eval_graph
 from pipesplit.passes.split import Boundary, SplitGraph
 from pipesplit.plan import Plan
 from pipesplit.rng import seeded
-from pipesplit.state import Tied, attach, place, zero_grads
+from pipesplit.state import Placement, Tied, attach, zero_grads
 
 
 @dataclass
@@ -98,7 +98,7 @@ class SplitProgram:
         ]
         self.random_ops = sum(n.target is seeded for p in split.stages for n in p.graph.nodes)  # dropout & co.
         self._tied: list[Tied] = []
-        placed: list[dict[torch.device, torch.Tensor]] = [{} for _ in captured.state]
+        placement = Placement(len(captured.state))
         self.stages: list[Stage] = []
         self.stage_entries: list[dict[int, torch.Tensor]] = []  # per stage: state index -> its tensor
         for piece, device_name in zip(split.stages, devices):
@@ -111,36 +111,29 @@ class SplitProgram:
                 if idx is None:  # a submodule, e.g. the body of a higher-order op
                     attach(holder, target, obj)
                     continue
-                entry = captured.state[idx]
-                copy = placed[idx].setdefault(device, place(entry.tensor, device))
-                entries[idx] = copy
-                attach(holder, target, copy, entry.persistent)
+                if idx not in entries:
+                    entries[idx] = placement.take(idx, captured.state[idx].tensor, device)
+                attach(holder, target, entries[idx], captured.state[idx].persistent)
             if piece.index == 0:
                 used = set(captured.target_to_entry.values())
                 for idx, entry in enumerate(captured.state):
                     if idx not in used and entry.aliases:  # unused state stays with stage 0
-                        copy = placed[idx].setdefault(device, place(entry.tensor, device))
-                        entries[idx] = copy
-                        attach(holder, entry.name, copy, entry.persistent)
+                        entries[idx] = placement.take(idx, entry.tensor, device)
+                        attach(holder, entry.name, entries[idx], entry.persistent)
             module = fx.GraphModule(holder, piece.graph, class_name=f"Stage{piece.index}")
             cost = plan.stage_costs[piece.index] if plan.stage_costs else 0.0
             self.stages.append(
                 Stage(piece.index, module, device, piece.inputs, piece.outputs, piece.nodes, cost, tuple(piece.attrs),
                       piece.mutated_inputs, {captured.training: module})
             )
-        self._owner: list[torch.Tensor | None] = [next(iter(p.values()), None) for p in placed]
-        for idx, copies in enumerate(placed):
-            if len(copies) > 1:
-                owner = self._owner[idx]
-                assert owner is not None
-                if captured.state[idx].name in captured.mutated_names:
-                    raise PlanError(
-                        f"buffer {captured.state[idx].name!r} is updated in place by stages on different devices "
-                        f"({', '.join(map(str, copies))}); put those stages on one device."
-                    )
-                tied = Tied(owner, [t for t in copies.values() if t is not owner])
-                tied.hook()
-                self._tied.append(tied)
+        self._owner: list[torch.Tensor | None] = [placement.owner(idx) for idx in range(len(captured.state))]
+        for idx, copies in enumerate(placement.copies):
+            if len(copies) > 1 and captured.state[idx].name in captured.mutated_names:
+                raise PlanError(
+                    f"buffer {captured.state[idx].name!r} is updated in place by stages on different devices "
+                    f"({', '.join(map(str, copies))}); put those stages on one device."
+                )
+        self._tie(placement.ties())
         root = nn.Module()
         for stage in self.stages:
             root.add_module(f"stage_{stage.index}", stage.module)
@@ -179,10 +172,24 @@ class SplitProgram:
                 stage.module = None  # type: ignore[assignment]
                 stage.modes = {}
                 self.stage_entries[stage.index] = {}
-        kept = {idx: t for s in sorted(stages) for idx, t in reversed(list(self.stage_entries[s].items()))}
-        self._owner = [kept.get(idx) for idx in range(len(self._owner))]
-        self._tied = []
+        kept: dict[int, list[torch.Tensor]] = {}
+        for s in sorted(stages):
+            for idx, t in self.stage_entries[s].items():
+                if all(t is not u for u in kept.setdefault(idx, [])):
+                    kept[idx].append(t)
+        self._owner = [kept[idx][0] if idx in kept else None for idx in range(len(self._owner))]
+        for tied in self._tied:
+            tied.unhook()
+        self._tie([(idx, held[0], held[1:]) for idx, held in kept.items() if len(held) > 1])
         self.root = None  # type: ignore[assignment]
+
+    def _tie(self, ties: list[tuple[int, torch.Tensor, list[torch.Tensor]]]) -> None:
+        """Keep each tensor held by several stages one tensor: replica gradients go to its owner."""
+        self._tied = []
+        for _idx, owner, replicas in ties:
+            tied = Tied(owner, replicas)
+            tied.hook()
+            self._tied.append(tied)
 
     def state_entry(self, idx: int) -> Any:
         """The original-model description (names, kind) of state tensor ``idx``."""

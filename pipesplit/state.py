@@ -45,12 +45,59 @@ class Tied:
         for r in self.replicas:
             self._move(r)
 
+    def unhook(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
     def sync(self) -> None:
         if self.owner._version != self.version:
             with torch.no_grad():
                 for r in self.replicas:
-                    r.copy_(self.owner)
+                    if not _same_storage(r, self.owner):  # an alias on the owner's storage is always current
+                        r.copy_(self.owner)
             self.version = self.owner._version
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.device == b.device and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+class Placement:
+    """The tensors stages hold for each state entry: one copy per device, and for a parameter
+    that several stages use, a leaf of its own per extra stage (an alias of that device's copy:
+    no extra memory but a gradient of its own).
+
+    Separate gradients make a tied weight's gradient the same sum in the same order under
+    every schedule: two stages accumulating into one ``.grad`` from two threads would add
+    in whatever order the threads reach it.
+    """
+
+    def __init__(self, n_entries: int):
+        self.copies: list[dict[torch.device, torch.Tensor]] = [{} for _ in range(n_entries)]
+        self.holders: list[list[torch.Tensor]] = [[] for _ in range(n_entries)]  # per entry, in stage order
+
+    def take(self, idx: int, tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """The tensor a stage on ``device`` holds for entry ``idx``."""
+        first = device not in self.copies[idx]
+        base = self.copies[idx].setdefault(device, place(tensor, device))
+        held = base
+        if not first and isinstance(base, nn.Parameter) and base.requires_grad:
+            held = nn.Parameter(base.detach(), requires_grad=True)  # shares base's storage and version
+        self.holders[idx].append(held)
+        return held
+
+    def owner(self, idx: int) -> torch.Tensor | None:
+        return self.holders[idx][0] if self.holders[idx] else None
+
+    def ties(self) -> list[tuple[int, torch.Tensor, list[torch.Tensor]]]:
+        """(entry, owner, the other distinct tensors holding it) for every entry held more than once."""
+        out = []
+        for idx, held in enumerate(self.holders):
+            distinct = list({id(t): t for t in held}.values())
+            if len(distinct) > 1:
+                out.append((idx, distinct[0], distinct[1:]))
+        return out
 
 
 def attach(module: nn.Module, target: str, obj: Any, persistent: bool = True) -> None:

@@ -102,9 +102,13 @@ def test_tied_embedding_single_gradient_on_shared_device():
     prog = pipesplit.compile(model, (idx,), num_stages=4)
     names = [n for n, _ in prog.named_parameters()]
     assert "tok.weight" in names and "head.weight" not in names  # one parameter, like the model
-    holders = [s.index for s in prog.stages if any(t is dict(prog.named_parameters())["tok.weight"] for t in s.module.parameters())]
-    assert holders[0] == 0 and holders[-1] == 3, "the tied weight should be used by the first and last stage"
+    tok = dict(prog.named_parameters())["tok.weight"]
+    held = {s.index: t for s in prog.stages for t in s.module.parameters()
+            if t.untyped_storage().data_ptr() == tok.untyped_storage().data_ptr()}
+    assert sorted(held) == [0, 3], "the tied weight should be used by the first and last stage"
+    assert held[0] is tok and held[3] is not tok, "the last stage's alias shares the storage, with a gradient of its own"
     check_exact(model, (idx,), {}, prog, (torch.randint(0, 64, (3, 16)),), {})
+    assert held[3].grad is None, "the alias's gradient was added into the one parameter's"
 
 
 def test_tied_embedding_across_devices_syncs_and_sums():

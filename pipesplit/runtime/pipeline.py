@@ -366,10 +366,14 @@ class Pipeline:
         self.prog.sync_tied()
         if self.executor == "distributed":
             earlier = self._stash_tied() if data.training else {}
-            for a in actions[self.rank]:
-                if a.kind.is_compute:
-                    self.workers[a.stage].run(a, data)
-            self.transport.flush()
+            self.prog.defer_tied_gradients(True)  # stages of this rank sharing a weight: summed in stage order
+            try:
+                for a in actions[self.rank]:
+                    if a.kind.is_compute:
+                        self.workers[a.stage].run(a, data)
+                self.transport.flush()
+            finally:
+                self.prog.defer_tied_gradients(False)
             if data.training:
                 self._reduce_tied(earlier)
             return
