@@ -198,9 +198,10 @@ class SplitProgram:
     def defer_tied_gradients(self, defer: bool) -> None:
         """While deferred, replica gradients of tied tensors stay put until flush (thread safety)."""
         for tied in self._tied:
-            tied.deferred = defer
-            if not defer:
-                tied.flush()
+            if defer:
+                tied.begin_step()
+            else:
+                tied.end_step()
 
     def sync_tied(self) -> None:
         """Copy each tied tensor's owner into its replicas if the owner changed."""

@@ -23,6 +23,7 @@ class Tied:
     version: int = -1
     handles: list[Any] = field(default_factory=list)
     deferred: bool = False  # while True, replica gradients wait for flush() (multi-threaded runtimes)
+    earlier: torch.Tensor | None = None  # the owner's gradient from earlier steps, during a step
 
     def hook(self) -> None:
         if not isinstance(self.owner, nn.Parameter) or not self.owner.requires_grad:
@@ -44,6 +45,20 @@ class Tied:
     def flush(self) -> None:
         for r in self.replicas:
             self._move(r)
+
+    def begin_step(self) -> None:
+        """Defer replica gradients and set aside what earlier steps accumulated."""
+        self.deferred = True
+        self.earlier, self.owner.grad = self.owner.grad, None
+
+    def end_step(self) -> None:
+        """This step's gradient in stage order, then the earlier steps' added: the same sums in the
+        same order as the distributed executor's (whose ranks hold the stages) under any schedule."""
+        self.deferred = False
+        self.flush()
+        if self.earlier is not None:
+            self.owner.grad = self.earlier if self.owner.grad is None else self.owner.grad + self.earlier
+        self.earlier = None
 
     def unhook(self) -> None:
         for h in self.handles:
