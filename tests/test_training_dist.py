@@ -23,5 +23,5 @@ def test_training_semantics_hold_across_processes():
     for schedule in ("1f1b", "zb_h1", "zb_v"):
         for what in ("accumulation over 2 steps, tied", "dropout bit-identical to the local executor",
                      "in-place ResNet"):
-            ranks = set(re.findall(rf"rank (\d): ok \({re.escape(what)}.*{schedule}", result.stdout))
+            ranks = set(re.findall(rf"rank (\d): ok \({re.escape(what)}[^)]*\b{schedule}\b", result.stdout))
             assert ranks == {"0", "1"}, f"{what} ({schedule}) not confirmed by both ranks:\n{result.stdout}"
