@@ -82,7 +82,10 @@ class ChainStage(nn.Module):
             elif kind == "input" and not self.prog.inputs[where].is_tensor:
                 args.append(self.prog.inputs[where].example)
             else:
-                args.append(values[self.position[(name, kind, where)]])
+                value = values[self.position[(name, kind, where)]]
+                if name in self.prog.stages[self.index].mutated_inputs:  # written in place (relu_, +=)
+                    value = value.clone()
+                args.append(value)
         outs = tuple(self.stage_module(*args))
         if self.live_out is None:  # the last stage: the program's flat outputs
             flat = self.prog.assemble_outputs(outs)
