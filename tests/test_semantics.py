@@ -11,7 +11,7 @@ from torch import nn
 import pipesplit
 from pipesplit.models import GPT, GPTConfig
 from tests.close import assert_close, assert_grads_close
-from tests.training import check_training, chunk_inputs, dot_loss, make_target, streamed_reference
+from tests.training import check_training, dot_loss, streamed_reference
 from tests.zoo import CASE_BY_NAME
 
 

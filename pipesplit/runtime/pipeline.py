@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import queue
-import threading
 import time
-import weakref
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -17,6 +14,7 @@ from pipesplit.errors import PipesplitError, ScheduleError
 from pipesplit.program import SplitProgram
 from pipesplit.state import zero_grads
 from pipesplit.runtime.microbatch import merge_outputs, split_microbatches, split_target
+from pipesplit.runtime.threads import RankThreads, autocast_scope, autocast_state
 from pipesplit.runtime.trace import Trace
 from pipesplit.runtime.transport import Aborted, DistTransport, LocalTransport
 from pipesplit.runtime.worker import StageWorker, StepData
@@ -42,72 +40,8 @@ def resolve_schedule(schedule: str | Schedule, n_stages: int, n_ranks: int | Non
     return get_schedule(schedule, n_stages=n_stages, n_ranks=n_ranks, n_microbatches=n_microbatches)
 
 
-def _autocast_state() -> list[tuple[str, torch.dtype, bool]]:
-    """The caller's enabled autocast regions: (device type, dtype, weight cache)."""
-    kinds = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-    return [(k, torch.get_autocast_dtype(k), torch.is_autocast_cache_enabled()) for k in kinds
-            if torch.is_autocast_enabled(k)]
-
-
-@contextmanager
-def _autocast(state: list[tuple[str, torch.dtype, bool]]) -> Iterator[None]:
-    with ExitStack() as stack:
-        for kind, dtype, cache in state:
-            stack.enter_context(torch.autocast(kind, dtype=dtype, cache_enabled=cache))
-        yield
-
-
 def _forward_only(schedule: Schedule) -> list[list[Any]]:
     return [[a for a in rank if a.kind is ActionKind.FORWARD] for rank in schedule.actions]
-
-
-def _serve(inbox: queue.SimpleQueue, done: queue.SimpleQueue) -> None:
-    while True:
-        job = inbox.get()
-        if job is None:
-            return
-        try:
-            job()
-        finally:
-            del job  # hold no reference to the pipeline between steps, so it can be collected
-            done.put(None)
-
-
-def _stop(inboxes: list[queue.SimpleQueue]) -> None:
-    for box in inboxes:
-        box.put(None)
-
-
-class _RankThreads:
-    """One long-lived daemon thread per rank of the local executor, reused by every step.
-
-    A fresh thread per step made a one-stage CPU step ~10-20% slower than the plain
-    model: glibc gives each new thread its own malloc arena, whose memory goes back to
-    the OS when the thread ends, so every step page-faulted its activations in again
-    (~10k minor faults per step instead of ~1k). The threads stop when the Pipeline is
-    garbage-collected.
-    """
-
-    def __init__(self, n: int):
-        self._inboxes: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(n)]
-        self._done: queue.SimpleQueue = queue.SimpleQueue()
-        self._pending = 0  # jobs handed out and not finished yet
-        for r, box in enumerate(self._inboxes):
-            threading.Thread(target=_serve, args=(box, self._done), daemon=True, name=f"pipesplit-rank-{r}").start()
-        weakref.finalize(self, _stop, self._inboxes)
-
-    def run(self, jobs: Sequence[Callable[[], None]]) -> None:
-        """Run ``jobs[r]`` on thread ``r``, all at once; return when every one has finished."""
-        for box, job in zip(self._inboxes, jobs):
-            box.put(job)
-            self._pending += 1
-        self.wait()
-
-    def wait(self) -> None:
-        """Block until every job handed out so far has finished."""
-        while self._pending:
-            self._done.get()
-            self._pending -= 1
 
 
 class Pipeline:
@@ -210,7 +144,7 @@ class Pipeline:
         else:
             self.transport = LocalTransport(timeout)
             self._tied_groups = []
-        self._threads: _RankThreads | None = None  # the local executor's rank threads, started on first use
+        self._threads: RankThreads | None = None  # the local executor's rank threads, started on first use
         self._tracer: Trace | None = None  # set inside `with self.trace():`
         streams = {}
         for s in local:
@@ -380,11 +314,11 @@ class Pipeline:
         self.prog.defer_tied_gradients(True)
         errors: list[BaseException] = []
         transport: LocalTransport = self.transport
-        autocast = _autocast_state()  # thread-local in torch: carry the caller's into the rank threads
+        autocast = autocast_state()  # thread-local in torch: carry the caller's into the rank threads
 
         def work(rank_actions: Any) -> None:
             try:
-                with _autocast(autocast):
+                with autocast_scope(autocast):
                     for a in rank_actions:
                         if transport.failed is not None:  # another rank failed (or the caller was interrupted)
                             raise Aborted()
@@ -400,7 +334,7 @@ class Pipeline:
                 transport.abort(e)
 
         if self._threads is None:
-            self._threads = _RankThreads(len(actions))
+            self._threads = RankThreads(len(actions))
         try:
             try:
                 self._threads.run([lambda acts=acts: work(acts) for acts in actions])
