@@ -37,14 +37,22 @@ def stream_seed(step_seed: int, stage: int, microbatch: int) -> int:
 
 
 class _Stream:
-    """Generator states of one stream: CPU always, plus the stage's CUDA device when it has one."""
+    """Generator states of one stream: CPU always, plus the stage's CUDA device when it has one
+    (made on the first random op, so a stage without any pays nothing)."""
 
     def __init__(self, seed: int, device: torch.device):
-        self.states: dict[Any, torch.Tensor] = {}
-        for key in _keys(device):
-            g = torch.Generator(device="cpu" if key == "cpu" else f"cuda:{key}")
-            g.manual_seed(seed)
-            self.states[key] = g.get_state()
+        self.seed, self.device = seed, device
+        self._states: dict[Any, torch.Tensor] | None = None
+
+    @property
+    def states(self) -> dict[Any, torch.Tensor]:
+        if self._states is None:
+            self._states = {}
+            for key in _keys(self.device):
+                g = torch.Generator(device="cpu" if key == "cpu" else f"cuda:{key}")
+                g.manual_seed(self.seed)
+                self._states[key] = g.get_state()
+        return self._states
 
 
 def _keys(device: torch.device) -> list[Any]:
