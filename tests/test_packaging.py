@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import site
 import subprocess
 import sys
 import zipfile
@@ -53,6 +54,14 @@ def _run(args: list[str], cwd: Path, timeout: int = 300) -> subprocess.Completed
     return subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
+def _outer_site_dirs() -> list[str]:
+    """The running interpreter's site-packages (and user site, when enabled), in order."""
+    dirs = list(site.getsitepackages())
+    if site.ENABLE_USER_SITE:
+        dirs.append(site.getusersitepackages())
+    return [d for d in dict.fromkeys(dirs) if os.path.isdir(d)]
+
+
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp("wheel")
@@ -68,10 +77,19 @@ def wheel(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def venv(wheel, tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("venv") / "env"
-    # --system-site-packages: torch comes from the outer environment; pip too (hence --without-pip)
-    done = _run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(root)], root.parent)
+    # Not --system-site-packages: that exposes the *base* interpreter's site-packages, not
+    # those of a virtualenv pytest may be running in. Instead a .pth file lists the running
+    # interpreter's own site-packages, so torch and pip (hence --without-pip) come from
+    # whatever environment the tests run in, behind the venv's own site-packages. Plain path
+    # lines: the outer .pth files (an editable pipesplit's among them) are not run.
+    done = _run([sys.executable, "-m", "venv", "--without-pip", str(root)], root.parent)
     assert done.returncode == 0, done.stderr
     python = root / "bin" / "python"
+    done = _run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"], root.parent)
+    assert done.returncode == 0, done.stderr
+    own_site = Path(done.stdout.strip())
+    assert root.resolve() in own_site.resolve().parents, own_site
+    (own_site / "_outer_env.pth").write_text("".join(f"{d}\n" for d in _outer_site_dirs()))
     done = _run([str(python), "-m", "pip", "install", "--no-deps", "-q", str(wheel)], root.parent)
     assert done.returncode == 0, done.stdout + done.stderr
     return root
