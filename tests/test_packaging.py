@@ -157,3 +157,43 @@ def test_top_level_passes_is_refused_in_a_checkout():
     done = _run([sys.executable, "-c", "import passes"], REPO)
     assert done.returncode != 0
     assert "ImportError: import this package as `pipesplit.passes`" in done.stderr, done.stderr
+
+
+# ------------------------------------------------------------------ CI = the README
+
+
+def _readme_test_command() -> str:
+    """The one command in the fenced block under the README's "Run the tests:"."""
+    lines = (REPO / "README.md").read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.strip() == "Run the tests:")
+    fence = next(i for i in range(start + 1, len(lines)) if lines[i].startswith("```"))
+    end = next(i for i in range(fence + 1, len(lines)) if lines[i].startswith("```"))
+    body = [line for line in lines[fence + 1:end] if line.strip()]
+    assert len(body) == 1, f"the README's test block should hold one command line, not {body}"
+    return body[0].strip()
+
+
+def test_ci_runs_the_readme_test_command_in_a_fresh_virtualenv():
+    command = _readme_test_command()
+    assert "pytest" in command
+    script = (REPO / ".ci" / "run").read_text().splitlines()
+    code = [line.strip() for line in script if line.strip() and not line.strip().startswith("#")]
+    assert "set -euo pipefail" in code
+    assert command in code, f".ci/run must run the README's test command exactly:\n{command}"
+    assert code[-1] == command, ".ci/run should end with the README's test command, so its status is CI's"
+    venv = next((i for i, line in enumerate(code) if line.startswith("python3 -m venv ")), None)
+    assert venv is not None, ".ci/run must make a virtualenv"
+    target = code[venv].split()[-1]  # a path or "$VAR"
+    assert any(line.startswith("rm -rf ") and target in line for line in code[:venv]), \
+        ".ci/run must remove the virtualenv before making it, so each run starts from nothing"
+    activate = next(i for i, line in enumerate(code) if line.startswith(". ") and target.strip('"') in line)
+    assert code[activate].endswith('/bin/activate"') or code[activate].endswith("/bin/activate")
+    assert venv < activate < code.index(command), "the test command must run inside the new virtualenv"
+
+
+def test_test_dependencies_are_bounded_and_torch_is_not_pinned():
+    project = _pyproject()["project"]
+    for spec in project["optional-dependencies"]["test"]:
+        assert ">=" in spec and "<" in spec.replace("<=", "<"), f"{spec}: give the test dependency a range"
+    (torch_spec,) = [d for d in project["dependencies"] if d.startswith("torch")]
+    assert torch_spec.startswith("torch>=") and not any(op in torch_spec for op in ("==", "<", "~=")), torch_spec
