@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any, Iterable, Mapping
 
 import torch
+import torch.utils._pytree as pytree
 
 # Relative-norm tolerances by dtype: a few ulps of accumulated rounding over a model.
 RTOL = {
@@ -71,3 +72,12 @@ def assert_grads_close(
             continue
         assert held[name].grad is not None, f"no gradient for {name}"
         assert_close(held[name].grad, p.grad, name=f"gradient of {name}", rtol=rtol, scale=floor)
+
+
+def assert_tree_close(actual: Any, expected: Any, *, name: str = "outputs", rtol: float | None = None) -> None:
+    """The same pytree structure, and every leaf close (tensors) or equal (anything else)."""
+    got, got_spec = pytree.tree_flatten(actual)
+    want, want_spec = pytree.tree_flatten(expected)
+    assert got_spec == want_spec, f"{name}: structure {got_spec} != {want_spec}"
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert_close(g, w, name=f"{name}[{i}]" if len(want) > 1 else name, rtol=rtol)

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import pipesplit  # noqa: E402
+from tests.close import assert_close  # noqa: E402
 from tests.zoo import CASE_BY_NAME  # noqa: E402
 
 
@@ -76,15 +77,15 @@ def check(model, case, schedule, args, rank, world) -> None:
         loss = pipe.step(*bargs, target=target, **bkwargs)
         want = loss_fn(ref(*bargs, **bkwargs), target)
         want.backward()
-        torch.testing.assert_close(loss.float(), want.detach(), rtol=1e-5, atol=1e-6)
+        assert_close(loss.float(), want.detach(), name=f"rank {rank} step {step}: loss")
         ref_params = dict(ref.named_parameters())
         for name, p in held.items():
-            torch.testing.assert_close(p.grad, ref_params[name].grad, rtol=1e-4, atol=1e-6,
-                                       msg=f"rank {rank} step {step}: gradient of {name}")
+            assert p.grad is not None, f"rank {rank} step {step}: no gradient for {name}"
+            assert_close(p.grad, ref_params[name].grad, name=f"rank {rank} step {step}: gradient of {name}")
         opt.step(), opt_ref.step()
         opt.zero_grad(), opt_ref.zero_grad()
         for name, p in held.items():
-            torch.testing.assert_close(p, ref_params[name], rtol=1e-5, atol=1e-6, msg=f"{name} after step {step}")
+            assert_close(p, ref_params[name], name=f"rank {rank}: {name} after step {step}")
     print(f"rank {rank}/{world}: {len(held)} parameters match over {args.steps} steps ({schedule})", flush=True)
 
 

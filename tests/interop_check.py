@@ -14,6 +14,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import pipesplit  # noqa: E402
 from pipesplit.interop import to_pipeline_stage  # noqa: E402
+from tests.close import assert_close  # noqa: E402
 from tests.zoo import CASE_BY_NAME  # noqa: E402
 
 
@@ -44,12 +45,13 @@ def main() -> int:
         want = (ref(*args, **kwargs) * target).sum()
         want.backward()
         if rank == world - 1:
-            torch.testing.assert_close(sum(losses), want.detach(), rtol=1e-5, atol=1e-4)
+            assert_close(sum(losses), want.detach(), name=f"loss under torch {schedule_cls.__name__}")
         ref_params = dict(ref.named_parameters())
         names = {id(t): prog.state_entry(i).name for i, t in prog.stage_entries[rank].items()}
         checked = 0
         for p in stage.submod.parameters():
-            torch.testing.assert_close(p.grad, ref_params[names[id(p)]].grad, rtol=1e-4, atol=1e-5)
+            assert p.grad is not None, f"rank {rank}: no gradient for {names[id(p)]}"
+            assert_close(p.grad, ref_params[names[id(p)]].grad, name=f"rank {rank}: gradient of {names[id(p)]}")
             checked += 1
         print(f"rank {rank}: {checked} gradients match under torch {schedule_cls.__name__}", flush=True)
     dist.destroy_process_group()

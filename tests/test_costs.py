@@ -26,6 +26,7 @@ import pipesplit
 from pipesplit.capture import capture
 from pipesplit.meta import NodeCost, node_cost
 from pipesplit.passes.costs import annotate_costs, unknown_ops
+from tests.close import assert_close
 from tests.zoo import CASE_BY_NAME
 
 COMPUTE = ("call_function", "call_module", "call_method")
@@ -506,10 +507,10 @@ def test_profile_times_every_node_and_keeps_batchnorm_stats():
     # and the program still updates the stats like the model does
     ref = copy.deepcopy(model)
     batch = torch.randn(5, 3, 8, 8)
-    torch.testing.assert_close(prog(batch), ref(batch))
+    assert_close(prog(batch), ref(batch), name="output")
     state = prog.state_dict()
     for key, value in ref.state_dict().items():
-        torch.testing.assert_close(state[key], value, rtol=0, atol=1e-6)
+        assert_close(state[key], value, name=key)
 
 
 # ------------------------------------------------------------------------- cost specs

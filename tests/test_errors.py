@@ -14,6 +14,7 @@ from torch import nn
 
 import pipesplit
 from pipesplit.models import gpt
+from tests.close import assert_close
 from tests.test_exact import check_exact
 
 
@@ -198,7 +199,7 @@ def test_call_with_a_wrong_tensor(two, x, words):
         assert word in str(info.value)
     y = torch.randn(3, 8)
     good = torch.randn(3, 8)
-    torch.testing.assert_close(prog(good, y), model(good, y))  # a failed call leaves the program usable
+    assert_close(prog(good, y), model(good, y), name="output")  # a failed call leaves the program usable
 
 
 def test_non_tensor_for_a_tensor_input(two):
@@ -220,7 +221,7 @@ def test_model_that_pins_the_batch():
     assert [i.shape for i in prog.inputs] == [(4, 8)]
     assert prog.boundaries and all(None not in b.shape for b in prog.boundaries), prog.boundaries
     x = torch.randn(4, 8)
-    torch.testing.assert_close(prog(x), model(x))
+    assert_close(prog(x), model(x), name="output")
     with pytest.raises(pipesplit.InputError) as info:
         prog(torch.randn(3, 8))
     msg = str(info.value)
@@ -233,7 +234,7 @@ def test_example_batch_of_one_pins_and_says_so():
     prog = pipesplit.compile(model, torch.randn(1, 4), num_stages=2)
     assert any("batch of 2 or more" in note for note in prog.notes), prog.notes
     x = torch.randn(1, 4)
-    torch.testing.assert_close(prog(x), model(x))
+    assert_close(prog(x), model(x), name="output")
     with pytest.raises(pipesplit.InputError, match=r"batch of 2 or more"):
         prog(torch.randn(2, 4))
 
@@ -310,7 +311,7 @@ def test_load_state_dict_follows_a_changed_model(devices):
     model = _small_gpt()
     prog = pipesplit.compile(model, torch.randint(0, 32, (2, 8)), num_stages=2, devices=devices)
     idx = torch.randint(0, 32, (3, 8))
-    torch.testing.assert_close(prog(idx), model(idx))
+    assert_close(prog(idx), model(idx), name="output")
     _perturb(model)
     assert not torch.allclose(prog(idx), model(idx)), "the program must hold its own copy of the weights"
     prog.load_state_dict(model.state_dict())

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import site
 import subprocess
 import sys
 import zipfile
@@ -53,6 +54,14 @@ def _run(args: list[str], cwd: Path, timeout: int = 300) -> subprocess.Completed
     return subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
+def _outer_site_dirs() -> list[str]:
+    """The running interpreter's site-packages (and user site, when enabled), in order."""
+    dirs = list(site.getsitepackages())
+    if site.ENABLE_USER_SITE:
+        dirs.append(site.getusersitepackages())
+    return [d for d in dict.fromkeys(dirs) if os.path.isdir(d)]
+
+
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp("wheel")
@@ -68,10 +77,19 @@ def wheel(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def venv(wheel, tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("venv") / "env"
-    # --system-site-packages: torch comes from the outer environment; pip too (hence --without-pip)
-    done = _run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(root)], root.parent)
+    # Not --system-site-packages: that exposes the *base* interpreter's site-packages, not
+    # those of a virtualenv pytest may be running in. Instead a .pth file lists the running
+    # interpreter's own site-packages, so torch and pip (hence --without-pip) come from
+    # whatever environment the tests run in, behind the venv's own site-packages. Plain path
+    # lines: the outer .pth files (an editable pipesplit's among them) are not run.
+    done = _run([sys.executable, "-m", "venv", "--without-pip", str(root)], root.parent)
     assert done.returncode == 0, done.stderr
     python = root / "bin" / "python"
+    done = _run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"], root.parent)
+    assert done.returncode == 0, done.stderr
+    own_site = Path(done.stdout.strip())
+    assert root.resolve() in own_site.resolve().parents, own_site
+    (own_site / "_outer_env.pth").write_text("".join(f"{d}\n" for d in _outer_site_dirs()))
     done = _run([str(python), "-m", "pip", "install", "--no-deps", "-q", str(wheel)], root.parent)
     assert done.returncode == 0, done.stdout + done.stderr
     return root
@@ -139,3 +157,43 @@ def test_top_level_passes_is_refused_in_a_checkout():
     done = _run([sys.executable, "-c", "import passes"], REPO)
     assert done.returncode != 0
     assert "ImportError: import this package as `pipesplit.passes`" in done.stderr, done.stderr
+
+
+# ------------------------------------------------------------------ CI = the README
+
+
+def _readme_test_command() -> str:
+    """The one command in the fenced block under the README's "Run the tests:"."""
+    lines = (REPO / "README.md").read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.strip() == "Run the tests:")
+    fence = next(i for i in range(start + 1, len(lines)) if lines[i].startswith("```"))
+    end = next(i for i in range(fence + 1, len(lines)) if lines[i].startswith("```"))
+    body = [line for line in lines[fence + 1:end] if line.strip()]
+    assert len(body) == 1, f"the README's test block should hold one command line, not {body}"
+    return body[0].strip()
+
+
+def test_ci_runs_the_readme_test_command_in_a_fresh_virtualenv():
+    command = _readme_test_command()
+    assert "pytest" in command
+    script = (REPO / ".ci" / "run").read_text().splitlines()
+    code = [line.strip() for line in script if line.strip() and not line.strip().startswith("#")]
+    assert "set -euo pipefail" in code
+    assert command in code, f".ci/run must run the README's test command exactly:\n{command}"
+    assert code[-1] == command, ".ci/run should end with the README's test command, so its status is CI's"
+    venv = next((i for i, line in enumerate(code) if line.startswith("python3 -m venv ")), None)
+    assert venv is not None, ".ci/run must make a virtualenv"
+    target = code[venv].split()[-1]  # a path or "$VAR"
+    assert any(line.startswith("rm -rf ") and target in line for line in code[:venv]), \
+        ".ci/run must remove the virtualenv before making it, so each run starts from nothing"
+    activate = next(i for i, line in enumerate(code) if line.startswith(". ") and target.strip('"') in line)
+    assert code[activate].endswith('/bin/activate"') or code[activate].endswith("/bin/activate")
+    assert venv < activate < code.index(command), "the test command must run inside the new virtualenv"
+
+
+def test_test_dependencies_are_bounded_and_torch_is_not_pinned():
+    project = _pyproject()["project"]
+    for spec in project["optional-dependencies"]["test"]:
+        assert ">=" in spec and "<" in spec.replace("<=", "<"), f"{spec}: give the test dependency a range"
+    (torch_spec,) = [d for d in project["dependencies"] if d.startswith("torch")]
+    assert torch_spec.startswith("torch>=") and not any(op in torch_spec for op in ("==", "<", "~=")), torch_spec

@@ -19,6 +19,7 @@ from pipesplit.passes.planner import cost_function, plan_partition
 from pipesplit.passes.recompute import recomputable
 from pipesplit.passes.step_planner import TIE, figures_for, node_seconds
 from pipesplit.schedules import get_schedule
+from tests.close import assert_close, assert_grads_close
 from tests.test_exact import check_exact
 from tests.zoo import CASE_BY_NAME
 
@@ -195,10 +196,9 @@ def test_a_plan_made_for_checkpointing_runs_checkpointed_and_exactly(wide):
     loss = pipe.step(xb, target=y)
     want = loss_fn(model(xb), y)
     want.backward()
-    torch.testing.assert_close(loss, want.detach(), rtol=1e-5, atol=1e-6)
-    got = dict(prog.named_parameters())
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(got[name].grad, p.grad, rtol=1e-5, atol=1e-6, msg=name)
+    assert_close(loss, want.detach(), name="loss")
+    assert all(p.grad is not None for p in model.parameters())
+    assert_grads_close(prog.named_parameters(), model)
     model.zero_grad(set_to_none=True)
 
 
@@ -442,7 +442,7 @@ def test_late_order_keeps_an_early_branch_off_the_cuts(sched):
     loss_fn = lambda out, y: torch.nn.functional.mse_loss(out, y)  # noqa: E731
     pipe = pipesplit.Pipeline(auto, "1f1b", n_microbatches=4, loss_fn=loss_fn)
     xb, y = torch.randn(16, 64), torch.randn(16, 64)
-    torch.testing.assert_close(pipe.step(xb, target=y), loss_fn(model(xb), y).detach(), rtol=1e-5, atol=1e-6)
+    assert_close(pipe.step(xb, target=y), loss_fn(model(xb), y).detach(), name="loss")
 
 
 @pytest.mark.parametrize("sched", [None, "1f1b"])

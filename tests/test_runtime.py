@@ -12,6 +12,7 @@ import torch.utils._pytree as pytree
 
 import pipesplit
 from pipesplit.schedules import Schedule, list_schedules
+from tests.close import assert_close, assert_grads_close, assert_tree_close
 from tests.zoo import CASE_BY_NAME
 
 SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zb_h1", "zb_v"]
@@ -39,14 +40,8 @@ def reference(model, args, kwargs, target):
 
 
 def assert_grads(pipe, ref):
-    held = dict(pipe.named_parameters())
-    ref_params = dict(ref.named_parameters())
-    assert held.keys() == ref_params.keys()
-    for name, p in ref_params.items():
-        if p.grad is None:
-            continue
-        assert held[name].grad is not None, f"no gradient for {name}"
-        torch.testing.assert_close(held[name].grad, p.grad, rtol=1e-4, atol=1e-5, msg=f"gradient of {name}")
+    assert any(p.grad is not None for p in ref.parameters())
+    assert_grads_close(pipe.named_parameters(), ref)
 
 
 def test_all_builtin_schedules_are_covered():
@@ -67,12 +62,20 @@ def test_schedule_matches_full_batch(schedule, model_name):
     target = make_target(model(*args, **kwargs))
     ref, want = reference(model, args, kwargs, target)
     loss = pipe.step(*args, target=target, **kwargs)
-    torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-4)
+    assert_close(loss, want, name="loss")
     assert_grads(pipe, ref)
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zb_h1", "interleaved_1f1b"])
 def test_several_optimizer_steps_stay_equal(schedule):
+    """After each AdamW step the pipeline still computes the model's loss and gradients.
+
+    The reference takes the pipeline's parameters before each step instead of following
+    its own trajectory: AdamW moves a weight by lr * g / (sqrt(v) + eps), so where g is
+    ~1e-9 (near eps) the float32 rounding of a 1e-3-scale gradient (~1e-11) moves it by
+    lr * dg / eps ~ 1e-5. Two runs that only sum in another order part that far after one
+    step, split or not; what must stay exact is the function at the parameters held.
+    """
     torch.manual_seed(0)
     model = CASE_BY_NAME["gpt_tied"].build()
     idx = torch.randint(0, 64, (2, 16))
@@ -83,21 +86,30 @@ def test_several_optimizer_steps_stay_equal(schedule):
 
     pipe = pipesplit.Pipeline(prog, schedule, n_microbatches=4, loss_fn=ce, n_ranks=2 if schedule in MULTI else None)
     ref = copy.deepcopy(model)
+    held = dict(pipe.named_parameters())
     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
-    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    losses = []
+
+    def take_the_pipelines_parameters():
+        with torch.no_grad():
+            for name, p in ref.named_parameters():
+                p.copy_(held[name])
+
     for step in range(3):
+        take_the_pipelines_parameters()
         x, y = torch.randint(0, 64, (8, 16)), torch.randint(0, 64, (8, 16))
         loss = pipe.step(x, target=y)
         want = ce(ref(x), y)
         want.backward()
-        torch.testing.assert_close(loss, want.detach(), rtol=1e-5, atol=1e-5)
+        assert_close(loss, want.detach(), name=f"loss of step {step}")
         assert_grads(pipe, ref)
-        opt.step(), opt_ref.step()
-        pipe.zero_grad(), opt_ref.zero_grad()
-        losses.append(float(loss))
+        before = {name: p.detach().clone() for name, p in held.items()}
+        opt.step()
+        pipe.zero_grad(), ref.zero_grad()
+        still = [name for name, p in held.items() if torch.equal(p, before[name])]
+        assert not still, f"the optimizer step {step} did not move {still}"
+    take_the_pipelines_parameters()
     x = torch.randint(0, 64, (8, 16))
-    torch.testing.assert_close(pipe.eval(x), ref(x), rtol=1e-4, atol=1e-5)
+    assert_close(pipe.eval(x), ref(x), name="eval output after three AdamW steps")
 
 
 def test_gradient_accumulation_across_steps():
@@ -131,7 +143,7 @@ def test_batchnorm_stats_follow_the_microbatches():
     assert_grads(pipe, ref)
     state = prog.state_dict()
     for name, buf in ref.state_dict().items():
-        torch.testing.assert_close(state[name], buf, rtol=1e-5, atol=1e-6, msg=name)
+        assert_close(state[name], buf, name=name)
 
 
 def test_eval_merges_outputs_like_the_model():
@@ -142,10 +154,7 @@ def test_eval_merges_outputs_like_the_model():
     pipe = pipesplit.Pipeline(prog, "1f1b", n_microbatches=4)
     (x,), _ = case.inputs(8)
     got, want = pipe.eval(x), model(x)
-    assert pytree.tree_structure(got) == pytree.tree_structure(want)
-    for g, w in zip(pytree.tree_leaves(got), pytree.tree_leaves(want)):
-        if isinstance(w, torch.Tensor):
-            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    assert_tree_close(got, want, name="eval outputs")
 
 
 def test_activation_checkpointing_keeps_gradients():
@@ -156,7 +165,7 @@ def test_activation_checkpointing_keeps_gradients():
     x = torch.randint(0, 64, (4, 16))
     t = torch.randn(4, 16, 64)
     ref, want = reference(model, (x,), {}, t)
-    torch.testing.assert_close(pipe.step(x, target=t), want, rtol=1e-5, atol=1e-4)
+    assert_close(pipe.step(x, target=t), want, name="loss")
     assert_grads(pipe, ref)
 
 
@@ -257,8 +266,8 @@ def test_batch_dimension_is_configurable():
     pipe = pipesplit.Pipeline(prog, "1f1b", n_microbatches=2, loss_fn=dot_loss, loss_reduction="sum")
     x, t = torch.randn(5, 6, 8), torch.randn(5, 6, 3)
     ref, want = reference(model, (x,), {}, t)
-    torch.testing.assert_close(pipe.step(x, target=t), want, rtol=1e-5, atol=1e-5)
+    assert_close(pipe.step(x, target=t), want, name="loss")
     assert_grads(pipe, ref)
-    torch.testing.assert_close(pipe.eval(x), model(x), rtol=1e-5, atol=1e-6)
+    assert_close(pipe.eval(x), model(x), name="eval output")
     with pytest.raises(pipesplit.PipesplitError, match="batch_dim=0"):
         pipesplit.Pipeline(prog, "1f1b", n_microbatches=2, loss_fn=dot_loss, batch_dim=0)
