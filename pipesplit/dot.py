@@ -12,7 +12,7 @@ import torch.fx as fx
 from pipesplit.errors import PipesplitError
 from pipesplit.meta import node_cost
 from pipesplit.passes.flops import op_name
-from pipesplit.report import human_bytes, human_count
+from pipesplit.report import format_cost, human_bytes, human_count
 
 if TYPE_CHECKING:
     from pipesplit.program import SplitProgram
@@ -78,7 +78,7 @@ def build_dot(
         s = stage.index
         shade = _SHADES[min(int(costs[s] / top * (len(_SHADES) - 1) + 0.5), len(_SHADES) - 1)]
         with dot.subgraph(name=f"cluster_{s}") as sub:
-            what = f"{costs[s] * 1e3:.3g} ms" if stage_times is not None else f"cost {human_count(costs[s])}"
+            what = f"{costs[s] * 1e3:.3g} ms" if stage_times is not None else f"cost {format_cost(costs[s], prog.plan.cost_name)}"
             sub.attr(label=f"stage {s} · {stage.device} · {what}", style="filled", fillcolor=shade)
             graph = stage.module.graph
             members: dict[str, list[fx.Node]] = {}
