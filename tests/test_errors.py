@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import logging
 import os
 import re
 from contextlib import contextmanager
@@ -95,6 +96,31 @@ def test_data_dependent_branch_names_the_user_line():
     assert "h.sum() > 0" in msg
     assert "torch.cond" in msg and "torch.where" in msg
     assert isinstance(info.value, pipesplit.PipesplitError)
+
+
+def test_a_capture_failure_shows_only_pipesplits_message(capfd, caplog):
+    # torch's loggers do not propagate and write through their own handlers: listen on each
+    watched = [logging.getLogger(name) for name in
+               ("torch", "torch._dynamo", "torch.export", "torch._export", "torch.fx.experimental.symbolic_shapes")]
+    levels = [logger.level for logger in watched]
+    for logger in watched:
+        logger.addHandler(caplog.handler)
+    try:
+        with pytest.raises(pipesplit.CaptureError) as info:
+            pipesplit.compile(Branchy(), torch.randn(2, 4), num_stages=2)
+        out, err = capfd.readouterr()
+        assert "def forward" not in out + err, "torch printed the partial graph"
+        assert out + err == "", out + err
+        shown = [(r.name, r.getMessage()) for r in caplog.records if r.levelno >= logging.WARNING]
+        assert shown == [], "torch logged while pipesplit raised its own error"
+        assert [logger.level for logger in watched] == levels, "logger levels must be restored"
+        logging.getLogger("torch.fx.experimental.symbolic_shapes").warning("after")  # torch logs again afterwards
+        assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == ["after"]
+    finally:
+        for logger in watched:
+            logger.removeHandler(caplog.handler)
+    cause = info.value.__cause__  # torch's whole account stays reachable
+    assert cause is not None and "data-dependent" in str(cause) and "def forward" in cause.partial_fx_graph
 
 
 def test_non_module_is_refused():
