@@ -46,7 +46,7 @@ def _timed(name: str, timings: dict[str, float]) -> Iterator[None]:
     start = time.perf_counter()
     yield
     timings[name] = time.perf_counter() - start
-    log.debug("pipesplit: %s took %.3fs", name, timings[name])
+    log.info("pipesplit: %s took %.3fs", name, timings[name])  # progress on long compiles (the CLI shows it)
 
 
 def _default_device(model: nn.Module) -> str:
