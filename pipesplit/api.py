@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import numbers
 import os
 import time
 from contextlib import contextmanager
@@ -55,6 +56,43 @@ def _default_device(model: nn.Module) -> str:
     for t in model.buffers():
         return str(t.device)
     return "cpu"
+
+
+def _check_num_stages(num_stages: Any) -> None:
+    if num_stages is None:
+        return
+    if isinstance(num_stages, bool) or not isinstance(num_stages, numbers.Integral):
+        raise PlanError(
+            f"num_stages must be a whole number of stages, got {num_stages!r} ({type(num_stages).__name__}); "
+            "pass an int, e.g. num_stages=2."
+        )
+    if num_stages < 1:
+        raise PlanError(f"num_stages must be at least 1, got {num_stages}.")
+
+
+def _check_devices_exist(devices: Any, num_stages: int | None) -> None:
+    """Every device parses and exists on this machine (before the slow export, not at placement)."""
+    if devices is None:
+        return
+    n = num_stages if num_stages is not None else "n"
+    if isinstance(devices, (str, torch.device)):
+        raise PlanError(f"devices takes one device per stage, got the single device {str(devices)!r}; "
+                        f"pass a list, e.g. devices=[{str(devices)!r}] * {n}.")
+    for s, d in enumerate(devices):
+        try:
+            dev = torch.device(d)
+        except (RuntimeError, TypeError) as e:
+            raise PlanError(f"devices[{s}]={d!r} is not a device ({e}); use names like 'cpu' or 'cuda:0'.") from None
+        module = getattr(torch, dev.type, None)
+        if dev.type == "cpu" or not hasattr(module, "device_count"):
+            continue
+        count = module.device_count()
+        if (dev.index or 0) >= count:
+            have = ["cpu"] + [f"{dev.type}:{i}" for i in range(count)]
+            raise PlanError(
+                f"devices[{s}]={str(dev)!r} is not available: this machine has {count} {dev.type} device(s) "
+                f"(available: {', '.join(have)}). Use one of those, e.g. devices=['cpu'] * {n}."
+            )
 
 
 def compile(
@@ -133,8 +171,8 @@ def compile(
     >>> torch.allclose(prog(x), model(x))
     True
     """
-    if num_stages is not None and num_stages < 1:  # fail before the (slow) export
-        raise PlanError(f"num_stages must be at least 1, got {num_stages}.")
+    _check_num_stages(num_stages)  # fail before the (slow) export
+    _check_devices_exist(devices, num_stages)
     if refine < 0 or (refine and not (isinstance(cost, str) and cost in ("profile", "hybrid"))):
         raise PlanError(
             f"refine={refine!r}: refining corrects profiled times with measured ones, so it needs a number of rounds "

@@ -175,6 +175,42 @@ def test_devices_of_the_wrong_length():
         pipesplit.compile(model, (torch.randn(2, 8), torch.randn(2, 8)), num_stages=2, devices=["cpu"])
 
 
+@pytest.fixture
+def no_export(monkeypatch):
+    """These mistakes must be caught before the (slow) export."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("torch.export ran before the argument check")
+    monkeypatch.setattr(torch.export, "export", refuse)
+
+
+@pytest.mark.parametrize("k", [2.5, "2", True, 2.0])
+def test_num_stages_that_is_not_a_whole_number(no_export, k):
+    with pytest.raises(pipesplit.PlanError, match=r"num_stages must be a whole number of stages, got .*num_stages=2"):
+        pipesplit.compile(TwoInputs(), (torch.randn(2, 8), torch.randn(2, 8)), num_stages=k)
+
+
+@pytest.mark.parametrize("count", [0, 1])
+def test_a_device_this_machine_does_not_have(no_export, monkeypatch, count):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    wanted = f"cuda:{count}"
+    with pytest.raises(pipesplit.PlanError) as info:
+        pipesplit.compile(TwoInputs(), (torch.randn(2, 8), torch.randn(2, 8)), num_stages=2, devices=["cpu", wanted])
+    msg = str(info.value)
+    assert f"devices[1]='{wanted}' is not available: this machine has {count} cuda device(s)" in msg
+    assert "available: " + ", ".join(["cpu"] + [f"cuda:{i}" for i in range(count)]) + ")" in msg
+    assert "devices=['cpu'] * 2" in msg
+
+
+@pytest.mark.parametrize("devices, says", [
+    (["gpu:0", "cpu"], "devices[0]='gpu:0' is not a device"),
+    ("cpu", "devices takes one device per stage, got the single device 'cpu'; pass a list, e.g. devices=['cpu'] * 2"),
+])
+def test_devices_that_are_not_devices(no_export, devices, says):
+    with pytest.raises(pipesplit.PlanError) as info:
+        pipesplit.compile(TwoInputs(), (torch.randn(2, 8), torch.randn(2, 8)), num_stages=2, devices=devices)
+    assert says in str(info.value)
+
+
 # -------------------------------------------------------------------- calls
 
 
