@@ -133,6 +133,22 @@ def build(depth=4, width=32):
 
 def broken():
     raise ValueError("no weights here")
+
+
+class Tokens(nn.Module):
+    """Two vocabularies: the token ids must stay below the smaller one."""
+
+    seen = []
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(300, 32)
+        self.pos = nn.Embedding(50, 32)
+
+    def forward(self, idx):
+        if not torch.compiler.is_exporting():  # the eager run that checks the shape sees the real ids
+            Tokens.seen.append(int(idx.max()))
+        return self.pos(idx) + self.emb(idx)
 '''
 
 
@@ -238,12 +254,23 @@ def _one_error_line(err: str) -> str:
     (["split", "{f}:build", "--input-shape", "8x31"], "input shape 8x31 does not fit Sequential"),
     (["bench", "{f}:build", "--input-shape", "8x32", "--microbatches", "3"], "does not split into [3]"),
     (["split", "{f}:build", "--input-shape", "8xx"], "is not a shape"),
+    (["split", "{f}:build", "--input-shape", "8x32:int64"],
+     "--input-shape 8x32:int64 is an integer input, but Sequential has no nn.Embedding to take its range from"),
 ])
 def test_bad_input_is_one_line_and_a_hint(factory_dir, capsys, args, expected):
     args = [a.replace("{f}", str(factory_dir / "mynet.py")) for a in args]
     assert main(args) != 0
     line = _one_error_line(capsys.readouterr().err)
     assert expected in line, line
+
+
+@pytest.mark.parametrize("given, high", [([], 50), (["--int-high", "7"], 7)])
+def test_token_ids_default_to_the_models_vocabulary(factory_dir, capsys, given, high):
+    assert main(["split", str(factory_dir / "mynet.py") + ":Tokens", "--input-shape", "64x16:int64", *given]) == 0
+    capsys.readouterr()
+    import mynet  # the module the CLI loaded from the file
+
+    assert mynet.Tokens.seen and max(mynet.Tokens.seen) == high - 1, mynet.Tokens.seen  # 1024 draws cover the range
 
 
 def test_a_shape_that_does_not_fit_is_quiet_in_a_subprocess(factory_dir):
