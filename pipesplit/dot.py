@@ -129,7 +129,10 @@ def build_dot(
     for b in prog.boundaries:
         head = firsts.get((b.dst, b.name)) or passed.get((b.dst, b.name))
         tail = where.get((b.src, b.name))
-        if head and tail:
+        if head and tail and b.kind != "tensor":  # a size or scalar: a few bytes, drawn lightly
+            dot.edge(tail, head, label=_edge_label(b), color="#999999", fontcolor="#777777", penwidth="1",
+                     style="dashed")
+        elif head and tail:
             dot.edge(tail, head, label=_edge_label(b), color="#d62728", fontcolor="#d62728", penwidth="2")
     dot.node("outputs", "outputs", shape="oval", fillcolor="#eeeeee")
     last = prog.stages[-1]

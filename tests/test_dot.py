@@ -94,6 +94,19 @@ def test_every_boundary_is_a_labelled_edge(small_progs, name, detail):
             assert any(f"[{shape}] {dtype}" in lab and human_bytes(b.nbytes) in lab for lab in mine), mine
 
 
+def test_sizes_sent_between_stages_are_drawn_lightly(gpt12):
+    sizes = {f"{b.name}\\n{b.kind}" for b in gpt12.boundaries if b.kind != "tensor"}
+    assert sizes == {"sym_size_int_1\\nint"}, "the GPT sends its batch size to the later stages"
+    edges = [(m.group(1), attrs) for _, _, attrs in _EDGE.findall(gpt12.to_dot())
+             if (m := re.search(r'label="((?:[^"\\]|\\.)*)"', attrs or ""))]
+    light = [attrs for label, attrs in edges if label in sizes]
+    assert len(light) == sum(b.kind != "tensor" for b in gpt12.boundaries) == 3
+    for attrs in light:
+        assert "style=dashed" in attrs and "penwidth=1" in attrs and "#d62728" not in attrs, attrs
+    heavy = [attrs for label, attrs in edges if "penwidth=2" in attrs]
+    assert len(heavy) == sum(b.kind == "tensor" for b in gpt12.boundaries)
+
+
 def test_module_view_is_compact_and_node_view_is_complete(gpt12):
     module_boxes = boxes(gpt12.to_dot(detail="module"))
     assert 12 <= len(module_boxes) <= 60, len(module_boxes)
