@@ -241,9 +241,12 @@ def refine_plan(
     from pipesplit.runtime.measure import measure_stage_costs
 
     seen: dict[tuple[tuple[str, ...], ...], tuple[float, Plan]] = {}
-    for _ in tqdm(range(rounds + 1), desc="refine", disable=not progress, leave=False):
+    bar = tqdm(total=rounds + 1, desc="refine", unit="round", disable=not progress, leave=False)
+    for _ in range(rounds + 1):
         key = tuple(map(tuple, plan.stages))
         if key in seen:  # planning again gave a split already measured: converged
+            bar.total = bar.n  # the bar ends full at the rounds measured, not short of a total never reached
+            bar.set_postfix_str("converged")
             break
         prog = SplitProgram(captured, split_graph(gm, plan.stages, devices, recompute=plan.recompute), plan, devices)
         measured = measure_stage_costs(prog, *args, repeats=3, warmup=1, reduce="min", backward="fused", **kwargs)
@@ -256,6 +259,8 @@ def refine_plan(
         seen[key] = (score, plan)
         correct_node_times(gm, plan.stages, measured)
         plan = replan()
+        bar.update()
+    bar.close()
     return min(seen.values(), key=lambda x: x[0])[1]
 
 
