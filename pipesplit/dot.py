@@ -78,7 +78,8 @@ def build_dot(
         s = stage.index
         shade = _SHADES[min(int(costs[s] / top * (len(_SHADES) - 1) + 0.5), len(_SHADES) - 1)]
         with dot.subgraph(name=f"cluster_{s}") as sub:
-            what = f"{costs[s] * 1e3:.3g} ms" if stage_times is not None else f"cost {format_cost(costs[s], prog.plan.cost_name)}"
+            cost = format_cost(costs[s], prog.plan.cost_name)
+            what = f"{costs[s] * 1e3:.3g} ms" if stage_times is not None else f"cost {cost}"
             sub.attr(label=f"stage {s} · {stage.device} · {what}", style="filled", fillcolor=shade)
             graph = stage.module.graph
             members: dict[str, list[fx.Node]] = {}

@@ -80,7 +80,8 @@ def test_repr_is_a_summary_not_the_node_lists(mlp):
     sizes = [len(s) for s in plan.stages]
     assert text.startswith(f"Plan(3 stages, nodes per stage {sizes}, bottleneck stage {plan.bottleneck_stage} (")
     assert "FLOPs, gap" in text and "cost 'flops'" in text and f"order {plan.order!r}" in text
-    assert repr(Plan([["a"], ["b", "c"]])) == "Plan(2 stages, nodes per stage [1, 2], cost 'flops', order 'program', source 'planner')"
+    assert repr(Plan([["a"], ["b", "c"]])) == (
+        "Plan(2 stages, nodes per stage [1, 2], cost 'flops', order 'program', source 'planner')")
 
 
 def test_hand_edited_plan_is_honoured(mlp, tmp_path):
