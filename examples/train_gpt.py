@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node 2 examples/train_gpt.py            # gloo on CPU
     torchrun --nproc-per-node 2 examples/train_gpt.py --cuda     # NCCL, one GPU per rank
+    torchrun --nproc-per-node 2 examples/train_gpt.py --schedule zb_v   # 2 stages per rank
 
 Every rank builds the same model and compiles the same split; each keeps only its own
 stage's parameters. The data is a learnable toy language: each sequence counts up
@@ -43,7 +44,11 @@ def main() -> None:
     vocab, seq = 64, 32
     model = gpt(layers=4, dim=64, vocab=vocab, seq=seq, heads=4)
     example = torch.randint(0, vocab, (2, seq))
-    prog = pipesplit.compile(model, example, num_stages=world, devices=[device] * world, progress=False)
+    # stages per rank come from the schedule: 1 for gpipe/1f1b/zb_h1, 2 for V-shaped zb_v; interleaved
+    # schedules take any whole number (None), two here
+    per_rank = pipesplit.schedules.schedule_info(args.schedule).constraints.stages_per_rank or 2
+    stages = per_rank * world
+    prog = pipesplit.compile(model, example, num_stages=stages, devices=[device] * stages, progress=False)
     if rank == 0:
         print(prog.report(), flush=True)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import numbers
 import os
 import time
 from contextlib import contextmanager
@@ -46,7 +47,7 @@ def _timed(name: str, timings: dict[str, float]) -> Iterator[None]:
     start = time.perf_counter()
     yield
     timings[name] = time.perf_counter() - start
-    log.debug("pipesplit: %s took %.3fs", name, timings[name])
+    log.info("pipesplit: %s took %.3fs", name, timings[name])  # progress on long compiles (the CLI shows it)
 
 
 def _default_device(model: nn.Module) -> str:
@@ -55,6 +56,43 @@ def _default_device(model: nn.Module) -> str:
     for t in model.buffers():
         return str(t.device)
     return "cpu"
+
+
+def _check_num_stages(num_stages: Any) -> None:
+    if num_stages is None:
+        return
+    if isinstance(num_stages, bool) or not isinstance(num_stages, numbers.Integral):
+        raise PlanError(
+            f"num_stages must be a whole number of stages, got {num_stages!r} ({type(num_stages).__name__}); "
+            "pass an int, e.g. num_stages=2."
+        )
+    if num_stages < 1:
+        raise PlanError(f"num_stages must be at least 1, got {num_stages}.")
+
+
+def _check_devices_exist(devices: Any, num_stages: int | None) -> None:
+    """Every device parses and exists on this machine (before the slow export, not at placement)."""
+    if devices is None:
+        return
+    n = num_stages if num_stages is not None else "n"
+    if isinstance(devices, (str, torch.device)):
+        raise PlanError(f"devices takes one device per stage, got the single device {str(devices)!r}; "
+                        f"pass a list, e.g. devices=[{str(devices)!r}] * {n}.")
+    for s, d in enumerate(devices):
+        try:
+            dev = torch.device(d)
+        except (RuntimeError, TypeError) as e:
+            raise PlanError(f"devices[{s}]={d!r} is not a device ({e}); use names like 'cpu' or 'cuda:0'.") from None
+        module = getattr(torch, dev.type, None)
+        if dev.type == "cpu" or not hasattr(module, "device_count"):
+            continue
+        count = module.device_count()
+        if (dev.index or 0) >= count:
+            have = ["cpu"] + [f"{dev.type}:{i}" for i in range(count)]
+            raise PlanError(
+                f"devices[{s}]={str(dev)!r} is not available: this machine has {count} {dev.type} device(s) "
+                f"(available: {', '.join(have)}). Use one of those, e.g. devices=['cpu'] * {n}."
+            )
 
 
 def compile(
@@ -136,8 +174,8 @@ def compile(
     >>> torch.allclose(prog(x), model(x))
     True
     """
-    if num_stages is not None and num_stages < 1:  # fail before the (slow) export
-        raise PlanError(f"num_stages must be at least 1, got {num_stages}.")
+    _check_num_stages(num_stages)  # fail before the (slow) export
+    _check_devices_exist(devices, num_stages)
     if refine < 0 or (refine and not (isinstance(cost, str) and cost in ("profile", "hybrid"))):
         raise PlanError(
             f"refine={refine!r}: refining corrects profiled times with measured ones, so it needs a number of rounds "
@@ -213,9 +251,12 @@ def refine_plan(
     from pipesplit.runtime.measure import measure_stage_costs
 
     seen: dict[tuple[tuple[str, ...], ...], tuple[float, Plan]] = {}
-    for _ in tqdm(range(rounds + 1), desc="refine", disable=not progress, leave=False):
+    bar = tqdm(total=rounds + 1, desc="refine", unit="round", disable=not progress, leave=False)
+    for _ in range(rounds + 1):
         key = tuple(map(tuple, plan.stages))
         if key in seen:  # planning again gave a split already measured: converged
+            bar.total = bar.n  # the bar ends full at the rounds measured, not short of a total never reached
+            bar.set_postfix_str("converged")
             break
         prog = SplitProgram(captured, split_graph(gm, plan.stages, devices, recompute=plan.recompute), plan, devices)
         measured = measure_stage_costs(prog, *args, repeats=3, warmup=1, reduce="min", backward="fused", **kwargs)
@@ -228,6 +269,8 @@ def refine_plan(
         seen[key] = (score, plan)
         correct_node_times(gm, plan.stages, measured)
         plan = replan()
+        bar.update()
+    bar.close()
     return min(seen.values(), key=lambda x: x[0])[1]
 
 

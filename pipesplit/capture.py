@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import operator
 import inspect
 import logging
 import os
+import sys
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Collection
+from typing import Any, Collection, Iterator
 
 import torch
 import torch.fx as fx
@@ -194,6 +197,29 @@ def _export_hint(message: str) -> str:
     return "see the torch.export message above; models must be traceable by torch.export (non-strict)."
 
 
+# torch.export logs (and prints the partial graph, twice) its own account of a failure before
+# raising; the CaptureError says what matters, and its __cause__ keeps torch's whole story.
+_NOISY_LOGGERS = (
+    "torch._dynamo", "torch.export", "torch._export", "torch.fx.experimental.symbolic_shapes",
+    "torch._subclasses.fake_tensor", "torch._functorch",
+)
+
+
+@contextlib.contextmanager
+def _quiet_export(printed: io.StringIO) -> Iterator[None]:
+    """Silence torch's export loggers and collect what it prints to stderr, for this block only."""
+    loggers = [logging.getLogger(name) for name in _NOISY_LOGGERS]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL + 1)
+    try:
+        with contextlib.redirect_stderr(printed):
+            yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+
+
 def _state_entries(model: nn.Module) -> tuple[list[StateEntry], dict[int, int]]:
     """Distinct state tensors of ``model`` by identity, with every alias name."""
     entries: list[StateEntry] = []
@@ -301,9 +327,13 @@ def capture(
             "Pass positional inputs as a tuple and keyword inputs as example_kwargs."
         ) from None
     start = time.perf_counter()
+    printed = io.StringIO()
     try:
-        ep = torch.export.export(model, args, kwargs, dynamic_shapes=dyn, strict=False)
+        with _quiet_export(printed):
+            ep = torch.export.export(model, args, kwargs, dynamic_shapes=dyn, strict=False)
     except Exception as e:  # torch.export raises many unrelated types
+        if printed.getvalue():
+            log.debug("pipesplit: torch.export printed before failing:\n%s", printed.getvalue())
         where = _user_frame(e)
         first = "\n".join(str(e).strip().splitlines()[:8])
         raise CaptureError(
@@ -312,6 +342,7 @@ def capture(
             + f"  hint: {_export_hint(str(e))}"
         ) from e
     export_seconds = time.perf_counter() - start
+    sys.stderr.write(printed.getvalue())  # what a successful export printed (the model's warnings) is the user's
     gm = ep.module(check_guards=False)
     info = gm.graph._codegen.pytree_info
     gm.graph._codegen = fx.graph.CodeGen()  # flat in, flat out; specs are kept here

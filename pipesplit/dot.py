@@ -12,7 +12,7 @@ import torch.fx as fx
 from pipesplit.errors import PipesplitError
 from pipesplit.meta import node_cost
 from pipesplit.passes.flops import op_name
-from pipesplit.report import human_bytes, human_count
+from pipesplit.report import format_cost, human_bytes, human_count
 
 if TYPE_CHECKING:
     from pipesplit.program import SplitProgram
@@ -78,7 +78,8 @@ def build_dot(
         s = stage.index
         shade = _SHADES[min(int(costs[s] / top * (len(_SHADES) - 1) + 0.5), len(_SHADES) - 1)]
         with dot.subgraph(name=f"cluster_{s}") as sub:
-            what = f"{costs[s] * 1e3:.3g} ms" if stage_times is not None else f"cost {human_count(costs[s])}"
+            cost = format_cost(costs[s], prog.plan.cost_name)
+            what = f"{costs[s] * 1e3:.3g} ms" if stage_times is not None else f"cost {cost}"
             sub.attr(label=f"stage {s} · {stage.device} · {what}", style="filled", fillcolor=shade)
             graph = stage.module.graph
             members: dict[str, list[fx.Node]] = {}
@@ -129,7 +130,10 @@ def build_dot(
     for b in prog.boundaries:
         head = firsts.get((b.dst, b.name)) or passed.get((b.dst, b.name))
         tail = where.get((b.src, b.name))
-        if head and tail:
+        if head and tail and b.kind != "tensor":  # a size or scalar: a few bytes, drawn lightly
+            dot.edge(tail, head, label=_edge_label(b), color="#999999", fontcolor="#777777", penwidth="1",
+                     style="dashed")
+        elif head and tail:
             dot.edge(tail, head, label=_edge_label(b), color="#d62728", fontcolor="#d62728", penwidth="2")
     dot.node("outputs", "outputs", shape="oval", fillcolor="#eeeeee")
     last = prog.stages[-1]

@@ -8,11 +8,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from pipesplit.errors import PlanError
+from pipesplit.report import format_cost
 
 PLAN_VERSION = 1
 
 
-@dataclass
+@dataclass(repr=False)  # the generated repr would list every node name
 class Plan:
     """A partition of a captured graph into stages.
 
@@ -58,6 +59,20 @@ class Plan:
         if self.predicted_step_s is None or not self.ideal_step_s:
             return None
         return self.predicted_step_s / self.ideal_step_s - 1.0
+
+    def __repr__(self) -> str:
+        """A summary: ``plan.stages`` lists the node names, ``plan.to_json()`` every field."""
+        parts = [f"{self.num_stages} stages", f"nodes per stage {[len(s) for s in self.stages]}"]
+        if self.stage_costs:
+            parts.append(f"bottleneck stage {self.bottleneck_stage} ({format_cost(self.bottleneck, self.cost_name)}, "
+                         f"gap {self.gap * 100:.1f}%)")
+        parts.append(f"cost {self.cost_name!r}")
+        if self.schedule is not None:
+            step = "" if self.predicted_step_s is None else f", step {self.predicted_step_s * 1e3:.3g} ms"
+            parts.append(f"schedule {self.schedule!r} x{self.n_microbatches}{step}")
+        parts.append(f"order {self.order!r}")
+        parts.append(f"source {self.source!r}")
+        return f"Plan({', '.join(parts)})"
 
     def assignment(self) -> dict[str, int]:
         """node name -> stage index."""

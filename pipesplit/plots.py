@@ -37,6 +37,11 @@ def _need_rows(rows: Sequence[Any]) -> None:
 
 def plot_timelines(predicted: "Timeline", measured: "Timeline", path: str | os.PathLike[str], label: str = "") -> str:
     """The predicted (top) and measured (bottom) Gantt charts of one configuration, in milliseconds."""
+    return _save(timelines_figure(predicted, measured, label), path)
+
+
+def timelines_figure(predicted: "Timeline", measured: "Timeline", label: str = "") -> Any:
+    """The figure of :func:`plot_timelines`: both charts on one time axis, titled with measured / predicted."""
     from pipesplit.schedules import Timeline
 
     def in_ms(t: Timeline) -> Timeline:
@@ -45,12 +50,16 @@ def plot_timelines(predicted: "Timeline", measured: "Timeline", path: str | os.P
 
     n = predicted.schedule.n_ranks
     longest = max(map(len, predicted.events), default=0)
-    fig = _figure(max(7.0, 0.12 * longest), 2 * (0.55 * n + 1.3))
-    top, bottom = fig.subplots(2, 1)
+    fig = _figure(max(7.0, 0.12 * longest), 2 * (0.55 * n + 1.3) + 0.3)
+    top, bottom = fig.subplots(2, 1, sharex=True)  # one time scale: a slow measurement must look slow
     for ax, t, what in ((top, predicted, "predicted"), (bottom, measured, "measured")):
         in_ms(t).draw(ax, xlabel="ms", title=f"{label + ': ' if label else ''}{what} step "
                       f"{t.step_time * 1e3:.3g} ms, bubble {100 * t.bubble_fraction:.0f}%")
-    return _save(fig, path)
+    top.set_xlim(0, max(predicted.step_time, measured.step_time) * 1e3 or 1.0)  # draw() fitted each to its own
+    top.tick_params(labelbottom=True)
+    ratio = f"{measured.step_time / predicted.step_time:.2f}x" if predicted.step_time > 0 else "n/a"
+    fig.suptitle(f"measured / predicted step time: {ratio}", fontsize=10)
+    return fig
 
 
 def plot_balance(rows: Sequence["BenchRow"], path: str | os.PathLike[str], max_panels: int = 24) -> str:

@@ -26,6 +26,24 @@ def human_count(n: float) -> str:
     return f"{n:.2f}P"
 
 
+def human_seconds(t: float) -> str:
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)):
+        if abs(t) >= scale:
+            return f"{t / scale:.3g} {unit}"
+    return f"{t * 1e9:.3g} ns" if t else "0 s"
+
+
+def format_cost(value: float, cost_name: str) -> str:
+    """A plan cost in its unit: seconds for profiled times, FLOPs, bytes for params; plain otherwise."""
+    if cost_name in ("profile", "hybrid"):
+        return human_seconds(value)
+    if cost_name == "flops":
+        return f"{human_count(value)} FLOPs"
+    if cost_name == "params":
+        return human_bytes(value)
+    return f"{value:.4g}"  # uniform (node counts) and custom costs, in the user's own units
+
+
 def stage_rows(prog: "SplitProgram") -> list[dict[str, object]]:
     """One dict of figures per stage (what the report prints)."""
     plan = prog.plan
@@ -66,7 +84,7 @@ def format_report(prog: "SplitProgram") -> str:
                 human_count(float(r["params"])),  # type: ignore[arg-type]
                 human_count(float(r["fwd_flops"])),  # type: ignore[arg-type]
                 human_count(float(r["bwd_flops"])),  # type: ignore[arg-type]
-                human_count(float(r["cost"])),  # type: ignore[arg-type]
+                format_cost(float(r["cost"]), plan.cost_name),  # type: ignore[arg-type]
                 "-" if r["time_s"] is None else f"{float(r['time_s']) * 1e3:.2f} ms",  # type: ignore[arg-type]
                 human_bytes(float(r["memory"])),  # type: ignore[arg-type]
                 human_bytes(float(r["sent_bytes"])),  # type: ignore[arg-type]
@@ -79,9 +97,9 @@ def format_report(prog: "SplitProgram") -> str:
     mean = total / max(len(rows), 1)
     lines.append("")
     lines.append(
-        f"bottleneck: stage {plan.bottleneck_stage} ({human_count(plan.bottleneck)}), "
+        f"bottleneck: stage {plan.bottleneck_stage} ({format_cost(plan.bottleneck, plan.cost_name)}), "
         f"balance {plan.bottleneck / mean if mean else 1.0:.3f}x the mean, "
-        f"lower bound {human_count(plan.lower_bound)}, gap {plan.gap * 100:.1f}%  [plan: {plan.source}]"
+        f"lower bound {format_cost(plan.lower_bound, plan.cost_name)}, gap {plan.gap * 100:.1f}%  [plan: {plan.source}]"
     )
     lines.append(
         f"boundaries: {len(prog.boundaries)} send/recv edges, "

@@ -189,3 +189,17 @@ def test_on_cuda_peak_memory_is_measured(model):
         assert all(m > 0 for m in r.peak_memory_bytes)
         assert all(t > 0 for t in r.measured_fwd_s + r.measured_bwd_s)
         assert 0.0 <= r.measured_bubble < 1.0
+
+
+def test_predicted_and_measured_timelines_share_one_time_axis():
+    from pipesplit.plots import timelines_figure
+    from pipesplit.schedules import get_schedule, simulate
+
+    sched = get_schedule("1f1b", n_stages=2, n_microbatches=4)
+    predicted, measured = simulate(sched, 0.001), simulate(sched, 0.005)  # measured 5x slower
+    fig = timelines_figure(predicted, measured, "2 stages")
+    top, bottom = fig.axes[:2]
+    assert top.get_shared_x_axes().joined(top, bottom)
+    assert top.get_xlim() == bottom.get_xlim() == pytest.approx((0.0, measured.step_time * 1e3))
+    assert fig.get_suptitle() == "measured / predicted step time: 5.00x"
+    assert "predicted step" in top.get_title() and "measured step" in bottom.get_title()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import re
 import shutil
 import subprocess
@@ -9,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import pipesplit
 from pipesplit.cli import main
@@ -131,6 +133,22 @@ def build(depth=4, width=32):
 
 def broken():
     raise ValueError("no weights here")
+
+
+class Tokens(nn.Module):
+    """Two vocabularies: the token ids must stay below the smaller one."""
+
+    seen = []
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(300, 32)
+        self.pos = nn.Embedding(50, 32)
+
+    def forward(self, idx):
+        if not torch.compiler.is_exporting():  # the eager run that checks the shape sees the real ids
+            Tokens.seen.append(int(idx.max()))
+        return self.pos(idx) + self.emb(idx)
 '''
 
 
@@ -236,12 +254,23 @@ def _one_error_line(err: str) -> str:
     (["split", "{f}:build", "--input-shape", "8x31"], "input shape 8x31 does not fit Sequential"),
     (["bench", "{f}:build", "--input-shape", "8x32", "--microbatches", "3"], "does not split into [3]"),
     (["split", "{f}:build", "--input-shape", "8xx"], "is not a shape"),
+    (["split", "{f}:build", "--input-shape", "8x32:int64"],
+     "--input-shape 8x32:int64 is an integer input, but Sequential has no nn.Embedding to take its range from"),
 ])
 def test_bad_input_is_one_line_and_a_hint(factory_dir, capsys, args, expected):
     args = [a.replace("{f}", str(factory_dir / "mynet.py")) for a in args]
     assert main(args) != 0
     line = _one_error_line(capsys.readouterr().err)
     assert expected in line, line
+
+
+@pytest.mark.parametrize("given, high", [([], 50), (["--int-high", "7"], 7)])
+def test_token_ids_default_to_the_models_vocabulary(factory_dir, capsys, given, high):
+    assert main(["split", str(factory_dir / "mynet.py") + ":Tokens", "--input-shape", "64x16:int64", *given]) == 0
+    capsys.readouterr()
+    import mynet  # the module the CLI loaded from the file
+
+    assert mynet.Tokens.seen and max(mynet.Tokens.seen) == high - 1, mynet.Tokens.seen  # 1024 draws cover the range
 
 
 def test_a_shape_that_does_not_fit_is_quiet_in_a_subprocess(factory_dir):
@@ -251,3 +280,59 @@ def test_a_shape_that_does_not_fit_is_quiet_in_a_subprocess(factory_dir):
     assert "mat1 and mat2 shapes cannot be multiplied (8x31 and 32x32)" in line
     assert len(done.stderr.splitlines()) <= 3, done.stderr
     assert done.stdout == ""
+
+
+# ------------------------------------------------------------------ progress and torch's noise
+BRANCHY = '''
+import torch
+from torch import nn
+
+
+class Branchy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.a(x)
+        if h.sum() > 0:  # data-dependent control flow: torch.export cannot capture it
+            return h * 2
+        return h
+'''
+
+
+def test_compile_logs_each_phase_with_its_time(caplog):
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8))
+    with caplog.at_level(logging.INFO, logger="pipesplit"):
+        pipesplit.compile(model, torch.randn(2, 8), num_stages=2, progress=False)
+    phases = re.findall(r"pipesplit: (\w+) took \d+\.\d+s", caplog.text)
+    assert phases == ["capture", "annotate", "plan", "split"], caplog.text
+    assert all(r.name.startswith("pipesplit") and r.levelno == logging.INFO for r in caplog.records)
+
+
+@pytest.mark.parametrize("quiet", [False, True])
+def test_the_cli_shows_the_compile_phases_unless_quiet(factory_dir, caplog, quiet):
+    level = logging.getLogger("pipesplit").level
+    args = ["split", str(factory_dir / "mynet.py") + ":build", "--input-shape", "8x32"] + (["--quiet"] if quiet else [])
+    with caplog.at_level(logging.INFO):  # what a user's INFO handler would get; the CLI's level decides the rest
+        assert main(args) == 0
+    phases = re.findall(r"pipesplit: (\w+) took", caplog.text)
+    assert phases == ([] if quiet else ["capture", "annotate", "plan", "split"]), caplog.text
+    assert logging.getLogger("pipesplit").level == level, "main() must leave the logger as it found it"
+
+
+def test_a_capture_failure_is_pipesplits_message_alone(tmp_path, capsys, caplog):
+    (tmp_path / "branchy.py").write_text(BRANCHY)
+    args = ["split", str(tmp_path / "branchy.py") + ":Branchy", "--input-shape", "2x4"]
+    with caplog.at_level(logging.DEBUG):
+        assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "def forward" not in err + caplog.text, "torch's partial graph leaked"
+    assert _one_error_line(err).startswith("pipesplit: error: torch.export could not capture Branchy")
+    assert "if h.sum() > 0" in err
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG):  # --debug: the traceback, and the graph torch printed
+        assert main(["--debug", *args]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback (most recent call last)" in err and "GuardOnDataDependentSymNode" in err
+    assert "def forward" in caplog.text

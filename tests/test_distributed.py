@@ -78,9 +78,10 @@ def test_torch_pipelining_runs_pipesplit_stages_exactly():
         assert matched == {"0", "1"}, result.stdout
 
 
-def test_example_training_script_lowers_the_loss():
+@pytest.mark.parametrize("schedule", ["1f1b", "zb_v"])  # zb_v: two stages per rank
+def test_example_training_script_lowers_the_loss(schedule):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           os.path.join(ROOT, "examples", "train_gpt.py"), "--steps", "16"]
+           os.path.join(ROOT, "examples", "train_gpt.py"), "--steps", "16", "--schedule", schedule]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-6000:]

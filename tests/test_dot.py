@@ -11,7 +11,7 @@ import torch
 
 import pipesplit
 from pipesplit.models import gpt
-from pipesplit.report import human_bytes
+from pipesplit.report import format_cost, human_bytes
 from tests.zoo import CASE_BY_NAME
 
 HAS_DOT = shutil.which("dot") is not None
@@ -94,6 +94,19 @@ def test_every_boundary_is_a_labelled_edge(small_progs, name, detail):
             assert any(f"[{shape}] {dtype}" in lab and human_bytes(b.nbytes) in lab for lab in mine), mine
 
 
+def test_sizes_sent_between_stages_are_drawn_lightly(gpt12):
+    sizes = {f"{b.name}\\n{b.kind}" for b in gpt12.boundaries if b.kind != "tensor"}
+    assert sizes == {"sym_size_int_1\\nint"}, "the GPT sends its batch size to the later stages"
+    edges = [(m.group(1), attrs) for _, _, attrs in _EDGE.findall(gpt12.to_dot())
+             if (m := re.search(r'label="((?:[^"\\]|\\.)*)"', attrs or ""))]
+    light = [attrs for label, attrs in edges if label in sizes]
+    assert len(light) == sum(b.kind != "tensor" for b in gpt12.boundaries) == 3
+    for attrs in light:
+        assert "style=dashed" in attrs and "penwidth=1" in attrs and "#d62728" not in attrs, attrs
+    heavy = [attrs for label, attrs in edges if "penwidth=2" in attrs]
+    assert len(heavy) == sum(b.kind == "tensor" for b in gpt12.boundaries)
+
+
 def test_module_view_is_compact_and_node_view_is_complete(gpt12):
     module_boxes = boxes(gpt12.to_dot(detail="module"))
     assert 12 <= len(module_boxes) <= 60, len(module_boxes)
@@ -148,7 +161,7 @@ def test_report(gpt12):
     assert len(marked) == 1 and int(marked[0].split()[0]) == gpt12.plan.bottleneck_stage
     summary = next(line for line in lines if line.startswith("bottleneck:"))
     assert f"stage {gpt12.plan.bottleneck_stage}" in summary
-    assert re.search(r"lower bound \S+, gap \d+\.\d%", summary), summary
+    assert re.search(r"lower bound \S+ FLOPs, gap \d+\.\d%", summary), summary
     assert f"boundaries: {len(gpt12.boundaries)} send/recv edges" in text
     nodes = [int(r.split()[3 if " *" in r else 2]) for r in rows]
     assert nodes == [len(s.nodes) for s in gpt12.stages]
@@ -158,3 +171,25 @@ def test_report_single_stage_has_no_mark():
     prog = _zoo("mlp", 1)
     rows = [line for line in prog.report().splitlines() if re.match(r"^\s*\d+( \*)?\s+cpu\s", line)]
     assert len(rows) == 1 and "*" not in rows[0]
+
+
+@pytest.mark.parametrize("name, value, text", [
+    ("profile", 0.000494, "494 µs"), ("hybrid", 0.0123, "12.3 ms"), ("profile", 2.5, "2.5 s"),
+    ("flops", 1.5e9, "1.50G FLOPs"), ("flops", 812, "812 FLOPs"), ("params", 3 * 1024 ** 2, "3.0 MiB"),
+    ("uniform", 17.0, "17"), ("my_cost", 0.25, "0.25"),
+])
+def test_costs_are_shown_in_their_units(name, value, text):
+    assert format_cost(value, name) == text
+
+
+def test_report_of_a_profiled_plan_shows_seconds_not_zero():
+    torch.manual_seed(0)
+    case = CASE_BY_NAME["mlp"]
+    args, kwargs = case.inputs(4)
+    prog = pipesplit.compile(case.build(), args, example_kwargs=kwargs, num_stages=2, cost="profile", progress=False)
+    text = prog.report()
+    rows = [line for line in text.splitlines() if re.match(r"^\s*\d+( \*)?\s+cpu\s", line)]
+    assert all(re.search(r"\d (s|ms|µs|ns)\s", r) for r in rows), text
+    summary = next(line for line in text.splitlines() if line.startswith("bottleneck:"))
+    assert re.search(r"stage \d \(\S+ (s|ms|µs|ns)\),.*lower bound \S+ (s|ms|µs|ns), gap", summary), summary
+    assert "(0)" not in summary and "lower bound 0," not in summary

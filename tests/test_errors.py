@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import logging
 import os
 import re
 from contextlib import contextmanager
@@ -98,6 +99,31 @@ def test_data_dependent_branch_names_the_user_line():
     assert isinstance(info.value, pipesplit.PipesplitError)
 
 
+def test_a_capture_failure_shows_only_pipesplits_message(capfd, caplog):
+    # torch's loggers do not propagate and write through their own handlers: listen on each
+    watched = [logging.getLogger(name) for name in
+               ("torch", "torch._dynamo", "torch.export", "torch._export", "torch.fx.experimental.symbolic_shapes")]
+    levels = [logger.level for logger in watched]
+    for logger in watched:
+        logger.addHandler(caplog.handler)
+    try:
+        with pytest.raises(pipesplit.CaptureError) as info:
+            pipesplit.compile(Branchy(), torch.randn(2, 4), num_stages=2)
+        out, err = capfd.readouterr()
+        assert "def forward" not in out + err, "torch printed the partial graph"
+        assert out + err == "", out + err
+        shown = [(r.name, r.getMessage()) for r in caplog.records if r.levelno >= logging.WARNING]
+        assert shown == [], "torch logged while pipesplit raised its own error"
+        assert [logger.level for logger in watched] == levels, "logger levels must be restored"
+        logging.getLogger("torch.fx.experimental.symbolic_shapes").warning("after")  # torch logs again afterwards
+        assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == ["after"]
+    finally:
+        for logger in watched:
+            logger.removeHandler(caplog.handler)
+    cause = info.value.__cause__  # torch's whole account stays reachable
+    assert cause is not None and "data-dependent" in str(cause) and "def forward" in cause.partial_fx_graph
+
+
 def test_non_module_is_refused():
     with pytest.raises(pipesplit.CaptureError, match=r"nn\.Module.*function"):
         pipesplit.compile(lambda x: x * 2, torch.randn(2, 4))
@@ -148,6 +174,42 @@ def test_devices_of_the_wrong_length():
     model = TwoInputs()
     with unchanged(model), pytest.raises(pipesplit.PlanError, match=r"1 device\(s\) for 2 stages"):
         pipesplit.compile(model, (torch.randn(2, 8), torch.randn(2, 8)), num_stages=2, devices=["cpu"])
+
+
+@pytest.fixture
+def no_export(monkeypatch):
+    """These mistakes must be caught before the (slow) export."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("torch.export ran before the argument check")
+    monkeypatch.setattr(torch.export, "export", refuse)
+
+
+@pytest.mark.parametrize("k", [2.5, "2", True, 2.0])
+def test_num_stages_that_is_not_a_whole_number(no_export, k):
+    with pytest.raises(pipesplit.PlanError, match=r"num_stages must be a whole number of stages, got .*num_stages=2"):
+        pipesplit.compile(TwoInputs(), (torch.randn(2, 8), torch.randn(2, 8)), num_stages=k)
+
+
+@pytest.mark.parametrize("count", [0, 1])
+def test_a_device_this_machine_does_not_have(no_export, monkeypatch, count):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    wanted = f"cuda:{count}"
+    with pytest.raises(pipesplit.PlanError) as info:
+        pipesplit.compile(TwoInputs(), (torch.randn(2, 8), torch.randn(2, 8)), num_stages=2, devices=["cpu", wanted])
+    msg = str(info.value)
+    assert f"devices[1]='{wanted}' is not available: this machine has {count} cuda device(s)" in msg
+    assert "available: " + ", ".join(["cpu"] + [f"cuda:{i}" for i in range(count)]) + ")" in msg
+    assert "devices=['cpu'] * 2" in msg
+
+
+@pytest.mark.parametrize("devices, says", [
+    (["gpu:0", "cpu"], "devices[0]='gpu:0' is not a device"),
+    ("cpu", "devices takes one device per stage, got the single device 'cpu'; pass a list, e.g. devices=['cpu'] * 2"),
+])
+def test_devices_that_are_not_devices(no_export, devices, says):
+    with pytest.raises(pipesplit.PlanError) as info:
+        pipesplit.compile(TwoInputs(), (torch.randn(2, 8), torch.randn(2, 8)), num_stages=2, devices=devices)
+    assert says in str(info.value)
 
 
 # -------------------------------------------------------------------- calls

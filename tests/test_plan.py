@@ -69,6 +69,19 @@ def test_plan_json_round_trip(mlp, tmp_path):
     assert as_object.plan.stages == prog.plan.stages
 
 
+def test_repr_is_a_summary_not_the_node_lists(mlp):
+    _, _, prog = mlp
+    plan = prog.plan
+    text = repr(plan)
+    assert str(plan) == text and len(text) < 200, text
+    assert not any(name in text for names in plan.stages for name in names), "node names in the repr"
+    sizes = [len(s) for s in plan.stages]
+    assert text.startswith(f"Plan(3 stages, nodes per stage {sizes}, bottleneck stage {plan.bottleneck_stage} (")
+    assert "FLOPs, gap" in text and "cost 'flops'" in text and f"order {plan.order!r}" in text
+    assert repr(Plan([["a"], ["b", "c"]])) == (
+        "Plan(2 stages, nodes per stage [1, 2], cost 'flops', order 'program', source 'planner')")
+
+
 def test_hand_edited_plan_is_honoured(mlp, tmp_path):
     model, x, prog = mlp
     data = json.loads(prog.plan.to_json())

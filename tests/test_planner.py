@@ -502,3 +502,41 @@ def test_refine_needs_profiled_costs_and_a_planned_split(gpt6, bad):
     model, idx, _, _ = gpt6
     with pytest.raises(PlanError, match="refine"):
         pipesplit.compile(model, idx, num_stages=2, progress=False, **bad)
+
+
+@pytest.mark.parametrize("converges", [True, False])
+def test_refine_progress_ends_at_the_rounds_it_ran(monkeypatch, converges):
+    import io
+
+    from tqdm import tqdm as real_tqdm
+
+    import pipesplit.api as api
+    from pipesplit.passes.profile import profile_nodes
+
+    shown, bars = io.StringIO(), []
+
+    def tqdm(*args, **kwargs):
+        bars.append(real_tqdm(*args, file=shown, mininterval=0, **kwargs))
+        return bars[-1]
+
+    monkeypatch.setattr(api, "tqdm", tqdm)
+    torch.manual_seed(0)
+    case = CASE_BY_NAME["mlp"]
+    (x,), _ = case.inputs(4)
+    cap = capture(case.build(), x)
+    gm = annotate_costs(cap.gm)
+    profile_nodes(gm, cap.example_flat, "cpu", repeats=1, warmup=0, progress=False)
+    names = [n.name for n in compute_nodes(gm)]
+    cuts = iter([3, 5, 7, 9, 11])  # a new split every round, or the first one again
+
+    def replan() -> Plan:
+        i = 3 if converges else next(cuts)
+        return Plan([names[:i], names[i:]], cost_name="profile")
+
+    best = api.refine_plan(gm, cap, replan(), replan, ["cpu", "cpu"], (x,), {}, rounds=3, schedule=None,
+                           comm=CommModel(), progress=True)
+    assert best.measured_s is not None
+    (bar,) = bars
+    assert bar.n == bar.total == (1 if converges else 4), (bar.n, bar.total)
+    frames = [f for f in shown.getvalue().split("\r") if f.strip()]
+    assert f"{bar.n}/{bar.n}" in frames[-1] and ("converged" in frames[-1]) == converges, frames

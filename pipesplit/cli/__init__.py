@@ -21,8 +21,12 @@ Run `pipesplit COMMAND --help` for a command's options."""
 
 
 def _debug_flag(p: argparse.ArgumentParser) -> None:
-    # also accepted after the command; SUPPRESS keeps a `--debug` given before it
+    # also accepted after the command; SUPPRESS keeps a `--debug` (or `--quiet`) given before it
     p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show full tracebacks on errors")
+    p.add_argument("--quiet", action="store_true", default=argparse.SUPPRESS, help=_QUIET)
+
+
+_QUIET = "do not log the compile phases (capture, annotate, plan, split) and their times"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="pipesplit", description="Split PyTorch models into balanced pipeline stages, run and benchmark them.",
         epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--debug", action="store_true", help="show full tracebacks on errors")
+    parser.add_argument("--quiet", action="store_true", help=_QUIET)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_demo(sub, _debug_flag)
     add_split(sub, _debug_flag)
@@ -59,6 +64,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     if not args.debug:  # torch logs failed fake-tensor ops with tracebacks before raising the error we report
         logging.getLogger("torch._subclasses.fake_tensor").setLevel(logging.CRITICAL)
+    # the compile phases as they finish (INFO); --debug adds what torch.export printed on a failed capture
+    ours = logging.getLogger("pipesplit")
+    level = ours.level
+    ours.setLevel(logging.DEBUG if args.debug else logging.WARNING if args.quiet else logging.INFO)
     try:
         return int(args.run(args))
     except KeyboardInterrupt:
@@ -67,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:
         _report(e, args.debug)
         return 2
+    finally:
+        ours.setLevel(level)
 
 
 __all__ = ["CLIError", "build_parser", "main"]

@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 import torch
 
-from pipesplit.cli.factory import CLIError, check_fits, load_model, make_inputs, parse_kwargs
+from pipesplit.cli.factory import CLIError, check_fits, default_int_high, load_model, make_inputs, parse_kwargs
 from pipesplit.passes.planner import cost_function
 
 
@@ -35,8 +35,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input-shape", action="append", required=True, metavar="SHAPE",
                    help="shape of one positional input, e.g. 8x64 or 8x64:int64 (repeat for several inputs); "
                         "the first dimension is the batch")
-    p.add_argument("--int-high", type=int, default=2, metavar="N",
-                   help="integer inputs are drawn from [0, N) (default 2; e.g. the vocabulary size)")
+    p.add_argument("--int-high", type=int, default=None, metavar="N",
+                   help="integer inputs are drawn from [0, N) (default: the smallest num_embeddings of the "
+                        "model's nn.Embedding modules, i.e. its vocabulary)")
     p.add_argument("--kwarg", action="append", default=[], metavar="KEY=VALUE",
                    help="keyword argument for the factory (repeatable), e.g. --kwarg layers=4")
     p.add_argument("--seed", type=int, default=0, help="random seed for the weights and inputs (default 0)")
@@ -47,7 +48,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
 def _model_and_inputs(args: argparse.Namespace) -> tuple[Any, tuple[torch.Tensor, ...]]:
     torch.manual_seed(args.seed)
     model = load_model(args.model, parse_kwargs(args.kwarg))
-    inputs = make_inputs(args.input_shape, args.int_high, args.seed)
+    high = default_int_high(model, args.input_shape) if args.int_high is None else args.int_high
+    inputs = make_inputs(args.input_shape, high, args.seed)
     check_fits(model, inputs, args.input_shape)
     return model, inputs
 

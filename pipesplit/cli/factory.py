@@ -135,6 +135,19 @@ def make_inputs(shapes: Sequence[str], int_high: int = 2, seed: int = 0) -> tupl
     return tuple(out)
 
 
+def default_int_high(model: nn.Module, shapes: Sequence[str]) -> int:
+    """The range of integer inputs without ``--int-high``: the smallest vocabulary of the model's embeddings."""
+    dtypes = [(text, parse_shape(text)[1]) for text in shapes]
+    ints = [text for text, dtype in dtypes if not dtype.is_floating_point and dtype is not torch.bool]
+    if not ints:
+        return 2  # unused: no integer inputs
+    sizes = [m.num_embeddings for m in model.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))]
+    if not sizes:
+        raise CLIError(f"--input-shape {ints[0]} is an integer input, but {type(model).__name__} has no nn.Embedding "
+                       "to take its range from", "give the range with --int-high N (integers are drawn from [0, N))")
+    return min(sizes)
+
+
 def check_fits(model: nn.Module, inputs: tuple[Any, ...], shapes: Sequence[str]) -> None:
     """Run the model once eagerly, so a shape that does not fit fails with the model's own message."""
     try:
