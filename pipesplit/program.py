@@ -299,6 +299,24 @@ class SplitProgram:
             if owner is not None:
                 yield idx, owner
 
+    def held_state(self) -> Iterator[tuple[Any, torch.Tensor]]:
+        """(state entry, the tensor this process holds for it) for every entry with a holder here."""
+        for idx, owner in self._owned():
+            if self._state[idx].aliases:  # not a constant export lifted
+                yield self._state[idx], owner
+
+    def held_params(self) -> Iterator[tuple[int, torch.Tensor]]:
+        """(state index, parameter) for every parameter this process holds, once."""
+        for idx, owner in self._owned():
+            if self._state[idx].is_param:
+                yield idx, owner
+
+    def refresh_tied(self) -> None:
+        """Copy owners into their replicas after they were written outside autograd (a load)."""
+        for tied in self._tied:
+            tied.version = -1
+            tied.sync()
+
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """Every parameter once (a tied weight once), under the original model's name."""
         for idx, owner in self._owned():
@@ -347,9 +365,7 @@ class SplitProgram:
             for key, idx in self._state_keys.items():
                 if key in state_dict and self._owner[idx] is not None:
                     self._owner[idx].copy_(state_dict[key])  # type: ignore[union-attr]
-        for tied in self._tied:
-            tied.version = -1
-            tied.sync()
+        self.refresh_tied()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         zero_grads(self.parameters(), set_to_none)

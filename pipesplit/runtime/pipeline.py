@@ -219,7 +219,7 @@ class Pipeline:
         if self.executor == "distributed" and self.prog.random_ops:
             import torch.distributed as dist
 
-            buf = torch.tensor(seed, dtype=torch.int64, device=self._collective_device())
+            buf = torch.tensor(seed, dtype=torch.int64, device=self.collective_device())
             dist.broadcast(buf, src=0)
             seed = int(buf.item())
         return seed
@@ -242,6 +242,32 @@ class Pipeline:
         self._run(self.schedule.actions, data)
         loss = sum(data.losses.values()) if data.losses else None
         return self._share_loss(loss)
+
+    # ------------------------------------------------------ optimizer helpers
+    def counts_here(self, idx: int) -> bool:
+        """Whether this rank counts state entry ``idx`` in global sums (a tied weight on its first rank)."""
+        holders = getattr(self, "_holders", {})
+        return self.rank is None or idx not in holders or holders[idx][0] == self.rank
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradients of every stage and rank to a global norm of ``max_norm``; returns the
+        total norm, as ``torch.nn.utils.clip_grad_norm_`` on the unsplit model would (every rank)."""
+        from pipesplit.runtime.checkpoint import clip_grad_norm_
+
+        return clip_grad_norm_(self, max_norm, norm_type)
+
+    def save(self, path: str, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Save this pipeline's model (and optimizer) state with ``torch.distributed.checkpoint``
+        under the original model's names; every rank calls it. See :mod:`pipesplit.runtime.checkpoint`."""
+        from pipesplit.runtime.checkpoint import save
+
+        save(self, path, optimizer)
+
+    def load(self, path: str, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Load a checkpoint saved by any pipeline layout (or from the plain model's state_dict)."""
+        from pipesplit.runtime.checkpoint import load
+
+        load(self, path, optimizer)
 
     # -------------------------------------------------------------------- modes
     @property
@@ -361,6 +387,7 @@ class Pipeline:
         for s, entries in enumerate(self.prog.stage_entries):
             for idx in entries:
                 holders.setdefault(idx, set()).add(rank_of[s])
+        self._holders = {idx: sorted(ranks) for idx, ranks in holders.items()}
         for idx in sorted(holders):
             ranks = sorted(holders[idx])
             if len(ranks) > 1 and self.prog.state_entry(idx).is_param:
@@ -394,7 +421,7 @@ class Pipeline:
             if idx in earlier:
                 local.grad += earlier[idx]
 
-    def _collective_device(self) -> torch.device:
+    def collective_device(self) -> torch.device:
         """Where this rank's collectives put their buffers: its stages' device (NCCL needs CUDA)."""
         import torch.distributed as dist
 
@@ -409,7 +436,7 @@ class Pipeline:
         import torch.distributed as dist
 
         last_rank = self.schedule.stage_to_rank[-1]
-        buf = torch.zeros((), dtype=torch.float64, device=self._collective_device())
+        buf = torch.zeros((), dtype=torch.float64, device=self.collective_device())
         if self.rank == last_rank and loss is not None:
             buf.fill_(float(loss))
         dist.broadcast(buf, src=last_rank)

@@ -1,0 +1,123 @@
+"""Distributed checkpoints of a pipeline under the original model's names, and gradient clipping
+over every stage.
+
+Each rank saves the parameters and buffers it holds (and its optimizer's state) with
+``torch.distributed.checkpoint`` under the names the unsplit model uses, so a checkpoint
+loads into a pipeline of another layout (other stage count, other ranks) or into the plain
+model: every rank asks for the names it holds now, wherever they were written from.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import TYPE_CHECKING, Any, Iterator
+
+import torch
+from torch import nn
+
+from pipesplit.state import attach
+
+if TYPE_CHECKING:
+    from pipesplit.runtime.pipeline import Pipeline
+
+
+def _dist() -> Any:
+    import torch.distributed as dist
+
+    return dist if dist.is_available() and dist.is_initialized() else None
+
+
+def held_module(pipe: "Pipeline") -> nn.Module:
+    """An ``nn.Module`` whose parameters and persistent buffers are the tensors this process holds,
+    under the original model's names (a tied weight once, under its first name)."""
+    module = nn.Module()
+    for entry, tensor in pipe.prog.held_state():
+        if entry.is_param or entry.persistent:
+            attach(module, entry.name, tensor, entry.persistent)
+    return module
+
+
+def _model_state(pipe: "Pipeline") -> dict[str, torch.Tensor]:
+    """Every name the original model's ``state_dict`` has for what this process holds (aliases too)."""
+    pipe.prog.sync_tied()
+    out = {}
+    for entry, tensor in pipe.prog.held_state():
+        if entry.is_param or entry.persistent:
+            for name in entry.aliases:
+                out[name] = tensor
+    return out
+
+
+def save(pipe: "Pipeline", path: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None = None) -> None:
+    """Save the model (and ``optimizer``) state of every rank into the checkpoint folder ``path``.
+
+    Call it on every rank (it is collective under torchrun). Load it with :func:`load` into a
+    pipeline of any layout, or into the plain model::
+
+        torch.distributed.checkpoint.load({"model": model.state_dict()}, checkpoint_id=path)
+    """
+    import torch.distributed.checkpoint as dcp
+
+    state: dict[str, Any] = {"model": _model_state(pipe)}
+    if optimizer is not None:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        state["optim"] = get_optimizer_state_dict(held_module(pipe), optimizer)
+    dcp.save(state, checkpoint_id=path, no_dist=pipe.executor != "distributed")
+
+
+def load(pipe: "Pipeline", path: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None = None) -> None:
+    """Load what :func:`save` wrote into this pipeline (and ``optimizer``), whatever layout saved it.
+
+    Call it on every rank, after building the optimizer on ``pipe.parameters()``.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    module = held_module(pipe)
+    state: dict[str, Any] = {"model": _model_state(pipe)}
+    if optimizer is not None:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        state["optim"] = get_optimizer_state_dict(module, optimizer)  # initialises the state it loads into
+    dcp.load(state, checkpoint_id=path, no_dist=pipe.executor != "distributed")  # in place, into held tensors
+    if optimizer is not None:
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        set_optimizer_state_dict(module, optimizer, state["optim"])
+    pipe.prog.refresh_tied()
+
+
+def _grads(pipe: "Pipeline") -> Iterator[torch.Tensor]:
+    """This process's share of the gradients: a tied weight held by several ranks counts on its first."""
+    for idx, p in pipe.prog.held_params():
+        if p.grad is not None and pipe.counts_here(idx):
+            yield p.grad
+
+
+def clip_grad_norm_(pipe: "Pipeline", max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """Scale every gradient of every stage and rank so their global norm is at most ``max_norm``.
+
+    Equals ``torch.nn.utils.clip_grad_norm_`` on the unsplit model (the norm is taken over
+    every parameter once); returns that total norm, on every rank.
+    """
+    dist = _dist() if pipe.executor == "distributed" else None
+    params = [p for _, p in pipe.prog.held_params()]
+    if dist is None:
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+    device = pipe.collective_device()
+    norm_type = float(norm_type)
+    grads = [g.detach().to(device, torch.float64) for g in _grads(pipe)]
+    if math.isinf(norm_type):
+        local = max((g.abs().max() for g in grads), default=torch.zeros((), dtype=torch.float64, device=device))
+        total = local.clone()
+        dist.all_reduce(total, op=dist.ReduceOp.MAX)
+    else:
+        total = sum((g.abs().pow(norm_type).sum() for g in grads), torch.zeros((), dtype=torch.float64, device=device))
+        dist.all_reduce(total)
+        total = total.pow(1.0 / norm_type)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for p in params:
+        if p.grad is not None:
+            p.grad.mul_(coef.to(p.grad.device, p.grad.dtype))
+    return total.float()

@@ -1,0 +1,99 @@
+"""Distributed checkpoints under the original names, across layouts; clipping over every stage."""
+
+from __future__ import annotations
+
+import copy
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import pipesplit
+from tests.close import assert_close, assert_grads_close
+from tests.zoo import CASE_BY_NAME
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def ce(out, y):
+    return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+
+def _gpt_pipe(model, stages, schedule="1f1b", **kw):
+    prog = pipesplit.compile(model, torch.randint(0, 64, (2, 16)), num_stages=stages, progress=False)
+    return pipesplit.Pipeline(prog, schedule, n_microbatches=2, loss_fn=ce, **kw)
+
+
+def _batches(n):
+    gen = torch.Generator().manual_seed(7)
+    return [(torch.randint(0, 64, (4, 16), generator=gen), torch.randint(0, 64, (4, 16), generator=gen))
+            for _ in range(n)]
+
+
+def _train(pipe, opt, batches):
+    losses = []
+    for x, y in batches:
+        losses.append(float(pipe.step(x, target=y)))
+        opt.step()
+        opt.zero_grad()
+    return losses
+
+
+def test_resume_in_another_layout_continues_exactly(tmp_path):
+    torch.manual_seed(0)
+    model = CASE_BY_NAME["gpt_tied"].build()
+    batches = _batches(4)
+    pipe = _gpt_pipe(model, 2)
+    opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+    _train(pipe, opt, batches[:2])
+    pipe.save(str(tmp_path / "ckpt"), opt)
+    straight = _train(pipe, opt, batches[2:])  # what happens without stopping
+
+    fresh = _gpt_pipe(CASE_BY_NAME["gpt_tied"].build(), 4, "interleaved_1f1b", n_ranks=2)  # another layout
+    opt2 = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    fresh.load(str(tmp_path / "ckpt"), opt2)
+    resumed = _train(fresh, opt2, batches[2:])
+    assert resumed == pytest.approx(straight, rel=1e-5, abs=1e-6)
+
+    plain = CASE_BY_NAME["gpt_tied"].build()  # and into the unsplit model, under its own names
+    import torch.distributed.checkpoint as dcp
+
+    sd = plain.state_dict()
+    dcp.load({"model": sd}, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
+    plain.load_state_dict(sd)
+    assert torch.equal(plain.head.weight, plain.tok.weight), "the tied weight stays one tensor"
+    x, _ = batches[0]
+    ref_pipe = _gpt_pipe(CASE_BY_NAME["gpt_tied"].build(), 3)  # `pipe` moved on: compare a fresh load
+    ref_pipe.load(str(tmp_path / "ckpt"))
+    assert_close(ref_pipe.prog(x), plain(x), name="plain model loaded from a pipeline checkpoint")
+
+
+@pytest.mark.parametrize("norm_type", [2.0, float("inf")])
+def test_clip_grad_norm_equals_torch_on_the_plain_model(norm_type):
+    torch.manual_seed(0)
+    model = CASE_BY_NAME["gpt_tied"].build()
+    pipe = _gpt_pipe(model, 3)
+    ref = copy.deepcopy(model)
+    x, y = _batches(1)[0]
+    pipe.step(x, target=y)
+    sum(ce(ref(xm), ym) / 2 for xm, ym in zip(x.chunk(2), y.chunk(2))).backward()
+    got = pipe.clip_grad_norm_(0.1, norm_type)
+    want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1, norm_type)
+    assert_close(got, want, name="total norm")
+    assert_grads_close(pipe.named_parameters(), ref)
+
+
+@pytest.mark.slow
+def test_checkpoints_and_clipping_under_torchrun():
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           os.path.join(ROOT, "tests", "checkpoint_check.py")]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    for what in ("clip", "resume"):
+        assert set(re.findall(rf"rank (\d): ok {what}", result.stdout)) == {"0", "1"}, result.stdout
+    assert "ok plain" in result.stdout, result.stdout
