@@ -305,6 +305,12 @@ class SplitProgram:
             if self._state[idx].aliases:  # not a constant export lifted
                 yield self._state[idx], owner
 
+    def held_tensor(self, idx: int) -> torch.Tensor:
+        """The tensor this process holds for state entry ``idx`` (its owner here)."""
+        owner = self._owner[idx]
+        assert owner is not None, f"state entry {idx} is not held by this process"
+        return owner
+
     def held_params(self) -> Iterator[tuple[int, torch.Tensor]]:
         """(state index, parameter) for every parameter this process holds, once."""
         for idx, owner in self._owned():

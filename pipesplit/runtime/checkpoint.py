@@ -111,10 +111,10 @@ def clip_grad_norm_(pipe: "Pipeline", max_norm: float, norm_type: float = 2.0) -
     if math.isinf(norm_type):
         local = max((g.abs().max() for g in grads), default=torch.zeros((), dtype=torch.float64, device=device))
         total = local.clone()
-        dist.all_reduce(total, op=dist.ReduceOp.MAX)
+        dist.all_reduce(total, op=dist.ReduceOp.MAX, group=pipe.layout.pp_group)
     else:
         total = sum((g.abs().pow(norm_type).sum() for g in grads), torch.zeros((), dtype=torch.float64, device=device))
-        dist.all_reduce(total)
+        dist.all_reduce(total, group=pipe.layout.pp_group)  # replicas hold the same (synced) gradients
         total = total.pow(1.0 / norm_type)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for p in params:

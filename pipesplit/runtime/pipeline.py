@@ -13,6 +13,7 @@ from torch import nn
 from pipesplit.errors import PipesplitError, ScheduleError
 from pipesplit.program import SplitProgram
 from pipesplit.state import zero_grads
+from pipesplit.runtime.distributed import Layout, StepCollectives
 from pipesplit.runtime.microbatch import merge_outputs, split_microbatches, split_target
 from pipesplit.runtime.threads import RankThreads, autocast_scope, autocast_state
 from pipesplit.runtime.trace import Trace
@@ -38,6 +39,16 @@ def resolve_schedule(schedule: str | Schedule, n_stages: int, n_ranks: int | Non
     if n_ranks is None and schedule_info(schedule).constraints.stages_per_rank is None:
         n_ranks = max(1, n_stages // 2)
     return get_schedule(schedule, n_stages=n_stages, n_ranks=n_ranks, n_microbatches=n_microbatches)
+
+
+def _collective_device(stages: Sequence[Any]) -> torch.device:
+    """Where a rank's collectives put their buffers: its stages' device under NCCL (which needs CUDA)."""
+    import torch.distributed as dist
+
+    if dist.get_backend() == "nccl":
+        return next((s.device for s in stages if s.device.type == "cuda"),
+                    torch.device("cuda", torch.cuda.current_device()))
+    return torch.device("cpu")
 
 
 def _forward_only(schedule: Schedule) -> list[list[Any]]:
@@ -81,6 +92,9 @@ class Pipeline:
         timeout: float = 300.0,
         executor: str = "auto",
         target_batch_dim: int | None | str = "same",  # default: batch_dim; None: every microbatch gets it whole
+        mesh: Any = None,  # a DeviceMesh with a "pp" (and a "dp") dimension
+        pp_group: Any = None,  # or the process groups themselves
+        dp_group: Any = None,
     ):
         import torch.distributed as dist
 
@@ -88,6 +102,8 @@ class Pipeline:
             raise PipesplitError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}.")
         if executor == "auto":
             executor = "distributed" if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 else "local"
+        if executor == "local" and (mesh is not None or pp_group is not None or dp_group is not None):
+            raise PipesplitError("mesh=, pp_group= and dp_group= need the distributed executor (torchrun).")
         if executor not in ("local", "distributed"):
             raise PipesplitError(f"executor must be 'local', 'distributed' or 'auto', got {executor!r}.")
         self.prog, self.loss_fn = prog, loss_fn
@@ -100,11 +116,15 @@ class Pipeline:
         self.target_batch_dim = self.batch_dim if target_batch_dim == "same" else target_batch_dim
         self.n_microbatches, self.loss_reduction, self.timeout = n_microbatches, loss_reduction, timeout
         self.executor = executor
+        self.layout: Layout | None = None
+        self.dp_size, self.dp_rank = 1, 0
         if executor == "distributed":
-            world = dist.get_world_size()
+            self.layout = Layout(mesh, pp_group, dp_group)
+            world = self.layout.pp_size
             if n_ranks is not None and n_ranks != world:
-                raise ScheduleError(f"n_ranks={n_ranks} but the process group has {world} ranks.")
-            n_ranks, self.rank = world, dist.get_rank()
+                raise ScheduleError(f"n_ranks={n_ranks} but the pipeline's process group has {world} ranks.")
+            n_ranks, self.rank = world, self.layout.rank
+            self.dp_size, self.dp_rank = self.layout.dp_size, self.layout.dp_rank
         else:
             self.rank = None
         self.schedule = resolve_schedule(schedule, prog.num_stages, n_ranks, n_microbatches)
@@ -138,21 +158,25 @@ class Pipeline:
             for b in prog.boundaries:
                 for direction in "FB":
                     tags[(direction, b.name, b.src, b.dst)] = len(tags)
-            self.transport: Any = DistTransport(timeout, tags, len(tags))
-            self._tied_groups = self._make_tied_groups(rank_of)
+            assert self.layout is not None
+            self.transport: Any = DistTransport(timeout, tags, len(tags), self.layout.global_ranks, self.layout.rank)
+            device = _collective_device(local)
+            self.collectives: StepCollectives | None = StepCollectives(prog, self.layout, rank_of, device)
             prog.keep_only({s.index for s in local})
         else:
             self.transport = LocalTransport(timeout)
-            self._tied_groups = []
+            self.collectives = None
         self._threads: RankThreads | None = None  # the local executor's rank threads, started on first use
         self._tracer: Trace | None = None  # set inside `with self.trace():`
         streams = {}
         for s in local:
             if s.device.type == "cuda":
                 streams[s.index] = torch.cuda.Stream(device=s.device)
+        done = self.collectives.stage_done if self.collectives is not None and self.dp_size > 1 else None
         self.workers = {
             s.index: StageWorker(
-                prog, s, rank_of, self.transport, checkpointing=s.index in ckpt, stream=streams.get(s.index)
+                prog, s, rank_of, self.transport, checkpointing=s.index in ckpt, stream=streams.get(s.index),
+                on_gradients=done,
             )
             for s in local
         }
@@ -200,28 +224,26 @@ class Pipeline:
     # ------------------------------------------------------------------ running
     def _prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any], target: Any, training: bool) -> StepData:
         flat = self.prog.flatten_inputs(args, kwargs)
-        inputs = split_microbatches(flat, self.prog.inputs, self.n_microbatches, self.batch_dim)
+        m, first = self.n_microbatches, self.dp_rank * self.n_microbatches  # this replica's share
+        total = m * self.dp_size
+        inputs = split_microbatches(flat, self.prog.inputs, total, self.batch_dim)[first:first + m]
         mb = next(x.shape[self.batch_dim] for x, i in zip(inputs[0], self.prog.inputs)
                   if isinstance(x, torch.Tensor) and i.shape and i.shape[self.batch_dim] is None)
         if training and self.loss_fn is None:
             raise PipesplitError("step() needs a loss_fn: Pipeline(prog, ..., loss_fn=lambda out, target: ...).")
         targets = None
         if target is not None:
-            batch = mb * self.n_microbatches
-            targets = split_target(target, self.n_microbatches, self.target_batch_dim, batch)
-        scale = 1.0 / self.n_microbatches if self.loss_reduction == "mean" else 1.0
-        return StepData(inputs, targets, self.loss_fn, scale, training, mb, seed=self._step_seed())
+            targets = split_target(target, total, self.target_batch_dim, mb * total)[first:first + m]
+        scale = 1.0 / total if self.loss_reduction == "mean" else 1.0
+        return StepData(inputs, targets, self.loss_fn, scale, training, mb, seed=self._step_seed(),
+                        microbatch_offset=first)
 
     def _step_seed(self) -> int:
         """One draw from torch's default generator per step (``torch.manual_seed`` makes steps
         reproducible); every rank uses rank 0's draw."""
         seed = int(torch.randint(0, 2**62, ()).item())
-        if self.executor == "distributed" and self.prog.random_ops:
-            import torch.distributed as dist
-
-            buf = torch.tensor(seed, dtype=torch.int64, device=self.collective_device())
-            dist.broadcast(buf, src=0)
-            seed = int(buf.item())
+        if self.collectives is not None and self.prog.random_ops:
+            seed = self.collectives.step_seed(seed)
         return seed
 
     def step(self, *args: Any, target: Any = None, **kwargs: Any) -> torch.Tensor | None:
@@ -246,8 +268,7 @@ class Pipeline:
     # ------------------------------------------------------ optimizer helpers
     def counts_here(self, idx: int) -> bool:
         """Whether this rank counts state entry ``idx`` in global sums (a tied weight on its first rank)."""
-        holders = getattr(self, "_holders", {})
-        return self.rank is None or idx not in holders or holders[idx][0] == self.rank
+        return self.collectives is None or self.collectives.counts_here(idx)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the gradients of every stage and rank to a global norm of ``max_norm``; returns the
@@ -325,17 +346,23 @@ class Pipeline:
     def _execute(self, actions: Any, data: StepData) -> None:
         self.prog.sync_tied()
         if self.executor == "distributed":
-            earlier = self._stash_tied() if data.training else {}
+            assert self.collectives is not None
+            params = self.collectives.summed_params() if data.training else []
+            earlier = self.collectives.stash(params)
+            for w in self.workers.values():
+                w.backwards_done = 0
             self.prog.defer_tied_gradients(True)  # stages of this rank sharing a weight: summed in stage order
             try:
                 for a in actions[self.rank]:
                     if a.kind.is_compute:
                         self.workers[a.stage].run(a, data)
                 self.transport.flush()
+                self.collectives.finish_data_parallel()
             finally:
                 self.prog.defer_tied_gradients(False)
             if data.training:
-                self._reduce_tied(earlier)
+                self.collectives.reduce_tied()
+                self.collectives.restore(params, earlier)
             return
         self.prog.defer_tied_gradients(True)
         errors: list[BaseException] = []
@@ -379,65 +406,11 @@ class Pipeline:
             raise errors[0]
 
     # -------------------------------------------------------------- distributed
-    def _make_tied_groups(self, rank_of: tuple[int, ...]) -> list[tuple[Any, int]]:
-        import torch.distributed as dist
-
-        groups = []
-        holders: dict[int, set[int]] = {}
-        for s, entries in enumerate(self.prog.stage_entries):
-            for idx in entries:
-                holders.setdefault(idx, set()).add(rank_of[s])
-        self._holders = {idx: sorted(ranks) for idx, ranks in holders.items()}
-        for idx in sorted(holders):
-            ranks = sorted(holders[idx])
-            if len(ranks) > 1 and self.prog.state_entry(idx).is_param:
-                group = dist.new_group(ranks)  # every rank creates every group, in the same order
-                if self.rank in ranks:
-                    groups.append((group, idx))
-        return groups
-
-    def _tied_local(self, idx: int) -> torch.Tensor:
-        return next(self.prog.stage_entries[s][idx] for s in sorted(self.workers) if idx in self.prog.stage_entries[s])
-
-    def _stash_tied(self) -> dict[int, torch.Tensor]:
-        """Take the tied parameters' gradients from earlier steps aside: only this step's share is summed."""
-        stash = {}
-        for _, idx in self._tied_groups:
-            local = self._tied_local(idx)
-            if local.grad is not None:
-                stash[idx], local.grad = local.grad, None
-        return stash
-
-    def _reduce_tied(self, earlier: dict[int, torch.Tensor]) -> None:
-        """Sum this step's gradient of each tied parameter over the ranks holding it, then add back
-        what earlier steps had accumulated (gradient accumulation across steps stays exact)."""
-        import torch.distributed as dist
-
-        for group, idx in self._tied_groups:
-            local = self._tied_local(idx)
-            if local.grad is None:
-                local.grad = torch.zeros_like(local)
-            dist.all_reduce(local.grad, group=group)
-            if idx in earlier:
-                local.grad += earlier[idx]
-
     def collective_device(self) -> torch.device:
         """Where this rank's collectives put their buffers: its stages' device (NCCL needs CUDA)."""
-        import torch.distributed as dist
-
-        if dist.get_backend() == "nccl":
-            return next((w.stage.device for w in self.workers.values() if w.stage.device.type == "cuda"),
-                        torch.device("cuda", torch.cuda.current_device()))
-        return torch.device("cpu")
+        return self.collectives.device if self.collectives is not None else torch.device("cpu")
 
     def _share_loss(self, loss: Any) -> torch.Tensor | None:
-        if self.executor == "local":
+        if self.collectives is None:
             return loss
-        import torch.distributed as dist
-
-        last_rank = self.schedule.stage_to_rank[-1]
-        buf = torch.zeros((), dtype=torch.float64, device=self.collective_device())
-        if self.rank == last_rank and loss is not None:
-            buf.fill_(float(loss))
-        dist.broadcast(buf, src=last_rank)
-        return buf
+        return self.collectives.share_loss(loss, self.schedule.stage_to_rank[-1])

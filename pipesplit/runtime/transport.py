@@ -93,13 +93,21 @@ class LocalTransport:
 class DistTransport:
     """Point-to-point over ``torch.distributed`` (gloo on CPU, NCCL on GPU); sends are async."""
 
-    def __init__(self, timeout: float, tags: dict[tuple[str, str, int, int], int], n_tags: int):
+    def __init__(
+        self,
+        timeout: float,
+        tags: dict[tuple[str, str, int, int], int],
+        n_tags: int,
+        global_ranks: list[int] | None = None,  # pipeline rank -> global rank (a data-parallel mesh)
+        rank: int | None = None,  # this process's pipeline rank
+    ):
         import torch.distributed as dist
 
         self.dist = dist
         self.timeout = timeout
         self.tags, self.n_tags = tags, n_tags
-        self.rank = dist.get_rank()
+        self.rank = dist.get_rank() if rank is None else rank
+        self.global_ranks = global_ranks if global_ranks is not None else list(range(dist.get_world_size()))
         self._pending: list[tuple[Any, torch.Tensor, Message, int]] = []
         self._local: dict[Message, Any] = {}  # hand-offs between two stages of this rank
 
@@ -111,7 +119,7 @@ class DistTransport:
             self._local[msg] = value
             return
         tensor = value.detach().contiguous()
-        work = self.dist.isend(tensor, dst=peer, tag=self._tag(msg))
+        work = self.dist.isend(tensor, dst=self.global_ranks[peer], tag=self._tag(msg))
         self._pending.append((work, tensor, msg, peer))
 
     def recv(self, msg: Message, peer: int, like: Any = None) -> Any:
@@ -121,7 +129,7 @@ class DistTransport:
             return self._local.pop(msg)
         shape, dtype, device = like
         buf = torch.empty(shape, dtype=dtype, device=device)
-        work = self.dist.irecv(buf, src=peer, tag=self._tag(msg))
+        work = self.dist.irecv(buf, src=self.global_ranks[peer], tag=self._tag(msg))
         self._wait(work, msg, peer, "from")
         return buf
 

@@ -28,6 +28,7 @@ class StepData:
     training: bool
     microbatch_size: int
     seed: int = 0  # the step's random seed: stage s, microbatch m draws from stream_seed(seed, s, m)
+    microbatch_offset: int = 0  # this replica's first microbatch in the global batch (data parallel)
     outputs: dict[int, list[Any]] = field(default_factory=dict)  # microbatch -> flat outputs (last stage)
     losses: dict[int, torch.Tensor] = field(default_factory=dict)
 
@@ -58,6 +59,7 @@ class StageWorker:
         *,
         checkpointing: bool = False,
         stream: Any = None,
+        on_gradients: Callable[[Sequence[torch.Tensor]], None] | None = None,
     ):
         self.prog, self.stage, self.rank_of = prog, stage, rank_of
         self.transport, self.checkpointing, self.stream = transport, checkpointing, stream
@@ -75,6 +77,8 @@ class StageWorker:
         self._ints: dict[tuple[str, int, int], int] = {}
         self.tracer: Any = None  # a pipesplit.runtime.trace.Trace while Pipeline.trace() is active
         self._ready = 0.0  # when the current action's last receive returned (read only while tracing)
+        self.on_gradients = on_gradients  # called once a step's last weight gradients are in
+        self.backwards_done = 0
 
     # ------------------------------------------------------------------ helpers
     def _ctx(self) -> Any:
@@ -114,6 +118,10 @@ class StageWorker:
                 self.backward_input(action.microbatch, data, split=True)
             elif action.kind is ActionKind.BACKWARD_WEIGHT:
                 self.backward_weight(action.microbatch)
+            if self.on_gradients is not None and action.kind in (ActionKind.FULL_BACKWARD, ActionKind.BACKWARD_WEIGHT):
+                self.backwards_done += 1
+                if self.backwards_done == len(data.inputs) and self.params:
+                    self.on_gradients(self.params)
             if tracer is not None and self.stream is not None:  # count the device work inside the action
                 self.stream.synchronize()
         if tracer is not None:
@@ -159,7 +167,7 @@ class StageWorker:
         saved.inputs.sort(key=lambda t: (t[1], self.prog.stages[t[1]].outputs.index(t[0])))  # send order
         grad_mode = torch.enable_grad() if data.training else torch.no_grad()
         module, device = self.stage.module, self.stage.device
-        seed = stream_seed(data.seed, self.index, m)
+        seed = stream_seed(data.seed, self.index, data.microbatch_offset + m)
 
         def run_stage(*xs: Any) -> Any:  # checkpointing replays it, masks and all, from the same seed
             with random_stream(seed, device):

@@ -1,0 +1,146 @@
+"""The distributed executor's process layout: pipeline ranks, data-parallel replicas, the groups
+that keep tied weights one parameter, and the collectives that end a training step.
+
+A step on a ``pp × dp`` mesh is gradient accumulation over the whole global batch: the batch
+is cut into ``dp × m`` microbatches, replica ``d`` runs microbatches ``d·m … d·m + m - 1`` through
+its pipeline, each stage's gradients are summed over the data-parallel group (launched as soon
+as the stage's last backward of the step is done, so it overlaps the rest of the schedule),
+and a tied weight's gradient is summed over the pipeline ranks that hold it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from pipesplit.errors import PipesplitError
+from pipesplit.program import SplitProgram
+
+
+class Layout:
+    """Where this process sits: its pipeline rank and group, its replica and data-parallel group."""
+
+    def __init__(self, mesh: Any = None, pp_group: Any = None, dp_group: Any = None):
+        import torch.distributed as dist
+
+        self.dist = dist
+        if mesh is not None:
+            names = tuple(mesh.mesh_dim_names or ())
+            if "pp" not in names:
+                raise PipesplitError(
+                    f"the device mesh has dimensions {names}; name the pipeline dimension 'pp' (and the "
+                    "data-parallel one 'dp'): init_device_mesh('cpu', (pp, dp), mesh_dim_names=('pp', 'dp'))."
+                )
+            pp_group = mesh.get_group("pp")
+            dp_group = mesh.get_group("dp") if "dp" in names else None
+        self.pp_group = pp_group if pp_group is not None else dist.group.WORLD
+        self.dp_group = dp_group
+        self.pp_size = dist.get_world_size(self.pp_group)
+        self.rank = dist.get_rank(self.pp_group)  # this process's rank in the schedule
+        self.dp_size = dist.get_world_size(dp_group) if dp_group is not None else 1
+        self.dp_rank = dist.get_rank(dp_group) if dp_group is not None else 0
+        self.global_ranks = [dist.get_global_rank(self.pp_group, r) for r in range(self.pp_size)]
+
+    def replicas(self) -> list[list[int]]:
+        """The global ranks of every replica's pipeline, in a fixed order (every process agrees)."""
+        if self.dp_size == 1 and self.pp_size == self.dist.get_world_size():
+            return [self.global_ranks]
+        gathered: list[Any] = [None] * self.dist.get_world_size()
+        self.dist.all_gather_object(gathered, self.global_ranks)
+        return sorted({tuple(g) for g in gathered})  # type: ignore[arg-type]
+
+
+class StepCollectives:
+    """The collectives of a training step on the distributed executor."""
+
+    def __init__(self, prog: SplitProgram, layout: Layout, stage_to_rank: Sequence[int], device: torch.device):
+        self.prog, self.layout, self.device = prog, layout, device
+        self.dist = layout.dist
+        self.holders: dict[int, list[int]] = {}  # state index -> pipeline ranks holding it
+        for s, entries in enumerate(prog.stage_entries):
+            for idx in entries:
+                ranks = self.holders.setdefault(idx, [])
+                if stage_to_rank[s] not in ranks:
+                    ranks.append(stage_to_rank[s])
+        self.tied_groups: list[tuple[Any, int]] = []
+        for idx in sorted(self.holders):  # every process creates every group, in the same order
+            ranks = sorted(self.holders[idx])
+            if len(ranks) < 2 or not prog.state_entry(idx).is_param:
+                continue
+            for replica in layout.replicas():
+                group = self.dist.new_group([replica[r] for r in ranks])
+                if replica == list(layout.global_ranks) and layout.rank in ranks:
+                    self.tied_groups.append((group, idx))
+        self._pending: list[tuple[Any, torch.Tensor, list[torch.Tensor]]] = []
+
+    # -------------------------------------------------------------- gradients
+    def counts_here(self, idx: int) -> bool:
+        """Whether this rank counts entry ``idx`` in global sums (a tied weight on its first rank)."""
+        return idx not in self.holders or min(self.holders[idx]) == self.layout.rank
+
+    def summed_params(self) -> list[torch.Tensor]:
+        """The parameters whose step gradient a collective sums: all of them with data parallelism,
+        else the tied ones (the others accumulate in place, as on one process)."""
+        if self.layout.dp_group is not None:
+            return [p for _, p in self.prog.held_params()]
+        return [self.prog.held_tensor(idx) for _, idx in self.tied_groups]
+
+    def stash(self, params: list[torch.Tensor]) -> list[torch.Tensor | None]:
+        """Take gradients of earlier steps aside: the collectives sum only this step's."""
+        earlier = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        return earlier
+
+    @staticmethod
+    def restore(params: list[torch.Tensor], earlier: list[torch.Tensor | None]) -> None:
+        for p, g in zip(params, earlier):
+            if g is not None:
+                p.grad = g if p.grad is None else p.grad + g
+
+    def stage_done(self, params: Sequence[torch.Tensor]) -> None:
+        """A stage's gradients of this step are final: start summing them over the replicas."""
+        if self.layout.dp_group is None:
+            return
+        grads = [p.grad for p in params if p.grad is not None]
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])  # one bucket per stage
+        work = self.dist.all_reduce(flat, group=self.layout.dp_group, async_op=True)
+        self._pending.append((work, flat, grads))
+
+    def finish_data_parallel(self) -> None:
+        """Wait for the replicas' sums and write them back into the gradients."""
+        pending, self._pending = self._pending, []
+        for work, flat, grads in pending:
+            work.wait()
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
+
+    def reduce_tied(self) -> None:
+        """Sum each tied weight's gradient over the pipeline ranks holding it."""
+        for group, idx in self.tied_groups:
+            local = self.prog.held_tensor(idx)
+            if local.grad is None:
+                local.grad = torch.zeros_like(local)
+            self.dist.all_reduce(local.grad, group=group)
+
+    # ------------------------------------------------------------------ values
+    def step_seed(self, seed: int) -> int:
+        """Every process uses global rank 0's seed."""
+        buf = torch.tensor(seed, dtype=torch.int64, device=self.device)
+        self.dist.broadcast(buf, src=0)
+        return int(buf.item())
+
+    def share_loss(self, loss: Any, last_rank: int) -> torch.Tensor:
+        """The step's loss on every process: the last pipeline rank's, summed over the replicas."""
+        buf = torch.zeros((), dtype=torch.float64, device=self.device)
+        if self.layout.rank == last_rank and loss is not None:
+            buf.fill_(float(loss))
+        self.dist.broadcast(buf, src=self.layout.global_ranks[last_rank], group=self.layout.pp_group)
+        if self.layout.dp_group is not None:
+            self.dist.all_reduce(buf, group=self.layout.dp_group)
+        return buf
