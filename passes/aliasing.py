@@ -7,8 +7,8 @@ argument ``Tensor(a!)`` and return it), from ``getitem`` of such an op's list or
 and for higher-order ops from their subgraph. A class is *written* when some op writes
 one of its members in place: a ``Tensor(a!)`` argument, the running statistics of
 ``batch_norm(training=True)`` (whose schema marks no write), or a write inside a
-higher-order op's subgraph to one of its operands. Unknown ops are assumed to alias their
-inputs, never to be pure: the analysis may see sharing that is not there, not miss it.
+higher-order op's subgraph to one of its operands. Ops it does not know are taken to alias
+their inputs and to be impure: the analysis may see sharing that is not there.
 """
 
 from __future__ import annotations
@@ -41,15 +41,25 @@ def _has_tensor(node: fx.Node) -> bool:
     return any(isinstance(v, torch.Tensor) for v in pytree.tree_leaves(node.meta["val"]))
 
 
+def _attr(root: torch.nn.Module, target: str) -> Any:
+    try:
+        return operator.attrgetter(target)(root)
+    except AttributeError:
+        return None
+
+
 def _subgraph(node: fx.Node) -> tuple[fx.Graph, list[fx.Node]] | None:
     """A higher-order op's single subgraph and the operands its placeholders receive, if it has that form
     (``wrap_with_set_grad_enabled(enabled, gm, *operands)``, ``wrap_with_autocast(..., gm, *operands)``)."""
     root = node.graph.owning_module
-    subs = [i for i, a in enumerate(node.args) if isinstance(a, fx.Node) and a.op == "get_attr"
-            and isinstance(getattr(root, str(a.target), None), fx.GraphModule)]
-    if root is None or len(subs) != 1:
+    if root is None:
         return None
-    graph = getattr(root, str(node.args[subs[0]].target)).graph
+    modules = {i: _attr(root, str(a.target)) for i, a in enumerate(node.args)
+               if isinstance(a, fx.Node) and a.op == "get_attr"}
+    subs = [i for i, m in modules.items() if isinstance(m, fx.GraphModule)]
+    if len(subs) != 1:
+        return None
+    graph = modules[subs[0]].graph  # type: ignore[union-attr]
     operands = list(node.args[subs[0] + 1:])
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     if node.kwargs or len(placeholders) != len(operands) or not all(isinstance(a, fx.Node) for a in operands):
