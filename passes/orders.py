@@ -8,6 +8,11 @@ planner also solves the *late* order, in which every node runs as late as its co
 allow (ordered by the longest path to the end of the graph, ties in program order), and
 keeps whichever plan is better. The program's order is always one
 of the candidates, so the result is never worse than the exact chain optimum over it.
+
+Data edges alone do not order an in-place write: ``buf[:, t].copy_(v)`` has no users, and
+a read of ``buf`` before it does not feed it. The dependency graph therefore also keeps
+every write in program order with every other access to the same storage (see
+:func:`pipesplit.passes.aliasing.ordering_edges`), so no order moves a read across a write.
 """
 
 from __future__ import annotations
@@ -15,13 +20,17 @@ from __future__ import annotations
 import networkx as nx
 import torch.fx as fx
 
+from pipesplit.passes.aliasing import ordering_edges
+
 
 def dependency_graph(nodes: list[fx.Node]) -> nx.DiGraph:
-    """Producer -> consumer edges between compute nodes."""
+    """Producer -> consumer edges between compute nodes, and the edges that keep each in-place
+    write in program order with the other accesses to its storage."""
     g = nx.DiGraph()
     g.add_nodes_from(nodes)
     members = set(nodes)
     g.add_edges_from((n, u) for n in nodes for u in n.users if u in members)
+    g.add_edges_from(ordering_edges(nodes))
     return g
 
 

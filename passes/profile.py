@@ -23,6 +23,7 @@ import torch.utils._pytree as pytree
 from tqdm.auto import tqdm
 
 from pipesplit.meta import node_cost, set_node_cost
+from pipesplit.passes.aliasing import written_get_attrs
 
 COMPUTE_OPS = ("call_function", "call_module", "call_method")
 
@@ -137,15 +138,21 @@ def profile_nodes(
     Every compute node gets its forward time (``time_s``) and, with ``backward`` and
     where its output carries a gradient, its backward time (``bwd_time_s``): the minimum
     over the ``repeats`` timed passes, the figure least disturbed by other load on the
-    machine. Needs ``annotate_costs`` first. Buffers that ops update in place are
-    profiled on copies.
+    machine. Needs ``annotate_costs`` first. Buffers that ops update in place (found in
+    the graph, or named by ``mutated_targets``) and the inputs are profiled on copies, and
+    the default random number generators are left as they were.
     """
     device = torch.device(device)
-    inputs = [x.to(device) if isinstance(x, torch.Tensor) else x for x in example_flat]
+    # copies: an op that writes an input in place must not change the caller's tensors
+    inputs = [x.detach().to(device, copy=True) if isinstance(x, torch.Tensor) else x for x in example_flat]
     nodes = [n for n in gm.graph.nodes if n.op in COMPUTE_OPS]
     overhead = _grad_call_overhead(device) if backward else 0.0
-    with tqdm(total=len(nodes) * max(repeats, 1), desc="profiling nodes", disable=not progress, leave=False) as bar:
-        interp = _TimingInterpreter(gm, device, set(mutated_targets), backward, bar)
+    # random ops (dropout) draw from the default generators: the caller's streams must not move
+    cuda = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+    with tqdm(total=len(nodes) * max(repeats, 1), desc="profiling nodes", disable=not progress, leave=False) as bar, \
+            torch.random.fork_rng(devices=cuda):
+        written = set(mutated_targets) | written_get_attrs(gm.graph)  # through views too
+        interp = _TimingInterpreter(gm, device, written, backward, bar)
         with torch.no_grad():
             for p in range(warmup + max(repeats, 1)):
                 interp.timing = p >= warmup

@@ -247,33 +247,19 @@ def _own_copy(t: torch.Tensor, is_param: bool) -> torch.Tensor:
     return nn.Parameter(copy, requires_grad=t.requires_grad) if is_param else copy
 
 
-_BATCH_NORM_OPS = {"batch_norm", "native_batch_norm", "_native_batch_norm_legit", "cudnn_batch_norm"}
 
 
 def _mutated_targets(gm: fx.GraphModule) -> set[str]:
-    """get_attr targets that some op writes in place (BatchNorm stats included).
+    """get_attr targets that some op writes in place: directly, through a view (``buf[0] = x``
+    is get_attr -> select -> copy_), or inside a higher-order op's subgraph.
 
     The training-IR graph lists no buffer mutation for ``batch_norm(training=True)``
-    and its schema carries no write annotation, so that family is matched by name.
+    and its schema carries no write annotation, so that family is matched by name
+    (see :mod:`pipesplit.passes.aliasing`).
     """
-    out: set[str] = set()
-    for node in gm.graph.nodes:
-        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
-            continue
-        schema = node.target._schema
-        written = [
-            i for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write
-        ]
-        name = node.target._schema.name.split("::")[-1]
-        if name in _BATCH_NORM_OPS:
-            training = node.args[5] if len(node.args) > 5 else node.kwargs.get("training", False)
-            if training:
-                written += [3, 4]
-        for i in written:
-            arg = node.args[i] if i < len(node.args) else None
-            if isinstance(arg, fx.Node) and arg.op == "get_attr":
-                out.add(str(arg.target))
-    return out
+    from pipesplit.passes.aliasing import written_get_attrs
+
+    return written_get_attrs(gm.graph)
 
 
 def static_dim(d: Any) -> int | None:

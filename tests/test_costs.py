@@ -513,6 +513,42 @@ def test_profile_times_every_node_and_keeps_batchnorm_stats():
         assert_close(state[key], value, name=key)
 
 
+@pytest.mark.parametrize("how", [dict(cost="profile"), dict(cost="hybrid"), dict(cost="profile", refine=1)],
+                         ids=["profile", "hybrid", "refine"])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_profiling_leaves_the_random_number_generators_alone(how, device):
+    """Profiling runs the graph's dropout many times; the user's RNG streams must not move."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8)).to(device)
+    x = torch.randn(4, 8, device=device)
+    torch.manual_seed(0)
+    cuda_before = torch.cuda.get_rng_state() if device == "cuda" else None
+    pipesplit.compile(model, x, num_stages=2, progress=False, **how)
+    if device == "cuda":
+        assert torch.equal(torch.cuda.get_rng_state(), cuda_before), "compiling with a profile advanced the CUDA RNG"
+    a = torch.rand(3)
+    torch.manual_seed(0)
+    b = torch.rand(3)
+    assert torch.equal(a, b), "compiling with a profile advanced the CPU generator"
+
+
+class _WritesItsInput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        x.mul_(2.0)
+        return self.b(torch.tanh(self.a(x)))
+
+
+def test_profiling_leaves_the_example_input_alone():
+    torch.manual_seed(0)
+    x = torch.randn(4, 8)
+    before = x.clone()
+    pipesplit.compile(_WritesItsInput(), x, num_stages=2, cost="profile", progress=False)
+    assert torch.equal(x, before), "profiling wrote the example input in place"
+
+
 # ------------------------------------------------------------------------- cost specs
 @pytest.fixture(scope="module")
 def mlp_case():

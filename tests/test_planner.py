@@ -277,6 +277,60 @@ def test_saved_plan_keeps_its_recompute_list(llama, tmp_path):
     assert sorted(map(key, again.boundaries)) == sorted(map(key, auto.boundaries))
 
 
+class FilledState(nn.Module):
+    """Allocates a state from the input's shape and fills it layer by layer, like HF RWKV's cache."""
+
+    def __init__(self, d: int = 16, depth: int = 4):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(d, d) for _ in range(depth))
+
+    def forward(self, x):
+        state = torch.zeros(x.shape[0], x.shape[1], len(self.layers))  # input-derived, 0 FLOPs: looks pure
+        for i, layer in enumerate(self.layers):
+            x = torch.tanh(layer(x))
+            state[:, :, i] = x
+        return x, state
+
+
+def _rwkv():
+    from transformers import RwkvConfig, RwkvForCausalLM
+
+    cfg = RwkvConfig(vocab_size=64, context_length=32, hidden_size=32, num_hidden_layers=3,
+                     attention_hidden_size=32, intermediate_size=64)
+    return RwkvForCausalLM(cfg).eval()  # eval: use_cache defaults to True, so it returns its state
+
+
+def test_recompute_never_rebuilds_storage_that_is_written_in_place():
+    """A fresh ``torch.zeros`` rebuilt in a later stage would lose every write the earlier stages made."""
+    from pipesplit.passes.aliasing import storage_classes
+    from tests.test_mutation import check_same
+
+    torch.manual_seed(0)
+    model = FilledState()
+    x = torch.randn(4, 16)
+    gm = annotate_costs(capture(model, x).gm)
+    classes = storage_classes(gm.graph)
+    written = {n.name for n in gm.graph.nodes if classes.is_written(n)}
+    assert "zeros" in written and not written & set(recomputable(gm))
+    for k in (2, 3, 4):
+        prog = pipesplit.compile(model, x, num_stages=k, progress=False)
+        assert not written & set(prog.plan.recompute)
+        check_same(model, prog, (torch.randn(5, 16),))
+
+
+def test_recompute_keeps_rwkv_state_exact():
+    pytest.importorskip("transformers")
+    from tests.test_mutation import check_same
+
+    torch.manual_seed(0)
+    model = _rwkv()
+    ids = torch.randint(0, 64, (2, 8))
+    for k in (2, 3):
+        prog = pipesplit.compile(model, ids, num_stages=k, progress=False)
+        with torch.no_grad():
+            check_same(model, prog, (torch.randint(0, 64, (3, 8)),), train=False)  # logits and state
+
+
 # ------------------------------------------------------------------------- pins, no_split
 def test_pin_keeps_a_module_whole_in_its_stage(gpt6):
     model, idx, _, gm = gpt6
