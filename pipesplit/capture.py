@@ -247,8 +247,6 @@ def _own_copy(t: torch.Tensor, is_param: bool) -> torch.Tensor:
     return nn.Parameter(copy, requires_grad=t.requires_grad) if is_param else copy
 
 
-
-
 def _mutated_targets(gm: fx.GraphModule) -> set[str]:
     """get_attr targets that some op writes in place: directly, through a view (``buf[0] = x``
     is get_attr -> select -> copy_), or inside a higher-order op's subgraph.

@@ -127,6 +127,8 @@ class SplitProgram:
                       piece.mutated_inputs, {captured.training: module})
             )
         self._owner: list[torch.Tensor | None] = [placement.owner(idx) for idx in range(len(captured.state))]
+        self._mutated_entries = {captured.target_to_entry[t] for t in captured.mutated_targets
+                                 if t in captured.target_to_entry}
         for idx, copies in enumerate(placement.copies):
             if len(copies) > 1 and captured.state[idx].name in captured.mutated_names:
                 raise PlanError(
@@ -298,6 +300,15 @@ class SplitProgram:
         for idx, owner in enumerate(self._owner):
             if owner is not None:
                 yield idx, owner
+
+    def shared_mutated_state(self) -> dict[str, list[int]]:
+        """Buffers written in place that several stages use: name -> those stages."""
+        out = {}
+        for idx in sorted(self._mutated_entries):
+            stages = [s for s, entries in enumerate(self.stage_entries) if idx in entries]
+            if len(stages) > 1:
+                out[self._state[idx].name] = stages
+        return out
 
     def held_state(self) -> Iterator[tuple[Any, torch.Tensor]]:
         """(state entry, the tensor this process holds for it) for every entry with a holder here."""

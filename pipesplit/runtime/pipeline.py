@@ -133,6 +133,15 @@ class Pipeline:
                 f"schedule {self.schedule.name!r} for {prog.num_stages} stages needs {self.schedule.n_ranks} ranks, "
                 f"but {n_ranks} are running; launch with --nproc-per-node {self.schedule.n_ranks}."
             )
+        shared = prog.shared_mutated_state()
+        if shared and n_microbatches > 1:
+            name, stages = next(iter(shared.items()))
+            raise PipesplitError(
+                f"buffer {name!r} is written in place and used by stages {stages} ({len(shared)} such buffer(s)). "
+                "With several microbatches in flight a stage would see another microbatch's write, so the "
+                "pipeline could not equal gradient accumulation. Keep its users in one stage "
+                "(compile(..., no_split=[...]) or pins={...}), or use n_microbatches=1."
+            )
         rank_of = self.schedule.stage_to_rank
         local = [s for s in prog.stages if self.rank is None or rank_of[s.index] == self.rank]
         planned = checkpoint is None and bool(prog.plan.checkpoint)
