@@ -97,3 +97,16 @@ def test_checkpoints_and_clipping_under_torchrun():
     for what in ("clip", "resume"):
         assert set(re.findall(rf"rank (\d): ok {what}", result.stdout)) == {"0", "1"}, result.stdout
     assert "ok plain" in result.stdout, result.stdout
+
+
+@pytest.mark.slow
+def test_pipeline_times_data_parallel_on_a_2x2_mesh_under_torchrun():
+    """4 gloo ranks: 2 (pp) x 2 (dp) equals accumulation of the global batch (1f1b, zb_h1); its
+    checkpoint resumes on 4 stages without data parallelism with the same losses."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
+           os.path.join(ROOT, "tests", "mesh_check.py")]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    for what in (r"mesh 2x2 \(1f1b", r"mesh 2x2 \(zb_h1", "resume 2x2 -> 4x1"):
+        assert set(re.findall(rf"rank (\d): ok {what}", result.stdout)) == {"0", "1", "2", "3"}, result.stdout

@@ -22,6 +22,14 @@ if TYPE_CHECKING:
     from pipesplit.runtime.pipeline import Pipeline
 
 
+def _flat_options() -> Any:
+    """Optimizer state keyed per parameter name (``state.<name>.exp_avg``, ``param_groups.<name>.lr``):
+    what lets another layout, holding other parameters per rank, find its share."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(flatten_optimizer_state_dict=True)
+
+
 def _dist() -> Any:
     import torch.distributed as dist
 
@@ -63,7 +71,7 @@ def save(pipe: "Pipeline", path: str | os.PathLike[str], optimizer: torch.optim.
     if optimizer is not None:
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-        state["optim"] = get_optimizer_state_dict(held_module(pipe), optimizer)
+        state["optim"] = get_optimizer_state_dict(held_module(pipe), optimizer, options=_flat_options())
     dcp.save(state, checkpoint_id=path, no_dist=pipe.executor != "distributed")
 
 
@@ -79,12 +87,12 @@ def load(pipe: "Pipeline", path: str | os.PathLike[str], optimizer: torch.optim.
     if optimizer is not None:
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-        state["optim"] = get_optimizer_state_dict(module, optimizer)  # initialises the state it loads into
+        state["optim"] = get_optimizer_state_dict(module, optimizer, options=_flat_options())  # initialises what it loads into
     dcp.load(state, checkpoint_id=path, no_dist=pipe.executor != "distributed")  # in place, into held tensors
     if optimizer is not None:
         from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
-        set_optimizer_state_dict(module, optimizer, state["optim"])
+        set_optimizer_state_dict(module, optimizer, state["optim"], options=_flat_options())
     pipe.prog.refresh_tied()
 
 

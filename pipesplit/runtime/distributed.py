@@ -48,7 +48,7 @@ class Layout:
             return [self.global_ranks]
         gathered: list[Any] = [None] * self.dist.get_world_size()
         self.dist.all_gather_object(gathered, self.global_ranks)
-        return sorted({tuple(g) for g in gathered})  # type: ignore[arg-type]
+        return [list(g) for g in sorted({tuple(g) for g in gathered})]
 
 
 class StepCollectives:
@@ -64,13 +64,13 @@ class StepCollectives:
                 if stage_to_rank[s] not in ranks:
                     ranks.append(stage_to_rank[s])
         self.tied_groups: list[tuple[Any, int]] = []
-        for idx in sorted(self.holders):  # every process creates every group, in the same order
+        tied = [idx for idx in sorted(self.holders) if len(self.holders[idx]) > 1 and prog.state_entry(idx).is_param]
+        replicas = layout.replicas() if tied else []
+        for idx in tied:  # every process creates every group, in the same order
             ranks = sorted(self.holders[idx])
-            if len(ranks) < 2 or not prog.state_entry(idx).is_param:
-                continue
-            for replica in layout.replicas():
+            for replica in replicas:
                 group = self.dist.new_group([replica[r] for r in ranks])
-                if replica == list(layout.global_ranks) and layout.rank in ranks:
+                if list(replica) == layout.global_ranks and layout.rank in ranks:
                     self.tied_groups.append((group, idx))
         self._pending: list[tuple[Any, torch.Tensor, list[torch.Tensor]]] = []
 
