@@ -2,6 +2,7 @@
 
 from pipesplit.schedules import builtin as _builtin  # noqa: F401  (registers the built-ins)
 from pipesplit.schedules import zero_bubble as _zero_bubble  # noqa: F401
+from pipesplit.schedules import dualpipe as _dualpipe  # noqa: F401
 from pipesplit.schedules.actions import Action, ActionKind
 from pipesplit.schedules.io import (
     load_schedule,
