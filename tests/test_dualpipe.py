@@ -1,7 +1,9 @@
-"""DualPipeV: golden table and properties, torch's order, simulated bubble, training through the runtime."""
+"""DualPipeV (golden table, properties, torch's order, bubble, training) and torch's schedule CSV format."""
 
 from __future__ import annotations
 
+import dataclasses
+import re
 import types
 from collections import Counter
 
@@ -11,13 +13,18 @@ import torch
 import pipesplit
 from pipesplit.errors import ScheduleError
 from pipesplit.schedules import (
+    Action,
     ActionKind,
     Schedule,
     StageCost,
+    from_torch_actions,
+    from_torch_csv,
     get_schedule,
     schedule_info,
     schedule_to_text,
     simulate,
+    to_torch_actions,
+    to_torch_csv,
     validate,
     with_communication,
 )
@@ -188,3 +195,117 @@ def test_pipeline_refuses_too_few_microbatches_for_dualpipe_v() -> None:
     prog = pipesplit.compile(case.build(), case.inputs(2)[0], num_stages=4, progress=False)
     with pytest.raises(ScheduleError, match=r"n_microbatches=2 for n_stages=4 \(n_ranks=2\). Use n_microbatches=4"):
         pipesplit.Pipeline(prog, "dualpipe_v", n_microbatches=2, loss_fn=dot_loss, n_ranks=2)
+
+
+# --- torch's schedule CSV ----------------------------------------------------------------------
+
+BUILTINS = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zb_h1", "zb_v", "dualpipe_v")
+
+
+def torch_schedules() -> types.ModuleType:
+    schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
+    for needed in ("_PipelineScheduleRuntime", "ScheduleDualPipeV", "ScheduleZBVZeroBubble", "ScheduleInterleaved1F1B"):
+        if not hasattr(schedules, needed):
+            pytest.skip(f"this torch has no {needed}")
+    return schedules
+
+
+def torch_runtime(cls_name: str, **sizes: int):
+    """A torch schedule object without its constructor, which needs live stages in a process group:
+    only the sizes that its order method, CSV loader/writer and lowering passes read."""
+    cls = getattr(torch_schedules(), cls_name)
+    runtime = object.__new__(cls)
+    vars(runtime).update(pipeline_order={}, _stages=[], _defer_pp_recv=False, **sizes)
+    return runtime
+
+
+def torch_loads(path, n_ranks: int, n_stages: int, m: int, comm: bool):
+    """What torch's own loader (``_PipelineScheduleRuntime._load_csv``) makes of the file."""
+    runtime = torch_runtime("_PipelineScheduleRuntime", pp_group_size=n_ranks, _num_stages=n_stages, _n_microbatches=m)
+    runtime._load_csv(str(path), format="compute_comms" if comm else "compute_only")
+    return runtime
+
+
+def build(name: str, p: int, m: int) -> Schedule:
+    spr = schedule_info(name).constraints.stages_per_rank or 2
+    return get_schedule(name, n_stages=spr * p, n_ranks=p, n_microbatches=m)
+
+
+@pytest.mark.parametrize("name", BUILTINS)
+@pytest.mark.parametrize("comm", [False, True])
+def test_export_reads_back_in_torchs_own_loader(name: str, comm: bool, tmp_path) -> None:
+    s = build(name, 3, 6)
+    s = with_communication(s) if comm else s
+    path = to_torch_csv(s, tmp_path / f"{name}.csv")
+    runtime = torch_loads(path, s.n_ranks, s.n_stages, s.n_microbatches, comm)
+    order = runtime.pipeline_order_with_comms if comm else runtime.pipeline_order
+    assert [[str(a) for a in order[r]] for r in range(s.n_ranks)] == to_torch_actions(s)
+    assert runtime.stage_index_to_group_rank == dict(enumerate(s.stage_to_rank))
+    assert from_torch_csv(path, name=s.name) == s
+
+
+def test_export_writes_pairs_as_torch_overlap_actions(tmp_path) -> None:
+    s = dualpipe_v(2, 4)
+    text = to_torch_csv(s, tmp_path / "d.csv").read_text()
+    assert text.splitlines()[0] == ("0F0,0F1,0F2,3F0,3I0,3W0,3F1,(0F3;3B1)OVERLAP_F_B,(3F2;0B0)OVERLAP_F_B,3B2,"
+                                    "(3F3;0B1)OVERLAP_F_B,3B3,0I2,0W2,0I3,0W3")
+    parsed = torch_schedules()._Action.from_str("(0F3;3B1)OVERLAP_F_B")
+    assert [str(a) for a in parsed.sub_actions] == ["0F3", "3B1"]
+
+
+@pytest.mark.parametrize(
+    "cls_name, sizes, ours",
+    [
+        ("ScheduleDualPipeV", dict(pp_group_size=3, _n_microbatches=7), ("dualpipe_v", 6, 3, 7)),
+        ("ScheduleZBVZeroBubble", dict(pp_group_size=3, _n_microbatches=6, num_stages=6), ("zb_v", 6, 3, 6)),
+        ("ScheduleInterleaved1F1B", dict(pp_group_size=3, _n_microbatches=6, n_local_stages=2, number_of_rounds=2,
+                                         microbatches_per_round=3), ("interleaved_1f1b", 6, 3, 6)),
+    ],
+)
+def test_csv_written_by_torch_loads_and_validates(cls_name: str, sizes: dict[str, int], ours: tuple, tmp_path) -> None:
+    # torch builds its order (from the sizes alone) and writes it with its own _dump_csv.
+    torch_schedule = torch_runtime(cls_name, **sizes)
+    p = sizes["pp_group_size"]
+    torch_schedule.pipeline_order = {r: torch_schedule._calculate_single_rank_operations(r) for r in range(p)}
+    torch_schedule._dump_csv(str(tmp_path / "compute.csv"), format="compute_only")
+    loaded = from_torch_csv(tmp_path / "compute.csv")  # validates
+    name, n_stages, n_ranks, m = ours
+    assert loaded == dataclasses.replace(get_schedule(name, n_stages=n_stages, n_ranks=n_ranks, n_microbatches=m),
+                                         name="compute")
+    # torch's lowering adds its sends and receives, and FSDP's UNSHARD/RESHARD/REDUCE_GRAD.
+    lowered = torch_loads(tmp_path / "compute.csv", n_ranks, n_stages, m, comm=False)
+    lowered._dump_csv(str(tmp_path / "comms.csv"), format="compute_comms")
+    with pytest.raises(ScheduleError, match=r"comms.csv'.*Rank 0, cell 0 \('0UNSHARD'\): UNSHARD is torch's FSDP "
+                                            r"action.*Pass drop_fsdp=True"):
+        from_torch_csv(tmp_path / "comms.csv")
+    comms = from_torch_csv(tmp_path / "comms.csv", drop_fsdp=True)  # validates, sends and receives included
+    assert comms.has_communication and comms.overlap == loaded.overlap
+    assert comms.compute_only().actions == loaded.actions
+
+
+def test_torch_actions_map_onto_pipesplit_actions() -> None:
+    s = from_torch_actions([["0F0", "", "0F1", "0SEND_F0", "0SEND_F1", "0RECV_B1", "(0F2;0I1)OVERLAP_F_B", "0W1",
+                             "0SEND_F2", "0RECV_B0", "0B0", "0RECV_B2", "0B2", "0REDUCE_GRAD"],
+                            ["1UNSHARD", "1RECV_F0", "1F0", "1RECV_F1", "1F1", "1I1", "1W1", "1SEND_B1", "1B0",
+                             "1SEND_B0", "1RECV_F2", "1F2", "1B2", "1SEND_B2", "1RESHARD"]], drop_fsdp=True)
+    assert [str(a) for a in s.actions[0]][:7] == ["0F0", "0F1", "0SEND_F0", "0SEND_F1", "0RECV_B1", "0F2", "0I1"]
+    assert s.overlap == ((Action.parse("0F2"), Action.parse("0I1")),)
+    assert (s.n_stages, s.n_ranks, s.n_microbatches, s.stage_to_rank) == (2, 2, 3, (0, 1))
+    assert {a.kind for rank in s.actions for a in rank} == set(ActionKind)
+
+
+@pytest.mark.parametrize(
+    "cell, message",
+    [
+        ("0RESHARD", r"RESHARD is torch's FSDP action"),
+        ("0REDUCE_GRAD", r"REDUCE_GRAD is torch's FSDP action"),
+        ("0X0", r"'X' is not an action kind pipesplit can run; known: F, B, I, W, SEND_F"),
+        ("0F", r"'0F' names no microbatch; F actions need one, e.g. '0F0'"),
+        ("F0", r"cannot read 'F0' as a torch action"),
+        ("(0F0;0B0)FUSED", r"torch groups actions only as \(a;b\)OVERLAP_F_B, not 'FUSED'"),
+        ("()OVERLAP_F_B", r"an OVERLAP_F_B group with no actions"),
+    ],
+)
+def test_from_torch_refuses_what_pipesplit_cannot_run(cell: str, message: str) -> None:
+    with pytest.raises(ScheduleError, match=re.escape(f"Rank 0, cell 1 ({cell!r}): ") + message):
+        from_torch_actions([["0F0", cell, "0B0"]])
