@@ -88,8 +88,7 @@ def dualpipe_v_rank(p: int, m: int, r: int) -> tuple[list[Action], list[tuple[Ac
 
 @register_schedule("dualpipe_v", stages_per_rank=2, microbatches_at_least_stages=True)
 def dualpipe_v(n_stages: int, n_ranks: int, n_microbatches: int) -> Schedule:
-    """DualPipeV (DeepSeek 2024, torch's ScheduleDualPipeV): a V of two stages per rank with
-    overlapped F&B pairs; needs n_microbatches >= n_stages.
+    """DualPipeV (DeepSeek 2024): a V of two stages per rank, F&B pairs overlapped; m >= n_stages.
 
     Rank r holds stages r and 2p-1-r. After warming up both chunks (chunk 1 already
     splitting its backward into I and W), the steady state runs a forward of one chunk
