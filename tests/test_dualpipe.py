@@ -168,7 +168,7 @@ def test_dualpipe_v_bubble_against_1f1b_and_zb_v(p: int, m_per_stage: int) -> No
     assert sum(overlapped.idle) < sum(zb_v.idle) if p >= 3 else sum(overlapped.idle) == pytest.approx(sum(zb_v.idle))
     if p >= 8:
         assert overlapped.bubble_fraction < zb_v.bubble_fraction
-    # The price: one chunk-activation more than ZB-V on every rank (DeepSeek's PP + 1).
+    # The price: one chunk-activation more than ZB-V on every rank.
     assert back_to_back.peak_activations == (2 * p + 1,) * p
     assert zb_v.peak_activations == (2 * p,) * p
 

@@ -117,9 +117,10 @@ def execute(
     data arrives. With ``paired`` given, an overlapped pair (:attr:`Schedule.overlap`,
     partners adjacent) starts once both actions' inputs are ready, occupies the rank for
     ``paired(f, b)``, shared in proportion to the durations in ``timed``, and both results
-    are available when it ends; without it, pairs run as two actions. The result does not depend on the order
-    ranks are visited in: a unit's start only depends on its predecessor on the rank and
-    on its requirements. Actions must be unique (``validate`` checks that first).
+    are available when it ends; without it, pairs run as two actions. The result does not
+    depend on the order ranks are visited in: a unit's start only depends on its
+    predecessor on the rank and on its requirements. Actions must be unique (``validate``
+    checks that first).
     """
     backward_of = backward_index(schedule)
     end: dict[Action, float] = {}
