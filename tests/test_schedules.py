@@ -216,6 +216,58 @@ def test_with_communication_keeps_same_rank_handoffs_local() -> None:
     assert not with_communication(get_schedule("looped_bfs", n_stages=3, n_ranks=1, n_microbatches=2)).has_communication
 
 
+# --- overlapped pairs ----------------------------------------------------------------------
+
+
+def paired(schedule: Schedule, *pairs: str) -> Schedule:
+    """``schedule`` with the given ``"F&B"`` overlapped pairs."""
+    return dataclasses.replace(schedule, overlap=tuple(tuple(map(Action.parse, p.split("&"))) for p in pairs))
+
+
+def test_overlapped_pair_validates_round_trips_and_lowers_as_one_unit(tmp_path) -> None:
+    s = validate(paired(get_schedule("1f1b", n_ranks=2, n_microbatches=2), "0F1&0B0"))
+    assert s.overlap == ((Action.parse("0F1"), Action.parse("0B0")),)
+    assert s.overlap_partner == {Action.parse("0F1"): Action.parse("0B0")}
+    assert schedule_to_text(s).splitlines()[-2:] == ["0F0 0F1&0B0 0B1", "1F0 1B0 1F1 1B1"]
+    assert schedule_from_text(schedule_to_text(s)) == s
+    assert schedule_from_csv(schedule_to_csv(s)) == s
+    assert load_schedule(save_schedule(s, tmp_path / "s.csv")) == s
+    # The pair's recv comes before it and its sends after it, so the pair stays adjacent.
+    comm = validate(with_communication(s))
+    assert schedule_to_text(comm).splitlines()[-2] == "0F0 0SEND_F0 0RECV_B0 0F1&0B0 0SEND_F1 0RECV_B1 0B1"
+    assert comm.compute_only() == s and with_communication(comm) == comm
+
+
+@pytest.mark.parametrize(
+    "pairs, message",
+    [
+        (["0F1&0B1"], r"overlapped pair 0F1&0B1 overlaps a forward and a backward of the same microbatch 1"),
+        (["0F0&0B1"], r"0F0 \(rank 0, position 0\) and 0B1 \(rank 0, position 3\) must be next to each other"),
+        (["0B0&0F1"], r"overlapped pair 0B0&0F1 must be a forward followed by a B or I pass, got FULL_BACKWARD"),
+        (["0F1&0B0", "1F1&0B0"], r"0B0 is in two overlapped pairs \(overlapped pair 0F1&0B0 and overlapped pair "
+                                 r"1F1&0B0\)"),
+        (["0F1&0B5"], r"overlapped pair 0F1&0B5 names 0B5, which is not in the schedule"),
+    ],
+)
+def test_validate_rejects_bad_overlapped_pairs(pairs: list[str], message: str) -> None:
+    with pytest.raises(ScheduleError, match=message):
+        validate(paired(get_schedule("1f1b", n_ranks=2, n_microbatches=2), *pairs))
+
+
+def test_validate_rejects_a_pair_that_deadlocks_only_when_overlapped() -> None:
+    # Run one after the other this order is fine; overlapped, 0F1 would wait for 0B0's input 1B0,
+    # which rank 1 only runs after 1F1, which needs 0F1.
+    s = get_schedule("gpipe", n_ranks=2, n_microbatches=2)
+    with pytest.raises(ScheduleError, match=r"0F1 \(rank 0, position 1\) \(overlapped with 0B0\) can never run: "
+                       r"it waits on 1B0, .*rank 1 is stuck at 1F1 \(rank 1, position 1\), which waits on 0F1"):
+        validate(paired(s, "0F1&0B0"))
+
+
+def test_pair_tokens_join_exactly_two_actions() -> None:
+    with pytest.raises(ScheduleError, match=r"Rank 0, position 1: '0F1&0B0&0B1' joins 3 actions"):
+        schedule_from_text("0F0 0F1&0B0&0B1\n1F0 1B0 1F1 1B1")
+
+
 # --- validate rejects ----------------------------------------------------------------------
 
 

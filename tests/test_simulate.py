@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from pipesplit.errors import ScheduleError
 from pipesplit.schedules import (
+    Action,
     Schedule,
     StageCost,
     Timeline,
@@ -210,3 +213,25 @@ def test_timeline_of_empty_rank_and_zero_costs() -> None:
     t = simulate(s, 0.0)
     assert isinstance(t, Timeline) and t.step_time == 0.0 and t.bubble_fraction == 0.0
     assert t.peak_activations == (1, 0)
+
+
+def test_overlapped_pair_starts_when_both_inputs_are_ready_and_takes_the_longer_action() -> None:
+    # 1F1B over 2 ranks, F = 1, B = 2, with 0F1 overlapped with 0B0. Back to back (overlap=0)
+    # nothing changes. Fully overlapped the pair waits for 0B0's input (1B0 ends at 4), takes
+    # max(1, 2) = 2, split 1:2 in the chart, and both results are ready at 6.
+    plain = get_schedule("1f1b", n_ranks=2, n_microbatches=2)
+    s = dataclasses.replace(plain, overlap=((Action.parse("0F1"), Action.parse("0B0")),))
+    assert simulate(s, 1.0).events == simulate(plain, 1.0).events
+    assert simulate(s, 1.0).step_time == 9.0
+    t = simulate(s, 1.0, overlap=1)
+    assert (t.of("0F1").start, t.of("0F1").end, t.of("0B0").end) == pytest.approx((4.0, 4 + 2 / 3, 6.0))
+    assert t.of("1F1").start == 6.0 and t.step_time == 11.0
+    assert t.busy[0] == pytest.approx(1 + 2 + 2)
+    half = simulate(s, 1.0, overlap=0.5)
+    assert half.of("0B0").end == pytest.approx(4 + 2.5)
+
+
+@pytest.mark.parametrize("bad", [-0.1, 1.5, float("nan"), "1", True])
+def test_simulate_rejects_bad_overlap(bad) -> None:
+    with pytest.raises(ScheduleError, match="overlap must be a number from 0"):
+        simulate(get_schedule("1f1b", n_ranks=2, n_microbatches=2), 1.0, overlap=bad)

@@ -2,6 +2,7 @@
 
 from pipesplit.schedules import builtin as _builtin  # noqa: F401  (registers the built-ins)
 from pipesplit.schedules import zero_bubble as _zero_bubble  # noqa: F401
+from pipesplit.schedules import dualpipe as _dualpipe  # noqa: F401
 from pipesplit.schedules.actions import Action, ActionKind
 from pipesplit.schedules.io import (
     load_schedule,
@@ -22,6 +23,7 @@ from pipesplit.schedules.registry import (
 from pipesplit.schedules.schedule import Schedule, with_communication
 from pipesplit.schedules.simulate import StageCost, simulate
 from pipesplit.schedules.timeline import TimedAction, Timeline
+from pipesplit.schedules.torch_format import from_torch_actions, from_torch_csv, to_torch_actions, to_torch_csv
 from pipesplit.schedules.validate import validate
 
 __all__ = [
@@ -32,6 +34,8 @@ __all__ = [
     "StageCost",
     "TimedAction",
     "Timeline",
+    "from_torch_actions",
+    "from_torch_csv",
     "get_schedule",
     "list_schedules",
     "load_schedule",
@@ -43,6 +47,8 @@ __all__ = [
     "schedule_to_csv",
     "schedule_to_text",
     "simulate",
+    "to_torch_actions",
+    "to_torch_csv",
     "unregister_schedule",
     "validate",
     "with_communication",

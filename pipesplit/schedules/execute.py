@@ -18,6 +18,8 @@ Duration = Callable[[Action], float]
 """Seconds an action occupies its rank."""
 Transfer = Callable[[Action, Action], float]
 """Delay between the end of a dependency (first argument) and when the action may use it."""
+PairDuration = Callable[[Action, Action], float]
+"""Seconds an overlapped ``(forward, backward)`` pair occupies its rank."""
 
 
 def backward_index(schedule: Schedule) -> dict[tuple[int, int], Action]:
@@ -70,6 +72,28 @@ def requirements(
     return (action.matching(),)
 
 
+def paired_with(schedule: Schedule, rank: int, pos: int) -> Action | None:
+    """The overlap partner of the action at ``(rank, pos)`` if it comes right after it, else None.
+
+    Such a pair runs as one unit: it starts once the inputs of both actions are ready.
+    """
+    actions = schedule.actions[rank]
+    partner = schedule.overlap_partner.get(actions[pos])
+    if partner is not None and pos + 1 < len(actions) and actions[pos + 1] == partner:
+        return partner
+    return None
+
+
+def unit_requirements(
+    schedule: Schedule, rank: int, pos: int, backward_of: Mapping[tuple[int, int], Action]
+) -> tuple[Action, ...]:
+    """What the action at ``(rank, pos)`` waits on, with its overlap partner's needs if paired."""
+    action = schedule.actions[rank][pos]
+    partner = paired_with(schedule, rank, pos)
+    unit = (action,) if partner is None else (action, partner)
+    return tuple(n for a in unit for n in requirements(a, schedule, backward_of))
+
+
 @dataclass(frozen=True)
 class Execution:
     """Outcome of running every rank's list in order until nothing more can run."""
@@ -84,13 +108,19 @@ class Execution:
         return all(pos is None for pos in self.blocked)
 
 
-def execute(schedule: Schedule, duration: Duration, transfer: Transfer) -> Execution:
+def execute(
+    schedule: Schedule, duration: Duration, transfer: Transfer, paired: PairDuration | None = None
+) -> Execution:
     """Run each rank's actions in list order, each as soon as its rank and inputs are ready.
 
     Sends never block; a RECV occupies its rank from when the rank reaches it until the
-    data arrives. The result does not depend on the order ranks are visited in: an
-    action's start only depends on its predecessor on the rank and on its requirements.
-    Actions must be unique (``validate`` checks that first).
+    data arrives. With ``paired`` given, an overlapped pair (:attr:`Schedule.overlap`,
+    partners adjacent) starts once both actions' inputs are ready, occupies the rank for
+    ``paired(f, b)``, shared in proportion to the durations in ``timed``, and both results
+    are available when it ends; without it, pairs run as two actions. The result does not
+    depend on the order ranks are visited in: a unit's start only depends on its
+    predecessor on the rank and on its requirements. Actions must be unique (``validate``
+    checks that first).
     """
     backward_of = backward_index(schedule)
     end: dict[Action, float] = {}
@@ -104,21 +134,32 @@ def execute(schedule: Schedule, duration: Duration, transfer: Transfer) -> Execu
         actions = schedule.actions[rank]
         while pointer[rank] < len(actions):
             action = actions[pointer[rank]]
-            needs = requirements(action, schedule, backward_of)
-            missing = next((n for n in needs if n not in end), None)
+            partner = None if paired is None else paired_with(schedule, rank, pointer[rank])
+            unit = (action,) if partner is None else (action, partner)
+            needs = [(n, a) for a in unit for n in requirements(a, schedule, backward_of)]
+            missing = next((n for n, _ in needs if n not in end), None)
             if missing is not None:
                 waiting.setdefault(missing, []).append(rank)
                 break
-            ready = max((end[n] + transfer(n, action) for n in needs), default=0.0)
+            ready = max((end[n] + transfer(n, a) for n, a in needs), default=0.0)
             if action.kind in (ActionKind.RECV_F, ActionKind.RECV_B):
                 start, finish = free[rank], max(free[rank], ready)
-            else:
+                timed[rank].append((action, start, finish))
+            elif partner is None:
                 start = max(free[rank], ready)
                 finish = start + duration(action)
-            end[action] = finish
+                timed[rank].append((action, start, finish))
+            else:
+                start = max(free[rank], ready)
+                first, second = duration(action), duration(partner)
+                span = paired(action, partner)
+                finish = start + span
+                split = start + (span * first / (first + second) if first + second > 0 else 0.0)
+                timed[rank] += [(action, start, split), (partner, split, finish)]
+            for a in unit:
+                end[a] = finish
+                ready_ranks.extend(waiting.pop(a, ()))
             free[rank] = finish
-            timed[rank].append((action, start, finish))
-            pointer[rank] += 1
-            ready_ranks.extend(waiting.pop(action, ()))
+            pointer[rank] += len(unit)
     blocked = tuple(p if p < len(a) else None for p, a in zip(pointer, schedule.actions))
     return Execution(tuple(map(tuple, timed)), blocked)

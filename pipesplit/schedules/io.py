@@ -15,11 +15,15 @@ from pipesplit.schedules.validate import validate
 
 _EMPTY_RANK = "-"
 """Stands for a rank with no actions, so blank lines can be ignored."""
+_PAIR = "&"
+"""Joins an overlapped pair into one token: ``0F3&3B1`` (see ``Schedule.overlap``)."""
 _HEADER_KEYS = ("name", "n_stages", "n_microbatches", "stage_to_rank")
 
 
 def schedule_to_text(schedule: Schedule) -> str:
     """The text form: ``# key: value`` header lines, then one line of actions per rank.
+
+    An overlapped pair is one token, forward and backward joined by ``&`` (``0F3&3B1``).
 
     >>> from pipesplit.schedules import get_schedule
     >>> print(schedule_to_text(get_schedule("gpipe", n_ranks=2, n_microbatches=2)))
@@ -31,7 +35,7 @@ def schedule_to_text(schedule: Schedule) -> str:
     1F0 1F1 1B0 1B1
     """
     lines = [f"# {key}: {value}" for key, value in _header(schedule)]
-    lines += [" ".join(map(str, rank)) or _EMPTY_RANK for rank in schedule.actions]
+    lines += [" ".join(tokens(schedule, rank)) or _EMPTY_RANK for rank in range(schedule.n_ranks)]
     return "\n".join(lines)
 
 
@@ -63,8 +67,8 @@ def schedule_to_csv(schedule: Schedule) -> str:
     writer = csv.writer(buffer, lineterminator="\n")
     for key, value in _header(schedule):
         writer.writerow([f"# {key}: {value}"])
-    for rank in schedule.actions:
-        writer.writerow([str(a) for a in rank] or [_EMPTY_RANK])
+    for rank in range(schedule.n_ranks):
+        writer.writerow(tokens(schedule, rank) or [_EMPTY_RANK])
     return buffer.getvalue()
 
 
@@ -122,6 +126,22 @@ def load_schedule(
         return _build(rows, header, name, n_stages, n_microbatches, stage_to_rank, check)
     except ScheduleError as err:
         raise ScheduleError(f"In {str(source)!r}: {err}") from err
+
+
+def tokens(schedule: Schedule, rank: int, pair: str = "{}&{}") -> list[str]:
+    """Rank ``rank``'s actions as text, each overlapped pair as one token formatted by ``pair``."""
+    actions = schedule.actions[rank]
+    out: list[str] = []
+    i = 0
+    while i < len(actions):
+        partner = schedule.overlap_partner.get(actions[i])
+        if partner is not None and i + 1 < len(actions) and actions[i + 1] == partner:
+            out.append(pair.format(actions[i], partner))
+            i += 2
+        else:
+            out.append(str(actions[i]))
+            i += 1
+    return out
 
 
 def _split_text(text: str) -> tuple[list[list[str]], dict[str, str]]:
@@ -183,10 +203,21 @@ def _build(
             stage_to_rank = [int(t) for t in re.split(r"[\s,]+", header["stage_to_rank"]) if t]
     except ValueError as err:
         raise ScheduleError(f"Malformed schedule header {header}: {err}. Sizes must be integers.") from err
-    actions = [[_parse_at(token, rank, pos) for pos, token in enumerate(row)] for rank, row in enumerate(rows)]
+    actions: list[list[Action]] = []
+    pairs: list[tuple[Action, Action]] = []
+    for rank, row in enumerate(rows):
+        actions.append([])
+        for pos, token in enumerate(row):
+            parsed = [_parse_at(part, rank, pos) for part in token.split(_PAIR)]
+            if len(parsed) > 2:
+                raise ScheduleError(f"Rank {rank}, position {pos}: {token!r} joins {len(parsed)} actions with "
+                                    f"{_PAIR!r}; an overlapped pair is one forward and one backward, e.g. '0F3&3B1'.")
+            if len(parsed) == 2:
+                pairs.append((parsed[0], parsed[1]))
+            actions[-1] += parsed
     schedule = Schedule.from_lists(
         name or header.get("name") or "loaded", actions,
-        n_stages=n_stages, n_microbatches=n_microbatches, stage_to_rank=stage_to_rank,
+        n_stages=n_stages, n_microbatches=n_microbatches, stage_to_rank=stage_to_rank, overlap=pairs,
     )
     return validate(schedule) if check else schedule
 

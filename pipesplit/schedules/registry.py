@@ -28,6 +28,8 @@ class ScheduleConstraints:
     """Whether n_microbatches must be a multiple of n_ranks (interleaved 1F1B)."""
     min_microbatches: int = 1
     """Smallest n_microbatches the schedule supports."""
+    microbatches_at_least_stages: bool = False
+    """Whether n_microbatches must be >= n_stages (DualPipeV fills its V with them)."""
 
     def check(self, name: str, n_stages: int, n_ranks: int, n_microbatches: int) -> None:
         """Raise ScheduleError naming the violated constraint, the numbers and a fix."""
@@ -56,6 +58,14 @@ class ScheduleConstraints:
                 f"n_microbatches={n_microbatches}, n_ranks={n_ranks}. Use n_microbatches="
                 + (f"{lower} or {lower + n_ranks}." if lower else f"{n_ranks}.")
             )
+        if self.microbatches_at_least_stages and n_microbatches < n_stages:
+            fewer = (f", or n_ranks={n_microbatches // v} (n_stages={n_microbatches // v * v}) for "
+                     f"n_microbatches={n_microbatches}" if v and n_microbatches >= v else "")
+            raise ScheduleError(
+                f"Schedule {name!r} needs at least as many microbatches as stages (n_microbatches >= "
+                f"n_stages), got n_microbatches={n_microbatches} for n_stages={n_stages} (n_ranks={n_ranks}). "
+                f"Use n_microbatches={n_stages} or more{fewer}."
+            )
         if n_microbatches < self.min_microbatches:
             raise ScheduleError(
                 f"Schedule {name!r} needs n_microbatches >= {self.min_microbatches}, got {n_microbatches}. "
@@ -83,6 +93,7 @@ def register_schedule(
     stages_per_rank: int | None = 1,
     microbatches_multiple_of_ranks: bool = False,
     min_microbatches: int = 1,
+    microbatches_at_least_stages: bool = False,
     replace: bool = False,
 ) -> Callable[[ScheduleFn], ScheduleFn]:
     """Register ``fn(n_stages, n_ranks, n_microbatches)`` under ``name``; returns ``fn`` unchanged.
@@ -100,7 +111,9 @@ def register_schedule(
     """
     if not isinstance(name, str) or not name:
         raise ScheduleError(f"A schedule name must be a non-empty string, got {name!r}.")
-    constraints = ScheduleConstraints(stages_per_rank, microbatches_multiple_of_ranks, min_microbatches)
+    constraints = ScheduleConstraints(
+        stages_per_rank, microbatches_multiple_of_ranks, min_microbatches, microbatches_at_least_stages
+    )
 
     def decorator(fn: ScheduleFn) -> ScheduleFn:
         if name in _REGISTRY and not replace:

@@ -35,6 +35,11 @@ class Schedule:
     """``stage_to_rank[s]`` is the rank that owns stage ``s``."""
     actions: tuple[tuple[Action, ...], ...]
     """``actions[r]`` is what rank ``r`` executes, in order."""
+    overlap: tuple[tuple[Action, Action], ...] = ()
+    """Pairs ``(forward, backward)`` meant to run overlapped, as DualPipe's F&B chunks: a
+    forward and the B or I pass of another microbatch, next to each other on one rank,
+    forward first. Executors that cannot overlap run the pair in list order (always valid);
+    ``simulate(..., overlap=x)`` prices it as overlapped. Sorted; ``()`` for most schedules."""
 
     def __post_init__(self) -> None:
         for field in ("n_stages", "n_ranks", "n_microbatches"):
@@ -44,6 +49,7 @@ class Schedule:
         # Normalise lists to tuples so the value stays hashable and immutable.
         object.__setattr__(self, "stage_to_rank", tuple(self.stage_to_rank))
         object.__setattr__(self, "actions", tuple(tuple(as_action(a) for a in rank) for rank in self.actions))
+        object.__setattr__(self, "overlap", _normalise_pairs(self.name, self.overlap))
         if len(self.stage_to_rank) != self.n_stages:
             raise ScheduleError(
                 f"Schedule {self.name!r}: stage_to_rank has {len(self.stage_to_rank)} entries but "
@@ -71,11 +77,13 @@ class Schedule:
         n_stages: int | None = None,
         n_microbatches: int | None = None,
         stage_to_rank: Sequence[int] | None = None,
+        overlap: Sequence[tuple[Action | str, Action | str]] = (),
     ) -> Schedule:
         """Build a schedule from per-rank lists, inferring what is not given.
 
         ``n_stages`` and ``n_microbatches`` default to one more than the largest index
-        used; ``stage_to_rank`` defaults to the rank each stage's actions appear on.
+        used; ``stage_to_rank`` defaults to the rank each stage's actions appear on;
+        ``overlap`` lists ``(forward, backward)`` pairs (see :attr:`overlap`).
 
         >>> Schedule.from_lists("x", [["0F0", "0B0"], ["1F0", "1B0"]]).stage_to_rank
         (0, 1)
@@ -90,7 +98,10 @@ class Schedule:
             n_microbatches = max((a.microbatch for a in flat), default=-1) + 1
         if stage_to_rank is None:
             stage_to_rank = _infer_stage_to_rank(name, lists, n_stages)
-        return cls(name, n_stages, len(lists), n_microbatches, tuple(stage_to_rank), tuple(map(tuple, lists)))
+        return cls(
+            name, n_stages, len(lists), n_microbatches, tuple(stage_to_rank), tuple(map(tuple, lists)),
+            tuple((as_action(f), as_action(b)) for f, b in overlap),
+        )
 
     def rank_stages(self, rank: int) -> tuple[int, ...]:
         """The stages owned by ``rank``, ascending.
@@ -106,6 +117,11 @@ class Schedule:
     def has_communication(self) -> bool:
         """Whether any SEND/RECV action is present."""
         return any(a.is_comm for rank in self.actions for a in rank)
+
+    @cached_property
+    def overlap_partner(self) -> dict[Action, Action]:
+        """The backward each overlapped forward is paired with (see :attr:`overlap`)."""
+        return dict(self.overlap)
 
     def compute_only(self) -> Schedule:
         """This schedule with every SEND/RECV action removed."""
@@ -131,6 +147,17 @@ class Schedule:
     def crosses_ranks(self, stage: int, other: int) -> bool:
         """Whether a hand-off between ``stage`` and ``other`` leaves the rank."""
         return self.stage_to_rank[stage] != self.stage_to_rank[other]
+
+
+def _normalise_pairs(name: str, pairs: object) -> tuple[tuple[Action, Action], ...]:
+    try:
+        items = [(as_action(f), as_action(b)) for f, b in pairs]  # type: ignore[attr-defined]
+    except (TypeError, ValueError) as err:
+        raise ScheduleError(
+            f"Schedule {name!r}: overlap must be a sequence of (forward, backward) pairs such as "
+            f"(Action.parse('0F3'), Action.parse('3B1')), got {pairs!r}."
+        ) from err
+    return tuple(sorted(items))
 
 
 def _infer_stage_to_rank(name: str, lists: list[list[Action]], n_stages: int) -> tuple[int, ...]:
@@ -159,7 +186,8 @@ def with_communication(schedule: Schedule) -> Schedule:
     A send goes right after the compute action that produces the tensor (``F`` sends
     activations forward, ``B``/``I`` send the input gradient backward); the matching
     recv goes right before the compute action that consumes it. Hand-offs between
-    stages on the same rank stay local (no action).
+    stages on the same rank stay local (no action). An overlapped pair (see
+    :attr:`Schedule.overlap`) is one unit: both recvs before it, both sends after it.
 
     Assumption: sends are non-blocking (buffered ``isend``) and recvs block until the
     matching send has run. Then a recv waits exactly on what its consumer would wait on
@@ -171,32 +199,41 @@ def with_communication(schedule: Schedule) -> Schedule:
     >>> [str(a) for a in with_communication(s).actions[0]]
     ['0F0', '0SEND_F0', '0RECV_B0', '0B0']
     """
-    last = schedule.n_stages - 1
     per_rank: list[tuple[Action, ...]] = []
     for rank_actions in schedule.actions:
+        compute = [a for a in rank_actions if a.is_compute]
         out: list[Action] = []
-        for action in rank_actions:
-            if action.is_comm:
-                continue
-            s, m = action.stage, action.microbatch
-            if s > last:
-                raise ScheduleError(
-                    f"Schedule {schedule.name!r}: {action} names stage {s} but n_stages is "
-                    f"{schedule.n_stages}; run validate() to find every such action."
-                )
-            if action.kind is ActionKind.FORWARD:
-                if s > 0 and schedule.crosses_ranks(s, s - 1):
-                    out.append(Action(s, ActionKind.RECV_F, m))
-                out.append(action)
-                if s < last and schedule.crosses_ranks(s, s + 1):
-                    out.append(Action(s, ActionKind.SEND_F, m))
-            elif action.kind.is_backward:
-                if s < last and schedule.crosses_ranks(s, s + 1):
-                    out.append(Action(s, ActionKind.RECV_B, m))
-                out.append(action)
-                if s > 0 and schedule.crosses_ranks(s, s - 1):
-                    out.append(Action(s, ActionKind.SEND_B, m))
-            else:
-                out.append(action)
+        i = 0
+        while i < len(compute):
+            partner = schedule.overlap_partner.get(compute[i])
+            paired = i + 1 < len(compute) and compute[i + 1] == partner
+            unit = compute[i : i + 2] if paired else compute[i : i + 1]
+            hand_offs = [_hand_offs(schedule, a) for a in unit]
+            out += [recv for recv, _ in hand_offs if recv is not None]
+            out += unit
+            out += [send for _, send in hand_offs if send is not None]
+            i += len(unit)
         per_rank.append(tuple(out))
     return dataclasses.replace(schedule, actions=tuple(per_rank))
+
+
+def _hand_offs(schedule: Schedule, action: Action) -> tuple[Action | None, Action | None]:
+    """The RECV a compute action needs first and the SEND it makes after (None: local or none)."""
+    s, m, last = action.stage, action.microbatch, schedule.n_stages - 1
+    if s > last:
+        raise ScheduleError(
+            f"Schedule {schedule.name!r}: {action} names stage {s} but n_stages is "
+            f"{schedule.n_stages}; run validate() to find every such action."
+        )
+    recv = send = None
+    if action.kind is ActionKind.FORWARD:
+        if s > 0 and schedule.crosses_ranks(s, s - 1):
+            recv = Action(s, ActionKind.RECV_F, m)
+        if s < last and schedule.crosses_ranks(s, s + 1):
+            send = Action(s, ActionKind.SEND_F, m)
+    elif action.kind.is_backward:
+        if s < last and schedule.crosses_ranks(s, s + 1):
+            recv = Action(s, ActionKind.RECV_B, m)
+        if s > 0 and schedule.crosses_ranks(s, s - 1):
+            send = Action(s, ActionKind.SEND_B, m)
+    return recv, send

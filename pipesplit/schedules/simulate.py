@@ -63,6 +63,8 @@ def simulate(
     schedule: Schedule,
     stage_costs: CostLike | Sequence[CostLike],
     comm_cost: float | Sequence[float] = 0.0,
+    *,
+    overlap: float = 0.0,
 ) -> Timeline:
     """Simulate ``schedule`` and return its :class:`Timeline`.
 
@@ -74,11 +76,24 @@ def simulate(
     when its rank is free and its inputs have arrived. With SEND/RECV actions present a
     send takes no rank time and a recv holds its rank until the data arrives.
 
+    ``overlap`` prices the schedule's overlapped pairs (:attr:`Schedule.overlap`, e.g.
+    DualPipeV's F&B chunks): the share of the shorter action of a pair hidden behind the
+    longer one: a pair starts once both actions' inputs are ready and takes
+    ``max(f, b) + (1 - overlap) * min(f, b)``. 0 (the default) runs them as two separate
+    actions, as pipesplit's executors do; 1 runs them fully concurrently, as DualPipe
+    assumes when one chunk's communication hides behind the other's compute. Schedules
+    without pairs are unaffected.
+
     >>> from pipesplit.schedules import get_schedule
     >>> t = simulate(get_schedule("1f1b", n_ranks=4, n_microbatches=8), 1.0)
     >>> t.step_time, round(t.bubble_fraction, 4)
     (33.0, 0.2727)
     """
+    if isinstance(overlap, bool) or not isinstance(overlap, (int, float)) or not 0.0 <= overlap <= 1.0:
+        raise ScheduleError(
+            f"simulate: overlap must be a number from 0 (pairs run back to back) to 1 (fully "
+            f"overlapped), got {overlap!r}."
+        )
     validate(schedule)
     costs = _stage_costs(schedule, stage_costs)
     cuts = _cut_costs(schedule, comm_cost)
@@ -91,7 +106,11 @@ def simulate(
             return 0.0
         return cuts[min(dep.stage, action.stage)]
 
-    run = execute(schedule, duration, transfer)
+    def paired(forward: Action, backward: Action) -> float:
+        a, b = duration(forward), duration(backward)
+        return max(a, b) + (1.0 - overlap) * min(a, b)
+
+    run = execute(schedule, duration, transfer, paired if overlap > 0 else None)
     events = tuple(tuple(TimedAction(a, s, e) for a, s, e in rank) for rank in run.timed)
     return Timeline(schedule, events)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pipesplit.errors import ScheduleError
 from pipesplit.schedules.actions import Action, ActionKind
-from pipesplit.schedules.execute import B, F, I, W, backward_index, execute, requirements
+from pipesplit.schedules.execute import B, F, I, W, backward_index, execute, paired_with, unit_requirements
 from pipesplit.schedules.schedule import Schedule
 
 Where = dict[Action, tuple[int, int]]
@@ -15,9 +15,13 @@ def validate(schedule: Schedule) -> Schedule:
 
     Checks, in order: every action names an existing stage and microbatch and sits on the
     rank owning its stage; every ``F(s,m)`` appears exactly once; every ``(s,m)`` has
-    exactly one backward, either ``B`` or ``I`` + ``W`` (never mixed); with SEND/RECV
-    actions present, every cross-rank hand-off has exactly one send and one recv and no
-    same-rank hand-off has any; finally, running each rank's list in order runs everything.
+    exactly one backward, either ``B`` or ``I`` + ``W`` (never mixed); every overlapped pair
+    is a forward directly followed by the ``B``/``I`` of another microbatch on the same
+    rank, each action in one pair at most; with SEND/RECV actions present, every
+    cross-rank hand-off has exactly one send and one recv and no same-rank hand-off has
+    any; finally, running each rank's list in order runs everything, an overlapped pair
+    starting only once both its actions' inputs are ready (so running the pair one
+    action after the other is safe too).
     While running, ``F(s,m)`` waits on ``F(s-1,m)``; ``B/I(s,m)`` on ``F(s,m)`` and
     ``B/I(s+1,m)``; ``W(s,m)`` on ``I(s,m)``; with SEND/RECV present a cross-rank
     consumer waits on its local RECV, a RECV blocks until its SEND ran, sends never block.
@@ -29,9 +33,10 @@ def validate(schedule: Schedule) -> Schedule:
     """
     where = _check_placement(schedule)
     _check_coverage(schedule, where)
+    _check_overlap(schedule, where)
     if schedule.has_communication:
         _check_communication(schedule, where)
-    run = execute(schedule, lambda a: 0.0, lambda dep, a: 0.0)
+    run = execute(schedule, lambda a: 0.0, lambda dep, a: 0.0, lambda f, b: 0.0)
     if not run.complete:
         raise _explain_stuck(schedule, where, run.blocked)
     return schedule
@@ -112,6 +117,39 @@ def _check_coverage(schedule: Schedule, where: Where) -> None:
                 )
 
 
+def _check_overlap(schedule: Schedule, where: Where) -> None:
+    """Overlapped pairs: a forward, then right after it the B/I pass of another microbatch."""
+    name = schedule.name
+    seen: dict[Action, str] = {}
+    for f, b in schedule.overlap:
+        pair = f"overlapped pair {f}&{b}"
+        if f.kind is not F or not b.kind.is_backward:
+            raise ScheduleError(
+                f"Schedule {name!r}: {pair} must be a forward followed by a B or I pass, got "
+                f"{f.kind.name} and {b.kind.name}. Write each pair as (forward, backward)."
+            )
+        for a in (f, b):
+            if a not in where:
+                raise ScheduleError(f"Schedule {name!r}: {pair} names {a}, which is not in the schedule. "
+                                    "Add it or drop the pair.")
+            if a in seen:
+                raise ScheduleError(f"Schedule {name!r}: {a} is in two overlapped pairs ({seen[a]} and {pair}); "
+                                    "an action overlaps at most one other. Drop one pair.")
+            seen[a] = pair
+        if f.microbatch == b.microbatch:
+            raise ScheduleError(
+                f"Schedule {name!r}: {pair} overlaps a forward and a backward of the same microbatch "
+                f"{f.microbatch}, which depend on each other. Pair {b} with another microbatch's forward."
+            )
+        (f_rank, f_pos), (b_rank, b_pos) = where[f], where[b]
+        if b_rank != f_rank or b_pos != f_pos + 1:
+            raise ScheduleError(
+                f"Schedule {name!r}: {pair}: {_at(f, where)} and {_at(b, where)} must be next to each "
+                f"other on one rank, forward first (RECVs before the pair, SENDs after it). Move {b} "
+                f"right after {f}, or drop the pair."
+            )
+
+
 def _check_communication(schedule: Schedule, where: Where) -> None:
     """SEND/RECV exactly where consecutive stages sit on different ranks."""
     name = schedule.name
@@ -151,43 +189,48 @@ def _check_communication(schedule: Schedule, where: Where) -> None:
 def _explain_stuck(schedule: Schedule, where: Where, blocked: tuple[int | None, ...]) -> ScheduleError:
     """Name the first action that can never run and why."""
     backward_of = backward_index(schedule)
-    head = {rank: schedule.actions[rank][pos] for rank, pos in enumerate(blocked) if pos is not None}
+    head = {rank: pos for rank, pos in enumerate(blocked) if pos is not None}
     ran = {
         a
         for rank, actions in enumerate(schedule.actions)
         for a in actions[: len(actions) if blocked[rank] is None else blocked[rank]]
     }
 
-    def unmet(action: Action) -> Action:
-        return next(n for n in requirements(action, schedule, backward_of) if n not in ran)
+    def unmet(rank: int) -> Action:
+        return next(n for n in unit_requirements(schedule, rank, head[rank], backward_of) if n not in ran)
+
+    def stuck_at(rank: int) -> str:
+        action = schedule.actions[rank][head[rank]]
+        partner = paired_with(schedule, rank, head[rank])
+        return _at(action, where) + ("" if partner is None else f" (overlapped with {partner})")
 
     prefix = f"Schedule {schedule.name!r}"
     # A requirement placed later on the same rank is the clearest root cause: report it first.
-    for rank, action in head.items():
-        dep = unmet(action)
+    for rank in head:
+        dep = unmet(rank)
         if dep in where and where[dep][0] == rank:
+            action = schedule.actions[rank][head[rank]]
             return ScheduleError(
-                f"{prefix}: {_at(action, where)} can never run: it waits on {dep}, which comes later "
+                f"{prefix}: {stuck_at(rank)} can never run: it waits on {dep}, which comes later "
                 f"on the same rank (position {where[dep][1]}). Move {dep} before {action}."
             )
-    rank, action = next(iter(head.items()))
-    dep = unmet(action)
+    rank = next(iter(head))
+    dep = unmet(rank)
     if dep not in where:
         return ScheduleError(
-            f"{prefix}: {_at(action, where)} can never run: it waits on {dep}, which is not in the schedule."
+            f"{prefix}: {stuck_at(rank)} can never run: it waits on {dep}, which is not in the schedule."
         )
     # Follow who-waits-on-whom across ranks until a rank repeats: that is the deadlock cycle.
     first = dep
-    chain = [f"{_at(action, where)} waits on {_at(dep, where)}"]
+    chain = [f"{stuck_at(rank)} waits on {_at(dep, where)}"]
     seen = {rank}
     while where[dep][0] not in seen:
         dep_rank = where[dep][0]
         seen.add(dep_rank)
-        stuck = head[dep_rank]
-        dep = unmet(stuck)
-        chain.append(f"rank {dep_rank} is stuck at {_at(stuck, where)}, which waits on {_at(dep, where)}")
+        dep = unmet(dep_rank)
+        chain.append(f"rank {dep_rank} is stuck at {stuck_at(dep_rank)}, which waits on {_at(dep, where)}")
     return ScheduleError(
-        f"{prefix}: {_at(action, where)} can never run: it waits on {first}, "
+        f"{prefix}: {stuck_at(rank)} can never run: it waits on {first}, "
         f"which never runs. Deadlock: {'; '.join(chain)}. Reorder the lists so every action's inputs run "
         "earlier (for SEND/RECV, rebuild with with_communication(schedule.compute_only()))."
     )
