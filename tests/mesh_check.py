@@ -33,8 +33,12 @@ def ce(out, y):
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--schedule", default="1f1b,zb_h1")
+    p.add_argument("--die", choices=["step", "save"], help="failure test: a rank exits at this point")
+    p.add_argument("--die-rank", type=int, default=3)
     args = p.parse_args()
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    if args.die:
+        return die(args)
     torch.set_num_threads(1)
     rank = dist.get_rank()
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
@@ -42,6 +46,27 @@ def main() -> int:
         return run(args, rank, mesh)
     finally:
         dist.destroy_process_group()
+
+
+def die(args) -> int:
+    """Rank ``--die-rank`` exits before a training step's data-parallel sum or a save; the others must
+    raise a RuntimeCommError within the timeout, not hang."""
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+    torch.manual_seed(0)
+    prog = pipesplit.compile(CASE_BY_NAME["gpt_tied"].build(), torch.randint(0, 64, (2, 16)), num_stages=2,
+                             progress=False)
+    pipe = pipesplit.Pipeline(prog, "1f1b", n_microbatches=2, loss_fn=ce, mesh=mesh, timeout=15)
+    x, y = torch.randint(0, 64, (8, 16)), torch.randint(0, 64, (8, 16))
+    if args.die == "save":
+        pipe.step(x, target=y)
+    if rank == args.die_rank:
+        os._exit(3)
+    if args.die == "step":
+        pipe.step(x, target=y)
+    else:
+        pipe.save(tempfile.mkdtemp(prefix=f"pipesplit-die-{rank}-"))
+    return 0
 
 
 def run(args, rank, mesh) -> int:

@@ -110,3 +110,63 @@ def test_pipeline_times_data_parallel_on_a_2x2_mesh_under_torchrun():
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     for what in (r"mesh 2x2 \(1f1b", r"mesh 2x2 \(zb_h1", "resume 2x2 -> 4x1"):
         assert set(re.findall(rf"rank (\d): ok {what}", result.stdout)) == {"0", "1", "2", "3"}, result.stdout
+
+
+def test_an_interrupted_save_never_looks_complete(tmp_path, monkeypatch):
+    import torch.distributed.checkpoint as dcp
+
+    torch.manual_seed(0)
+    pipe = _gpt_pipe(CASE_BY_NAME["gpt_tied"].build(), 2)
+    path = tmp_path / "ckpt"
+    pipe.save(str(path))
+    first = {k: v.clone() for k, v in pipe.prog.state_dict().items()}
+    with torch.no_grad():
+        for p in pipe.parameters():
+            p.add_(1.0)
+    real_save = dcp.save
+
+    def dies_half_way(state, *, checkpoint_id, **kw):
+        real_save({"model": {k: v for i, (k, v) in enumerate(state["model"].items()) if i < 3}},
+                  checkpoint_id=checkpoint_id, **kw)  # some files written...
+        raise KeyboardInterrupt  # ...then the job is killed
+
+    monkeypatch.setattr(dcp, "save", dies_half_way)
+    with pytest.raises(KeyboardInterrupt):
+        pipe.save(str(path))
+    monkeypatch.setattr(dcp, "save", real_save)
+    fresh = _gpt_pipe(CASE_BY_NAME["gpt_tied"].build(), 3)
+    fresh.load(str(path))  # the previous, complete checkpoint
+    for k, v in fresh.prog.state_dict().items():
+        assert torch.equal(v, first[k]), k
+    pipe.save(str(path))  # a later save replaces it and clears the partial one
+    assert not (tmp_path / "ckpt.partial").exists()
+    fresh.load(str(path))
+    assert torch.equal(fresh.prog.state_dict()["tok.weight"], pipe.prog.state_dict()["tok.weight"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("when", ["step", "save"])
+def test_a_replica_that_dies_makes_the_others_fail_naming_it(when):
+    import socket
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(4):
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="4",
+                   LOCAL_RANK=str(rank), OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+        cmd = [sys.executable, os.path.join(ROOT, "tests", "mesh_check.py"), "--die", when, "--die-rank", "3"]
+        procs.append(subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True))
+    start = time.monotonic()
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert procs[3].returncode == 3
+    for rank in range(3):
+        assert procs[rank].returncode != 0, f"rank {rank} must fail, not pass"
+    errors = "\n".join(err for _, err in outs[:3])
+    assert "RuntimeCommError" in errors, errors[-4000:]
+    named = r"for rank\(s\) \[3\], which never came" if when == "save" else r"global ranks \[1, 3\]"
+    assert re.search(named, errors), errors[-4000:]
+    assert time.monotonic() - start < 200

@@ -11,11 +11,15 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 from torch import nn
 
+from pipesplit.errors import RuntimeCommError
+from pipesplit.runtime.distributed import store_barrier
 from pipesplit.state import attach
 
 if TYPE_CHECKING:
@@ -64,15 +68,57 @@ def save(pipe: "Pipeline", path: str | os.PathLike[str], optimizer: torch.optim.
     pipeline of any layout, or into the plain model::
 
         torch.distributed.checkpoint.load({"model": model.state_dict()}, checkpoint_id=path)
+
+    The checkpoint is written to ``<path>.partial`` and renamed to ``path`` only once every
+    rank has written its part: an interrupted save leaves the previous checkpoint at ``path``
+    (or none), never one that loads as if it were complete.
     """
     import torch.distributed.checkpoint as dcp
 
+    final = Path(path)
+    staging = final.with_name(final.name + ".partial")
+    dist = _dist() if pipe.executor == "distributed" else None
+    lead = dist is None or dist.get_rank() == 0
+    if lead and staging.exists():
+        shutil.rmtree(staging)
+    _barrier(pipe, dist, "before writing the checkpoint")
     state: dict[str, Any] = {"model": _model_state(pipe)}
     if optimizer is not None:
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
         state["optim"] = get_optimizer_state_dict(held_module(pipe), optimizer, options=_flat_options())
-    dcp.save(state, checkpoint_id=path, no_dist=pipe.executor != "distributed")
+    try:
+        dcp.save(state, checkpoint_id=staging, no_dist=dist is None)
+    except Exception as e:
+        if dist is None:
+            raise
+        raise RuntimeCommError(
+            f"rank {dist.get_rank()}: saving {final} failed while the ranks exchanged their save plans or "
+            f"results: {str(e).splitlines()[0] if str(e) else type(e).__name__}. Another rank died or is stuck; "
+            f"{final} still holds the previous checkpoint, if there was one."
+        ) from e
+    _barrier(pipe, dist, "after writing the checkpoint")
+    if lead:
+        _publish(staging, final)
+    _barrier(pipe, dist, "after publishing the checkpoint")
+
+
+def _publish(staging: Path, final: Path) -> None:
+    """Move the written checkpoint into place; the previous one goes only once the new one is there."""
+    old = final.with_name(final.name + ".old")
+    if old.exists():
+        shutil.rmtree(old)
+    if final.exists():
+        final.rename(old)
+    staging.rename(final)
+    if old.exists():
+        shutil.rmtree(old)
+
+
+def _barrier(pipe: "Pipeline", dist: Any, when: str) -> None:
+    """Wait for every rank within the pipeline's timeout, naming the ones that do not come."""
+    if dist is not None:
+        store_barrier(pipe.timeout, when + " (the previous checkpoint, if any, is untouched)")
 
 
 def load(pipe: "Pipeline", path: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None = None) -> None:

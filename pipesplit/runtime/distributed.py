@@ -10,12 +10,52 @@ and a tied weight's gradient is summed over the pipeline ranks that hold it.
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any, Sequence
 
 import torch
 
-from pipesplit.errors import PipesplitError
+from pipesplit.errors import PipesplitError, RuntimeCommError
 from pipesplit.program import SplitProgram
+
+
+_BARRIERS = [0]  # store barriers this process has entered; every rank enters them in the same order
+
+
+def store_barrier(timeout: float, what: str) -> None:
+    """Wait until every rank reaches this point, through the rendezvous store, for at most ``timeout``
+    seconds; raise a RuntimeCommError naming the ranks that did not come.
+
+    Unlike a collective, this never breaks off on a closed connection before it knows who is
+    missing: a dead rank simply never checks in.
+    """
+    import time
+
+    import torch.distributed as dist
+
+    _BARRIERS[0] += 1
+    me, world = dist.get_rank(), dist.get_world_size()
+    keys = [f"pipesplit/barrier/{_BARRIERS[0]}/{r}" for r in range(world)]
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.set(keys[me], "1")
+        deadline = time.monotonic() + timeout
+        missing = list(range(world))
+        while True:
+            missing = [r for r in missing if not store.check([keys[r]])]
+            if not missing or time.monotonic() > deadline:
+                break
+            time.sleep(0.02)
+    except Exception as e:  # the store's host (rank 0) is gone
+        raise RuntimeCommError(
+            f"rank {me} lost the rendezvous store {what} ({str(e).splitlines()[0] if str(e) else type(e).__name__}): "
+            "rank 0, which hosts it, died."
+        ) from e
+    if missing:
+        raise RuntimeCommError(
+            f"rank {me} waited {timeout:.0f}s {what} for rank(s) {missing}, which never came: they died or are "
+            "stuck. Raise timeout= if they are just slow."
+        )
 
 
 class Layout:
@@ -110,11 +150,24 @@ class StepCollectives:
         work = self.dist.all_reduce(flat, group=self.layout.dp_group, async_op=True)
         self._pending.append((work, flat, grads))
 
-    def finish_data_parallel(self) -> None:
+    def finish_data_parallel(self, timeout: float) -> None:
         """Wait for the replicas' sums and write them back into the gradients."""
         pending, self._pending = self._pending, []
         for work, flat, grads in pending:
-            work.wait()
+            try:
+                ok = work.wait(timeout=timedelta(seconds=timeout))
+            except Exception as e:  # gloo raises on timeouts and closed connections
+                ok, error = False, e
+            else:
+                error = None
+            if ok is False:
+                peers = self.dist.get_process_group_ranks(self.layout.dp_group)
+                raise RuntimeCommError(
+                    f"rank {self.dist.get_rank()} gave up summing gradients over its data-parallel group (global "
+                    f"ranks {peers}) after at most {timeout:.0f}s"
+                    + (f": {str(error).splitlines()[0]}" if error is not None and str(error) else "")
+                    + ". One of those replicas died or never finished its step; raise timeout= if it is just slow."
+                ) from error
             offset = 0
             for g in grads:
                 g.copy_(flat[offset:offset + g.numel()].view_as(g))

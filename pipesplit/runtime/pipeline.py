@@ -366,7 +366,7 @@ class Pipeline:
                     if a.kind.is_compute:
                         self.workers[a.stage].run(a, data)
                 self.transport.flush()
-                self.collectives.finish_data_parallel()
+                self.collectives.finish_data_parallel(self.timeout)
             finally:
                 self.prog.defer_tied_gradients(False)
             if data.training:
