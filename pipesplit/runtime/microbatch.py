@@ -8,7 +8,7 @@ import torch
 
 from pipesplit.capture import InputInfo
 from pipesplit.errors import InputError
-from pipesplit.program import check_range
+from pipesplit.inputs import check_range
 
 
 def batch_size(flat: Sequence[Any], infos: Sequence[InputInfo], batch_dim: int = 0) -> int:

@@ -1,0 +1,89 @@
+"""Checking a call against what was captured: input structure, shapes, dtypes and export's ranges."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from pipesplit.capture import InputInfo
+from pipesplit.errors import InputError
+
+
+class Shown(str):
+    """Text that prints without quotes, to draw an input structure."""
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+def shown(x: Any) -> Any:
+    return Shown(f"Tensor{list(x.shape)}") if isinstance(x, torch.Tensor) else x
+
+
+def describe_structure(tree: tuple[Any, Any]) -> str:
+    args, kwargs = tree
+    return f"args={args!r}, kwargs={kwargs!r}"
+
+
+def check_input(value: Any, info: InputInfo) -> None:
+    if not info.is_tensor:
+        if isinstance(value, torch.Tensor):
+            raise InputError(f"input {info.name!r} was compiled as a constant {info.example!r}, got a tensor.")
+        if value != info.example:
+            raise InputError(
+                f"input {info.name!r} was compiled as the constant {info.example!r} and the graph bakes it in; "
+                f"got {value!r}. Compile again with this value."
+            )
+        return
+    if not isinstance(value, torch.Tensor):
+        raise InputError(f"input {info.name!r} must be a tensor, got {type(value).__name__}.")
+    assert info.shape is not None
+    expected = "(" + ", ".join("*" if d is None else str(d) for d in info.shape) + ")"
+    if value.dim() != len(info.shape):
+        raise InputError(
+            f"input {info.name!r} has shape {tuple(value.shape)} ({value.dim()} dimensions); "
+            f"the program takes {expected} ({len(info.shape)} dimensions)."
+        )
+    for dim, (got, want) in enumerate(zip(value.shape, info.shape)):
+        if want is not None and got != want:
+            if dim != 0:
+                hint = " The model fixes this dimension at compile time."
+            elif want == 1:
+                hint = (
+                    " The batch dimension is pinned by the example batch of 1: "
+                    "compile with an example batch of 2 or more."
+                )
+            else:
+                hint = (
+                    f" The model pins the batch dimension to {want} (e.g. a reshape with a literal batch size; see "
+                    "prog.notes): call it with that batch, or make the model read the batch size from its input."
+                )
+            raise InputError(
+                f"input {info.name!r} has shape {tuple(value.shape)}; the program takes {expected}: "
+                f"dimension {dim} must be {want}, got {got}.{hint}"
+            )
+    for dim in info.ranges:
+        check_range(info, dim, int(value.shape[dim]))
+    if value.dtype != info.dtype:
+        raise InputError(f"input {info.name!r} has dtype {value.dtype}; the program was compiled for {info.dtype}.")
+
+
+def check_range(info: InputInfo, dim: int, size: int, what: str = "") -> None:
+    """``size`` lies in the range torch.export assumed for ``info``'s dimension ``dim``.
+
+    Export's default range for a dynamic size starts at 2 (sizes 0 and 1 are treated as
+    special while tracing) yet its graphs hold for 1 as well, as torch's own module accepts;
+    a larger lower bound, or any upper bound, comes from the model's code (``if x.shape[0] > 2``)
+    and the graph is wrong outside it.
+    """
+    low, high = info.ranges[dim]
+    low = min(low, 1) if low <= 2 else low
+    if size < low or (high is not None and size > high):
+        span = f"{low}..{high}" if high is not None else f">= {low}"
+        raise InputError(
+            f"input {info.name!r} has size {size} in dimension {dim}{what}, but the program was captured for sizes "
+            f"{span} there: the model's code depends on that size (a branch such as `if x.shape[{dim}] > {low - 1}`), "
+            "and its graph only holds inside that range. Use a size in the range, or compile with an example "
+            "whose size takes the other branch."
+        )
