@@ -51,10 +51,9 @@ def _timed(name: str, timings: dict[str, float]) -> Iterator[None]:
 
 
 def _default_device(model: nn.Module) -> str:
-    for t in model.parameters():
-        return str(t.device)
-    for t in model.buffers():
-        return str(t.device)
+    """The model's device; a model on "meta" (no storage yet) runs on the CPU unless devices= says otherwise."""
+    for t in list(model.parameters()) + list(model.buffers()):
+        return "cpu" if t.is_meta else str(t.device)
     return "cpu"
 
 

@@ -112,14 +112,16 @@ class SplitProgram:
                 if idx is None:  # a submodule, e.g. the body of a higher-order op
                     attach(holder, target, obj)
                     continue
-                if idx not in entries:
-                    entries[idx] = placement.take(idx, captured.state[idx].tensor, device)
+                if idx not in entries:  # a model built on "meta" stays there until materialize()
+                    where = captured.state[idx].tensor.device if captured.state[idx].tensor.is_meta else device
+                    entries[idx] = placement.take(idx, captured.state[idx].tensor, where)
                 attach(holder, target, entries[idx], captured.state[idx].persistent)
             if piece.index == 0:
                 used = set(captured.target_to_entry.values())
                 for idx, entry in enumerate(captured.state):
                     if idx not in used and entry.aliases:  # unused state stays with stage 0
-                        entries[idx] = placement.take(idx, entry.tensor, device)
+                        entries[idx] = placement.take(idx, entry.tensor, entry.tensor.device if entry.tensor.is_meta
+                                                      else device)
                         attach(holder, entry.name, entries[idx], entry.persistent)
             module = fx.GraphModule(holder, piece.graph, class_name=f"Stage{piece.index}")
             cost = plan.stage_costs[piece.index] if plan.stage_costs else 0.0
@@ -128,6 +130,8 @@ class SplitProgram:
                       piece.mutated_inputs, {captured.training: module})
             )
         self._owner: list[torch.Tensor | None] = [placement.owner(idx) for idx in range(len(captured.state))]
+        self.target_to_entry = dict(captured.target_to_entry)
+        self.uninitialised: set[int] = set()  # state entries given storage by materialize() and no values yet
         self._mutated_entries = {captured.target_to_entry[t] for t in captured.mutated_targets
                                  if t in captured.target_to_entry}
         for idx, copies in enumerate(placement.copies):
@@ -168,6 +172,19 @@ class SplitProgram:
         """Eval mode: ``prog.train(False)``."""
         return self.train(False)
 
+    @property
+    def on_meta(self) -> bool:
+        """Whether some state this process holds is still on the meta device (see ``materialize``)."""
+        return any(t.is_meta for _, t in self.held_state())
+
+    def materialize(self, stages: set[int] | None = None) -> list[str]:
+        """Give the state of ``stages`` (default: every stage this process keeps) real, uninitialised
+        storage on their stages' devices; returns the names that still need values. See
+        :mod:`pipesplit.materialize` to initialise them."""
+        from pipesplit.materialize import materialize
+
+        return materialize(self, stages)
+
     def keep_only(self, stages: set[int]) -> None:
         """Drop every other stage's module and state (a rank of a distributed run keeps its own)."""
         for stage in self.stages:
@@ -175,6 +192,11 @@ class SplitProgram:
                 stage.module = None  # type: ignore[assignment]
                 stage.modes = {}
                 self.stage_entries[stage.index] = {}
+        self.rebuild_holders(stages)
+        self.root = None  # type: ignore[assignment]
+
+    def rebuild_holders(self, stages: set[int]) -> None:
+        """Owners and ties from what ``stages`` hold now (after dropping stages or materializing)."""
         kept: dict[int, list[torch.Tensor]] = {}
         for s in sorted(stages):
             for idx, t in self.stage_entries[s].items():
@@ -184,7 +206,6 @@ class SplitProgram:
         for tied in self._tied:
             tied.unhook()
         self._tie([(idx, held[0], held[1:]) for idx, held in kept.items() if len(held) > 1])
-        self.root = None  # type: ignore[assignment]
 
     def _tie(self, ties: list[tuple[int, torch.Tensor, list[torch.Tensor]]]) -> None:
         """Keep each tensor held by several stages one tensor: replica gradients go to its owner."""
@@ -310,6 +331,14 @@ class SplitProgram:
             if len(stages) > 1:
                 out[self._state[idx].name] = stages
         return out
+
+    @property
+    def n_state_entries(self) -> int:
+        return len(self._state)
+
+    def held_items(self) -> Iterator[tuple[int, torch.Tensor]]:
+        """(state index, tensor) for everything this process holds (its owner here)."""
+        return self._owned()
 
     def held_state(self) -> Iterator[tuple[Any, torch.Tensor]]:
         """(state entry, the tensor this process holds for it) for every entry with a holder here."""

@@ -132,7 +132,10 @@ def attach(module: nn.Module, target: str, obj: Any, persistent: bool = True) ->
 def place(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if t.device == device:
         return t
-    moved = t.detach().to(device, copy=True)  # a replica never aliases the owner
+    if t.is_meta:  # materializing: storage of the right shape, values to come (init or a checkpoint)
+        moved = torch.empty(t.shape, dtype=t.dtype, device=device)
+    else:
+        moved = t.detach().to(device, copy=True)  # a replica never aliases the owner
     return nn.Parameter(moved, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else moved
 
 

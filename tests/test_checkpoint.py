@@ -170,3 +170,42 @@ def test_a_replica_that_dies_makes_the_others_fail_naming_it(when):
     named = r"for rank\(s\) \[3\], which never came" if when == "save" else r"global ranks \[1, 3\]"
     assert re.search(named, errors), errors[-4000:]
     assert time.monotonic() - start < 200
+
+
+# ---------------------------------------------------------------- meta device
+def _meta_gpt():
+    with torch.device("meta"):
+        return CASE_BY_NAME["gpt_tied"].build()
+
+
+def test_a_meta_model_gets_storage_then_values_from_its_own_init_or_a_checkpoint(tmp_path):
+    torch.manual_seed(0)
+    real = CASE_BY_NAME["gpt_tied"].build()
+    meta = _meta_gpt()
+    prog = pipesplit.compile(meta, torch.randint(0, 64, (2, 16)), num_stages=3, progress=False)
+    assert all(p.is_meta for p in prog.parameters()), "compiling gives no storage"
+    pipe = pipesplit.Pipeline(prog, "1f1b", n_microbatches=2, loss_fn=ce)
+    assert not any(p.is_meta for p in pipe.parameters())
+    x, y = _batches(1)[0]
+    with pytest.raises(pipesplit.PipesplitError, match="storage but no values yet"):
+        pipe.step(x, target=y)
+    pipe.init_weights(meta)  # the model's own reset_parameters, on the pipeline's tensors
+    assert torch.isfinite(pipe.step(x, target=y))
+    assert all(p.is_meta for p in meta.parameters()), "the user's model is left as it was"
+
+    src = _gpt_pipe(real, 2)
+    src.save(str(tmp_path / "ckpt"))
+    other = pipesplit.Pipeline(pipesplit.compile(_meta_gpt(), torch.randint(0, 64, (2, 16)), num_stages=2,
+                                                 progress=False), "1f1b", n_microbatches=2, loss_fn=ce)
+    other.load(str(tmp_path / "ckpt"))  # values by the original names
+    assert_close(other.prog(x), real(x), name="a meta-built pipeline loaded from a checkpoint")
+
+
+@pytest.mark.slow
+def test_each_rank_holds_only_its_share_of_a_meta_model():
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
+           os.path.join(ROOT, "tests", "meta_check.py")]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    assert set(re.findall(r"rank (\d): ok meta", result.stdout)) == {"0", "1", "2", "3"}, result.stdout

@@ -139,6 +139,9 @@ def load(pipe: "Pipeline", path: str | os.PathLike[str], optimizer: torch.optim.
         from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
         set_optimizer_state_dict(module, optimizer, state["optim"], options=_flat_options())
+    loaded = set(state["model"])
+    pipe.prog.uninitialised -= {idx for idx, _ in pipe.prog.held_items()
+                                if loaded & set(pipe.prog.state_entry(idx).aliases)}
     pipe.prog.refresh_tied()
 
 

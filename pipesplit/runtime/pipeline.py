@@ -11,6 +11,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from pipesplit.errors import PipesplitError, ScheduleError
+from pipesplit.materialize import check_initialised, init_weights
 from pipesplit.program import SplitProgram
 from pipesplit.state import zero_grads
 from pipesplit.runtime.distributed import Layout, StepCollectives
@@ -172,9 +173,13 @@ class Pipeline:
             device = _collective_device(local)
             self.collectives: StepCollectives | None = StepCollectives(prog, self.layout, rank_of, device)
             prog.keep_only({s.index for s in local})
+            if prog.on_meta:  # a model too big for one host: storage for this rank's stages only
+                prog.materialize({s.index for s in local})
         else:
             self.transport = LocalTransport(timeout)
             self.collectives = None
+            if prog.on_meta:
+                prog.materialize()
         self._threads: RankThreads | None = None  # the local executor's rank threads, started on first use
         self._tracer: Trace | None = None  # set inside `with self.trace():`
         streams = {}
@@ -232,6 +237,8 @@ class Pipeline:
 
     # ------------------------------------------------------------------ running
     def _prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any], target: Any, training: bool) -> StepData:
+        if self.prog.uninitialised:
+            check_initialised(self.prog)
         flat = self.prog.flatten_inputs(args, kwargs)
         m, first = self.n_microbatches, self.dp_rank * self.n_microbatches  # this replica's share
         total = m * self.dp_size
@@ -292,6 +299,11 @@ class Pipeline:
         from pipesplit.runtime.checkpoint import save
 
         save(self, path, optimizer)
+
+    def init_weights(self, model: nn.Module, init_fn: Callable[[str, torch.Tensor], None] | None = None) -> None:
+        """Initialise this process's stages of a program compiled on the meta device, with ``model``'s
+        own ``reset_parameters`` (``init_fn(name, tensor)`` for the rest). See :mod:`pipesplit.materialize`."""
+        init_weights(self.prog, model, init_fn)
 
     def load(self, path: str, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Load a checkpoint saved by any pipeline layout (or from the plain model's state_dict)."""
