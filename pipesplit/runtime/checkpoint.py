@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from pipesplit.errors import RuntimeCommError
-from pipesplit.runtime.distributed import store_barrier
+from pipesplit.runtime.collectives import store_barrier
 from pipesplit.state import attach
 
 if TYPE_CHECKING:

@@ -14,7 +14,7 @@ from pipesplit.errors import PipesplitError, ScheduleError
 from pipesplit.materialize import check_initialised, init_weights
 from pipesplit.program import SplitProgram
 from pipesplit.state import zero_grads
-from pipesplit.runtime.distributed import Layout, StepCollectives
+from pipesplit.runtime.collectives import Layout, StepCollectives
 from pipesplit.runtime.microbatch import merge_outputs, split_microbatches, split_target
 from pipesplit.runtime.threads import RankThreads, autocast_scope, autocast_state
 from pipesplit.runtime.trace import Trace

@@ -1,4 +1,5 @@
-"""The distributed executor's process layout: pipeline ranks, data-parallel replicas, the groups
+"""What the ranks of a distributed pipeline compute together: its layout on a pp x dp mesh, tied-weight
+and data-parallel gradient sums, the step seed, the loss, and barriers that name who did not come.
 that keep tied weights one parameter, and the collectives that end a training step.
 
 A step on a ``pp × dp`` mesh is gradient accumulation over the whole global batch: the batch
