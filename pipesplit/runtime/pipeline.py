@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Sequence
@@ -14,11 +15,15 @@ from pipesplit.errors import PipesplitError, ScheduleError
 from pipesplit.program import SplitProgram
 from pipesplit.state import zero_grads
 from pipesplit.runtime.microbatch import merge_outputs, split_microbatches, split_target
+from pipesplit.runtime.distributed import RankCollectives, init_device, move_stages, rank_device, start_communicator
+from pipesplit.runtime.exchange import RankComm, program_edges, run_rank
+from pipesplit.runtime.rendezvous import RendezvousTransport
 from pipesplit.runtime.threads import RankThreads, autocast_scope, autocast_state
 from pipesplit.runtime.trace import Trace
 from pipesplit.runtime.transport import Aborted, DistTransport, LocalTransport
 from pipesplit.runtime.worker import StageWorker, StepData
 from pipesplit.schedules import ActionKind, Schedule, get_schedule, schedule_info, validate
+from pipesplit.schedules.rendezvous import Plan, check_rendezvous, comm_plan, receiver_stage
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 
@@ -40,8 +45,9 @@ def resolve_schedule(schedule: str | Schedule, n_stages: int, n_ranks: int | Non
     return get_schedule(schedule, n_stages=n_stages, n_ranks=n_ranks, n_microbatches=n_microbatches)
 
 
-def _forward_only(schedule: Schedule) -> list[list[Any]]:
-    return [[a for a in rank if a.kind is ActionKind.FORWARD] for rank in schedule.actions]
+def _forward_only(schedule: Schedule) -> Schedule:
+    return dataclasses.replace(schedule, actions=tuple(tuple(a for a in rank if a.kind is ActionKind.FORWARD)
+                                                       for rank in schedule.actions))
 
 
 class Pipeline:
@@ -58,6 +64,13 @@ class Pipeline:
     follows the plan: a program compiled with ``memory=MemoryModel(checkpoint=True)``
     was planned for checkpointing (its memory limits count only the stage inputs of the
     microbatches in flight), so every stage is checkpointed.
+
+    Communication follows a plan proven free of deadlock under NCCL's semantics (see
+    :func:`pipesplit.schedules.rendezvous.comm_plan`): what two ranks exchange is posted
+    in one batch on both sides. ``transport="rendezvous"`` runs the local executor with
+    those semantics imposed (a send waits for its receive, messages between two ranks pair
+    in order, no tags), so a CPU run fails where NCCL would hang. Under ``torchrun`` with
+    NCCL each rank uses ``cuda:LOCAL_RANK`` and its stages compiled for CUDA move there.
 
     >>> import torch, pipesplit
     >>> model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)])
@@ -81,6 +94,7 @@ class Pipeline:
         timeout: float = 300.0,
         executor: str = "auto",
         target_batch_dim: int | None | str = "same",  # default: batch_dim; None: every microbatch gets it whole
+        transport: str = "auto",  # local executor: "auto" (mailboxes) or "rendezvous" (NCCL's semantics imposed)
     ):
         import torch.distributed as dist
 
@@ -90,6 +104,11 @@ class Pipeline:
             executor = "distributed" if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 else "local"
         if executor not in ("local", "distributed"):
             raise PipesplitError(f"executor must be 'local', 'distributed' or 'auto', got {executor!r}.")
+        if transport not in ("auto", "rendezvous"):
+            raise PipesplitError(f"transport must be 'auto' or 'rendezvous', got {transport!r}.")
+        if transport == "rendezvous" and executor == "distributed":
+            raise PipesplitError("transport='rendezvous' imposes NCCL's semantics on the local executor; under "
+                                 "torchrun the process group's own backend moves the tensors. Leave transport='auto'.")
         self.prog, self.loss_fn = prog, loss_fn
         self.batch_dim = prog.batch_dim if batch_dim is None else batch_dim
         if self.batch_dim != prog.batch_dim:
@@ -133,29 +152,50 @@ class Pipeline:
                            "hold), or use eval-mode normalisation." if planned
                            else "Disable checkpoint or use eval-mode normalisation.")
                     )
+        edges = program_edges(prog)
+        self._plans: dict[str, Plan] = {"train": comm_plan(self.schedule, edges),
+                                         "forward": comm_plan(_forward_only(self.schedule), edges)}
+        if executor == "distributed" or transport == "rendezvous":
+            for plan in self._plans.values():  # the order every rank will issue, proven for NCCL's semantics
+                check_rendezvous(self.schedule, plan)
+        streams = {}
         if executor == "distributed":
-            tags = {}
-            for b in prog.boundaries:
-                for direction in "FB":
-                    tags[(direction, b.name, b.src, b.dst)] = len(tags)
-            self.transport: Any = DistTransport(timeout, tags, len(tags))
-            self._tied_groups = self._make_tied_groups(rank_of)
+            device = self._place(local)
+            self.transport: Any = DistTransport(timeout)
+            self._collectives: RankCollectives | None = RankCollectives(
+                prog, self.rank, rank_of, [s.index for s in local], device)
             prog.keep_only({s.index for s in local})
+            start_communicator(device)
         else:
-            self.transport = LocalTransport(timeout)
-            self._tied_groups = []
+            self.transport = RendezvousTransport(timeout) if transport == "rendezvous" else LocalTransport(timeout)
+            self._collectives = None
+            for s in local:  # a stream per stage, so ranks sharing a GPU overlap
+                if s.device.type == "cuda":
+                    streams[s.index] = torch.cuda.Stream(device=s.device)
         self._threads: RankThreads | None = None  # the local executor's rank threads, started on first use
         self._tracer: Trace | None = None  # set inside `with self.trace():`
-        streams = {}
-        for s in local:
-            if s.device.type == "cuda":
-                streams[s.index] = torch.cuda.Stream(device=s.device)
         self.workers = {
-            s.index: StageWorker(
-                prog, s, rank_of, self.transport, checkpointing=s.index in ckpt, stream=streams.get(s.index)
-            )
+            s.index: StageWorker(prog, s, rank_of, checkpointing=s.index in ckpt, stream=streams.get(s.index))
             for s in local
         }
+
+    def _place(self, local: list[Any]) -> torch.device:
+        """This rank's device (cuda:LOCAL_RANK, made current, for NCCL; else the CPU) and its stages moved
+        there; returns the device collectives use."""
+        import torch.distributed as dist
+
+        backend = dist.get_backend()
+        device = init_device(backend)
+        on_gpu = [s for s in local if s.device.type == "cuda"]
+        if on_gpu and device.type != "cuda":
+            raise PipesplitError(
+                f"stage {on_gpu[0].index} was compiled for {on_gpu[0].device}, but the process group uses {backend}, "
+                "whose point-to-point ops move CPU tensors only. Use NCCL for GPU stages "
+                "(dist.init_process_group('nccl')), or compile with devices=['cpu'] * n."
+            )
+        gpu = device if device.type == "cuda" else None
+        move_stages(self.prog, [s.index for s in local if s.device != rank_device(s.device, gpu)], gpu or device)
+        return device
 
     @contextmanager
     def trace(self) -> Iterator[Trace]:
@@ -216,12 +256,8 @@ class Pipeline:
         """One draw from torch's default generator per step (``torch.manual_seed`` makes steps
         reproducible); every rank uses rank 0's draw."""
         seed = int(torch.randint(0, 2**62, ()).item())
-        if self.executor == "distributed" and self.prog.random_ops:
-            import torch.distributed as dist
-
-            buf = torch.tensor(seed, dtype=torch.int64, device=self._collective_device())
-            dist.broadcast(buf, src=0)
-            seed = int(buf.item())
+        if self._collectives is not None and self.prog.random_ops:
+            seed = self._collectives.broadcast_seed(seed)
         return seed
 
     def step(self, *args: Any, target: Any = None, **kwargs: Any) -> torch.Tensor | None:
@@ -239,7 +275,7 @@ class Pipeline:
         the call applies in every stage.
         """
         data = self._prepare(args, kwargs, target, training=True)
-        self._run(self.schedule.actions, data)
+        self._run("train", data)
         loss = sum(data.losses.values()) if data.losses else None
         return self._share_loss(loss)
 
@@ -258,7 +294,7 @@ class Pipeline:
         """A forward-only pipeline pass in the current mode; outputs merged back to the full
         batch (on the last rank; ``None`` on the others)."""
         data = self._prepare(args, kwargs, None, training=False)
-        self._run(_forward_only(self.schedule), data)
+        self._run("forward", data)
         if not data.outputs:
             return None
         per_mb = [data.outputs[m] for m in range(self.n_microbatches)]
@@ -285,48 +321,49 @@ class Pipeline:
             if was_training:
                 self.prog.train()
 
-    def _run(self, actions: Any, data: StepData) -> None:
+    def _run(self, which: str, data: StepData) -> None:
         tracer = self._tracer
         if tracer is None:
-            self._execute(actions, data)
+            self._execute(self._plans[which], data)
             return
         tracer.begin_step(time.perf_counter())
         try:
-            self._execute(actions, data)
+            self._execute(self._plans[which], data)
         finally:
             tracer.end_step(time.perf_counter())
 
-    def _execute(self, actions: Any, data: StepData) -> None:
+    def _execute(self, plan: Plan, data: StepData) -> None:
         self.prog.sync_tied()
-        if self.executor == "distributed":
-            earlier = self._stash_tied() if data.training else {}
+        workers = self.workers
+
+        def like(msg: Any) -> Any:
+            return workers[receiver_stage(msg)].like(msg, data)
+
+        if self._collectives is not None:
+            coll = self._collectives
+            earlier = coll.stash_tied() if data.training else {}
             self.prog.defer_tied_gradients(True)  # stages of this rank sharing a weight: summed in stage order
             try:
-                for a in actions[self.rank]:
-                    if a.kind.is_compute:
-                        self.workers[a.stage].run(a, data)
-                self.transport.flush()
+                run_rank(plan[self.rank], workers, RankComm(self.rank, self.transport, like), data)
             finally:
                 self.prog.defer_tied_gradients(False)
+                self.transport.reset()
             if data.training:
-                self._reduce_tied(earlier)
+                coll.reduce_tied(earlier)
             return
         self.prog.defer_tied_gradients(True)
         errors: list[BaseException] = []
-        transport: LocalTransport = self.transport
+        transport = self.transport
         autocast = autocast_state()  # thread-local in torch: carry the caller's into the rank threads
 
-        def work(rank_actions: Any) -> None:
+        def check() -> None:
+            if transport.failed is not None:  # another rank failed (or the caller was interrupted)
+                raise Aborted()
+
+        def work(rank: int) -> None:
             try:
                 with autocast_scope(autocast):
-                    for a in rank_actions:
-                        if transport.failed is not None:  # another rank failed (or the caller was interrupted)
-                            raise Aborted()
-                        if a.kind.is_compute:
-                            worker = self.workers[a.stage]
-                            if worker.stage.device.type == "cuda":
-                                torch.cuda.set_device(worker.stage.device)
-                            worker.run(a, data)
+                    run_rank(plan[rank], workers, RankComm(rank, transport, like), data, check)
             except Aborted:
                 pass
             except BaseException as e:  # re-raised in the caller's thread
@@ -334,83 +371,25 @@ class Pipeline:
                 transport.abort(e)
 
         if self._threads is None:
-            self._threads = RankThreads(len(actions))
+            self._threads = RankThreads(len(plan))
         try:
             try:
-                self._threads.run([lambda acts=acts: work(acts) for acts in actions])
+                self._threads.run([lambda r=r: work(r) for r in range(len(plan))])
             except BaseException as e:  # e.g. KeyboardInterrupt while waiting: stop the ranks, then re-raise
                 transport.abort(e)
                 self._threads.wait()
                 raise
         finally:
             self.prog.defer_tied_gradients(False)
-            transport.failed = None
-            for w in self.workers.values():
+            transport.reset()
+            for w in workers.values():
                 w.saved.clear()
-        for s in (w.stream for w in self.workers.values() if w.stream is not None):
+        for s in (w.stream for w in workers.values() if w.stream is not None):
             s.synchronize()
         if errors:
             raise errors[0]
 
-    # -------------------------------------------------------------- distributed
-    def _make_tied_groups(self, rank_of: tuple[int, ...]) -> list[tuple[Any, int]]:
-        import torch.distributed as dist
-
-        groups = []
-        holders: dict[int, set[int]] = {}
-        for s, entries in enumerate(self.prog.stage_entries):
-            for idx in entries:
-                holders.setdefault(idx, set()).add(rank_of[s])
-        for idx in sorted(holders):
-            ranks = sorted(holders[idx])
-            if len(ranks) > 1 and self.prog.state_entry(idx).is_param:
-                group = dist.new_group(ranks)  # every rank creates every group, in the same order
-                if self.rank in ranks:
-                    groups.append((group, idx))
-        return groups
-
-    def _tied_local(self, idx: int) -> torch.Tensor:
-        return next(self.prog.stage_entries[s][idx] for s in sorted(self.workers) if idx in self.prog.stage_entries[s])
-
-    def _stash_tied(self) -> dict[int, torch.Tensor]:
-        """Take the tied parameters' gradients from earlier steps aside: only this step's share is summed."""
-        stash = {}
-        for _, idx in self._tied_groups:
-            local = self._tied_local(idx)
-            if local.grad is not None:
-                stash[idx], local.grad = local.grad, None
-        return stash
-
-    def _reduce_tied(self, earlier: dict[int, torch.Tensor]) -> None:
-        """Sum this step's gradient of each tied parameter over the ranks holding it, then add back
-        what earlier steps had accumulated (gradient accumulation across steps stays exact)."""
-        import torch.distributed as dist
-
-        for group, idx in self._tied_groups:
-            local = self._tied_local(idx)
-            if local.grad is None:
-                local.grad = torch.zeros_like(local)
-            dist.all_reduce(local.grad, group=group)
-            if idx in earlier:
-                local.grad += earlier[idx]
-
-    def _collective_device(self) -> torch.device:
-        """Where this rank's collectives put their buffers: its stages' device (NCCL needs CUDA)."""
-        import torch.distributed as dist
-
-        if dist.get_backend() == "nccl":
-            return next((w.stage.device for w in self.workers.values() if w.stage.device.type == "cuda"),
-                        torch.device("cuda", torch.cuda.current_device()))
-        return torch.device("cpu")
-
     def _share_loss(self, loss: Any) -> torch.Tensor | None:
-        if self.executor == "local":
+        if self._collectives is None:
             return loss
-        import torch.distributed as dist
-
-        last_rank = self.schedule.stage_to_rank[-1]
-        buf = torch.zeros((), dtype=torch.float64, device=self._collective_device())
-        if self.rank == last_rank and loss is not None:
-            buf.fill_(float(loss))
-        dist.broadcast(buf, src=last_rank)
-        return buf
+        return self._collectives.share_loss(loss, self.schedule.stage_to_rank[-1])

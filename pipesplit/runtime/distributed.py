@@ -1,0 +1,175 @@
+"""Running under torchrun: each rank's device, its stages placed there, and the rank's collectives.
+
+NCCL wants one GPU per rank, made current (``torch.cuda.set_device``) before the first
+collective; otherwise every rank of a machine lands on GPU 0. :func:`init_device` does
+that from torchrun's ``LOCAL_RANK``::
+
+    device = pipesplit.runtime.distributed.init_device()   # cuda:LOCAL_RANK, or cpu without CUDA
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+
+A distributed :class:`~pipesplit.Pipeline` calls it too (for NCCL), and moves the stages
+of its rank that were compiled for a CUDA device onto ``cuda:LOCAL_RANK``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Iterable, Sequence
+
+import torch
+
+from pipesplit.errors import PipesplitError
+
+
+def local_rank() -> int:
+    """This process's index among the ranks of its machine, as torchrun sets it (``LOCAL_RANK``); 0 without."""
+    value = os.environ.get("LOCAL_RANK", "0")
+    try:
+        return int(value)
+    except ValueError:
+        raise PipesplitError(f"LOCAL_RANK must be an integer (torchrun sets it), got {value!r}.") from None
+
+
+def pick_device(backend: str | None, cuda_available: bool, n_gpus: int, rank: int) -> torch.device:
+    """The device a rank with local index ``rank`` computes on; pure, so it can be tested without a GPU.
+
+    ``cuda:rank`` for the NCCL backend, or for ``backend=None`` when CUDA is available;
+    the CPU otherwise (gloo).
+
+    >>> pick_device(None, True, 4, 2), pick_device(None, False, 0, 2), pick_device("gloo", True, 4, 2)
+    (device(type='cuda', index=2), device(type='cpu'), device(type='cpu'))
+    """
+    if not (backend == "nccl" or (backend is None and cuda_available)):
+        return torch.device("cpu")
+    if not cuda_available or n_gpus == 0:
+        raise PipesplitError("the NCCL backend needs a GPU per rank, but CUDA sees none here; use the gloo backend "
+                             "on CPU (dist.init_process_group('gloo')).")
+    if not 0 <= rank < n_gpus:
+        raise PipesplitError(
+            f"LOCAL_RANK={rank} but this machine has {n_gpus} GPU(s) visible, and NCCL needs one GPU per rank (one "
+            f"GPU cannot host two NCCL ranks). Launch at most --nproc-per-node {n_gpus}, or check CUDA_VISIBLE_DEVICES."
+        )
+    return torch.device("cuda", rank)
+
+
+def init_device(backend: str | None = None) -> torch.device:
+    """Pick this rank's device (:func:`pick_device` with ``LOCAL_RANK``) and make it CUDA's current one.
+
+    Call it before the first collective (NCCL binds its communicator to the current device).
+    ``backend`` defaults to the initialised process group's, or else to NCCL when CUDA is
+    available. Returns ``cuda:LOCAL_RANK`` or ``cpu``.
+    """
+    import torch.distributed as dist
+
+    if backend is None and dist.is_available() and dist.is_initialized():
+        backend = dist.get_backend()
+    cuda = torch.cuda.is_available()
+    device = pick_device(backend, cuda, torch.cuda.device_count() if cuda else 0, local_rank())
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return device
+
+
+def rank_device(device: torch.device, cuda: torch.device | None) -> torch.device:
+    """Where a stage compiled for ``device`` runs on a rank whose GPU is ``cuda``: any CUDA device maps to it.
+
+    >>> rank_device(torch.device("cuda", 0), torch.device("cuda", 3)), rank_device(torch.device("cpu"), None)
+    (device(type='cuda', index=3), device(type='cpu'))
+    """
+    if device.type != "cuda":
+        return device
+    if cuda is None:
+        raise PipesplitError(f"a stage was compiled for {device}, but this rank has no GPU; compile with devices "
+                             "naming 'cpu', or run one rank per GPU.")
+    return cuda
+
+
+def move_stages(prog: Any, stages: Iterable[int], device: torch.device) -> None:
+    """Move the given stages' parameters and buffers to ``device`` in place (``.data``), so that the
+    objects the program, its tied-weight bookkeeping and optimizers hold stay the same; tensors
+    that shared memory before (a tied weight's replicas on one device) share it after."""
+    moved: dict[tuple[Any, ...], torch.Tensor] = {}
+
+    def to(t: torch.Tensor) -> torch.Tensor:
+        key = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+        if key not in moved:
+            moved[key] = t.detach().to(device)
+        return moved[key]
+
+    for s in stages:
+        stage = prog.stages[s]
+        modules = {id(m): m for m in [stage.module, *stage.modes.values()] if m is not None}
+        tensors = {id(t): t for t in prog.stage_entries[s].values()}
+        for module in modules.values():
+            for sub in module.modules():
+                tensors.update({id(t): t for t in (*sub._parameters.values(), *sub._buffers.values()) if t is not None})
+        for t in tensors.values():
+            if t.device != device:
+                t.data = to(t)
+        stage.device = device
+
+
+def start_communicator(device: torch.device) -> None:
+    """One collective that every rank joins: NCCL creates its communicator on the first one, and the
+    batched point-to-point ops that follow may not be the first (torch's batch_isend_irecv rule)."""
+    import torch.distributed as dist
+
+    dist.all_reduce(torch.zeros(1, device=device))
+
+
+class RankCollectives:
+    """What the ranks of a distributed Pipeline compute together: the step's seed, the gradients of
+    weights tied across ranks, and the loss, with buffers on ``device`` (the rank's GPU for NCCL)."""
+
+    def __init__(self, prog: Any, rank: int, rank_of: Sequence[int], local: Sequence[int], device: torch.device):
+        import torch.distributed as dist
+
+        self.dist, self.prog, self.rank, self.device = dist, prog, rank, device
+        self.local = sorted(local)
+        self.tied: list[tuple[Any, int]] = []
+        holders: dict[int, set[int]] = {}
+        for s, entries in enumerate(prog.stage_entries):
+            for idx in entries:
+                holders.setdefault(idx, set()).add(rank_of[s])
+        for idx in sorted(holders):
+            ranks = sorted(holders[idx])
+            if len(ranks) > 1 and prog.state_entry(idx).is_param:
+                group = dist.new_group(ranks)  # every rank creates every group, in the same order
+                if rank in ranks:
+                    self.tied.append((group, idx))
+
+    def broadcast_seed(self, seed: int) -> int:
+        buf = torch.tensor(seed, dtype=torch.int64, device=self.device)
+        self.dist.broadcast(buf, src=0)
+        return int(buf.item())
+
+    def _tied_local(self, idx: int) -> torch.Tensor:
+        return next(self.prog.stage_entries[s][idx] for s in self.local if idx in self.prog.stage_entries[s])
+
+    def stash_tied(self) -> dict[int, torch.Tensor]:
+        """Take the tied parameters' gradients from earlier steps aside: only this step's share is summed."""
+        stash = {}
+        for _, idx in self.tied:
+            local = self._tied_local(idx)
+            if local.grad is not None:
+                stash[idx], local.grad = local.grad, None
+        return stash
+
+    def reduce_tied(self, earlier: dict[int, torch.Tensor]) -> None:
+        """Sum this step's gradient of each tied parameter over the ranks holding it, then add back
+        what earlier steps had accumulated (gradient accumulation across steps stays exact)."""
+        for group, idx in self.tied:
+            local = self._tied_local(idx)
+            if local.grad is None:
+                local.grad = torch.zeros_like(local)
+            self.dist.all_reduce(local.grad, group=group)
+            if idx in earlier:
+                local.grad += earlier[idx]
+
+    def share_loss(self, loss: Any, last_rank: int) -> torch.Tensor:
+        """The last rank's loss on every rank."""
+        buf = torch.zeros((), dtype=torch.float64, device=self.device)
+        if self.rank == last_rank and loss is not None:
+            buf.fill_(float(loss))
+        self.dist.broadcast(buf, src=last_rank)
+        return buf
