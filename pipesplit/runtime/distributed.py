@@ -17,6 +17,7 @@ import os
 from typing import Any, Iterable, Sequence
 
 import torch
+from torch import nn
 
 from pipesplit.errors import PipesplitError
 
@@ -104,8 +105,14 @@ def move_stages(prog: Any, stages: Iterable[int], device: torch.device) -> None:
             for sub in module.modules():
                 tensors.update({id(t): t for t in (*sub._parameters.values(), *sub._buffers.values()) if t is not None})
         for t in tensors.values():
-            if t.device != device:
-                t.data = to(t)
+            if t.device == device:
+                continue
+            data = to(t)
+            if torch._has_compatible_shallow_copy_type(t, data):  # CPU <-> CUDA: what Module.cuda() does
+                t.data = data
+            else:  # e.g. to "meta": swap the contents, the object stays
+                new = data.detach()
+                torch.utils.swap_tensors(t, nn.Parameter(new, t.requires_grad) if isinstance(t, nn.Parameter) else new)
         stage.device = device
 
 
