@@ -29,16 +29,28 @@ class RankComm:
     stage of this rank goes straight to the inbox. The plan, not the stages, decides when a
     message moves, so the order the transport sees is the one the plan was proven for; a
     stage that puts or takes something the plan does not move is a bug, reported as one.
+
+    A buffered transport (the local executor's mailboxes: sends never block, messages are
+    matched by name) gets each send as soon as it is made instead, so no receiver waits on
+    the plan's meeting point; the plan still checks that the stages made what it sends.
     """
 
     def __init__(self, rank: int, transport: Transport, like: Callable[[Message], Like]):
         self.rank, self.transport, self.like = rank, transport, like
+        self.eager = bool(getattr(transport, "buffered", False))
         self._outbox: dict[Message, Parcel] = {}
         self._inbox: dict[Message, Parcel] = {}
+        self._sent: set[Message] = set()  # sent eagerly, not yet reached in the plan
 
     def put(self, msg: Message, value: Any, peer: int, event: Any = None) -> None:
         """Hand ``msg`` (produced on a stream that recorded ``event``) to the stage on rank ``peer``."""
-        (self._inbox if peer == self.rank else self._outbox)[msg] = Parcel(value, event)
+        if peer == self.rank:
+            self._inbox[msg] = Parcel(value, event)
+        elif self.eager:
+            self.transport.exchange(self.rank, [(msg, Parcel(value, event), peer)], [])
+            self._sent.add(msg)
+        else:
+            self._outbox[msg] = Parcel(value, event)
 
     def take(self, msg: Message) -> Any:
         """The value of ``msg``, usable on the current CUDA stream."""
@@ -61,6 +73,8 @@ class RankComm:
         for op in step.ops:
             if not op.send:
                 recvs.append((op.message, op.peer, self.like(op.message)))
+            elif op.message in self._sent:
+                self._sent.remove(op.message)
             elif op.message in self._outbox:
                 sends.append((op.message, self._outbox.pop(op.message), op.peer))
             else:
@@ -76,8 +90,9 @@ class RankComm:
 
     def finish(self) -> None:
         """Check that every value made was sent and every value received was used."""
-        if self._outbox or self._inbox:
+        if self._outbox or self._inbox or self._sent:
             left = [f"unsent: {m.describe()}" for m in self._outbox] + [f"unused: {m.describe()}" for m in self._inbox]
+            left += [f"sent outside the plan: {m.describe()}" for m in self._sent]
             raise RuntimeCommError(f"rank {self.rank} ended the step with {'; '.join(left[:4])}"
                                    f"{' ...' if len(left) > 4 else ''}: the plan and the stages disagree (a pipesplit bug).")
 

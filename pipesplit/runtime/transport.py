@@ -54,6 +54,8 @@ class Aborted(Exception):
 class LocalTransport:
     """Mailboxes shared by the worker threads of one process, matched by message; sends never block."""
 
+    buffered = True  # a send may be posted the moment it is made (see RankComm)
+
     def __init__(self, timeout: float):
         self.timeout = timeout
         self._box: dict[Message, Parcel] = {}

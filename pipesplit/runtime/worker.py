@@ -128,8 +128,8 @@ class StageWorker:
                 self.backward_input(action.microbatch, data, comm, split=True)
             elif action.kind is ActionKind.BACKWARD_WEIGHT:
                 self.backward_weight(action.microbatch)
-            if tracer is not None and self.stream is not None:  # count the device work inside the action
-                self.stream.synchronize()
+            if tracer is not None and self.stage.device.type == "cuda":  # count the device work inside the action
+                (self.stream or torch.cuda.current_stream(self.stage.device)).synchronize()
         if tracer is not None:
             start = ready if begin is None else begin
             tracer.record(self.rank_of[self.index], action, start, ready, time.perf_counter())
