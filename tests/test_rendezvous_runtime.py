@@ -144,14 +144,17 @@ def test_nothing_keeps_sent_tensors_alive_after_the_step(transport):
 def test_rendezvous_sender_holds_nothing_once_its_batch_returns():
     t = RendezvousTransport(timeout=5)
     msg, like = Message("F", "x", 0, 1, 0), ((4,), torch.float32, torch.device("cpu"))
-    value = torch.ones(4)
-    ref = weakref.ref(value)
-    got: list = []
-    _threads(lambda: t.exchange(0, [(msg, Parcel(value), 1)], []), lambda: got.extend(t.exchange(1, [], [(msg, 0, like)])))
-    del value
-    assert ref() is not None and got[0].value is ref()  # alive only through the receiver
+    refs, got = [], []
+
+    def send():
+        value = torch.ones(4)
+        refs.append(weakref.ref(value))
+        t.exchange(0, [(msg, Parcel(value), 1)], [])
+
+    _threads(send, lambda: got.extend(t.exchange(1, [], [(msg, 0, like)])))
+    assert refs[0]() is not None and got[0].value is refs[0]()  # alive only through the receiver
     got.clear()
-    assert ref() is None and t.in_flight() == []
+    assert refs[0]() is None and t.in_flight() == []
 
 
 def test_local_mailbox_lets_go_when_the_receiver_takes_it():
@@ -173,6 +176,7 @@ def test_pick_device_gives_each_rank_its_own_gpu():
     assert distributed.pick_device(None, True, 2, 1) == cuda("cuda", 1)
     assert distributed.pick_device(None, False, 0, 1) == cuda("cpu")
     assert distributed.pick_device("gloo", True, 8, 5) == cuda("cpu")
+    assert distributed.pick_device("cpu:gloo,cuda:nccl", True, 8, 5) == cuda("cuda", 5)  # torch's default on GPUs
     with pytest.raises(pipesplit.PipesplitError, match="--nproc-per-node 2"):
         distributed.pick_device("nccl", True, 2, 2)
     with pytest.raises(pipesplit.PipesplitError, match="gloo"):
@@ -222,3 +226,30 @@ def test_move_stages_keeps_the_objects_and_shared_memory():
     assert all(p.device.type == "meta" for p in params)
     assert all(t.device.type == "meta" for t in prog.stage_entries[1].values())
     assert all(t.device.type == "cpu" for t in prog.stage_entries[0].values())
+
+
+def test_place_rank_moves_gpu_stages_to_the_ranks_gpu_and_refuses_what_the_backend_cannot_move(monkeypatch):
+    """The placement a distributed Pipeline does, with the process group and CUDA mocked."""
+    from types import SimpleNamespace
+
+    moves = []
+    monkeypatch.setattr(distributed, "move_stages", lambda prog, stages, device: moves.append((stages, device)))
+
+    def under(backend, device):
+        monkeypatch.setattr(torch.distributed, "get_backend", lambda *a: backend)
+        monkeypatch.setattr(distributed, "init_device", lambda b: torch.device(device))
+
+    def stage(i, device):
+        return SimpleNamespace(index=i, device=torch.device(device))
+
+    under("nccl", "cuda:1")  # rank 1 of a machine, program compiled with devices=["cuda:0", "cuda:1", "cuda", ...]
+    assert distributed.place_rank(None, [stage(1, "cuda:1"), stage(3, "cuda:0"), stage(5, "cuda")]) == torch.device("cuda", 1)
+    assert moves == [([3, 5], torch.device("cuda", 1))]
+    with pytest.raises(pipesplit.PipesplitError, match="NCCL moves CUDA tensors only"):
+        distributed.place_rank(None, [stage(0, "cpu")])
+    under("gloo", "cpu")
+    with pytest.raises(pipesplit.PipesplitError, match="CPU tensors only"):
+        distributed.place_rank(None, [stage(0, "cuda:0")])
+    assert distributed.place_rank(None, [stage(0, "cpu")]) == torch.device("cpu")
+    under("cpu:gloo,cuda:nccl", "cuda:0")  # torch's default backend on GPU machines: CPU stages go over gloo
+    assert distributed.place_rank(None, [stage(0, "cpu")]) == torch.device("cpu")

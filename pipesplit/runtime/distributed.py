@@ -34,13 +34,13 @@ def local_rank() -> int:
 def pick_device(backend: str | None, cuda_available: bool, n_gpus: int, rank: int) -> torch.device:
     """The device a rank with local index ``rank`` computes on; pure, so it can be tested without a GPU.
 
-    ``cuda:rank`` for the NCCL backend, or for ``backend=None`` when CUDA is available;
-    the CPU otherwise (gloo).
+    ``cuda:rank`` when the backend includes NCCL (``"nccl"``, ``"cpu:gloo,cuda:nccl"``), or
+    for ``backend=None`` when CUDA is available; the CPU otherwise (gloo).
 
     >>> pick_device(None, True, 4, 2), pick_device(None, False, 0, 2), pick_device("gloo", True, 4, 2)
     (device(type='cuda', index=2), device(type='cpu'), device(type='cpu'))
     """
-    if not (backend == "nccl" or (backend is None and cuda_available)):
+    if not ((backend is not None and "nccl" in backend) or (backend is None and cuda_available)):
         return torch.device("cpu")
     if not cuda_available or n_gpus == 0:
         raise PipesplitError("the NCCL backend needs a GPU per rank, but CUDA sees none here; use the gloo backend "
@@ -114,6 +114,31 @@ def move_stages(prog: Any, stages: Iterable[int], device: torch.device) -> None:
                 new = data.detach()
                 torch.utils.swap_tensors(t, nn.Parameter(new, t.requires_grad) if isinstance(t, nn.Parameter) else new)
         stage.device = device
+
+
+def place_rank(prog: Any, local: Sequence[Any]) -> torch.device:
+    """Make this rank's GPU (cuda:LOCAL_RANK) current when the backend has NCCL and move its stages
+    compiled for any CUDA device there; return the device collectives put their buffers on."""
+    import torch.distributed as dist
+
+    backend = dist.get_backend()  # "nccl", "gloo", or both: "cpu:gloo,cuda:nccl"
+    device = init_device(backend)
+    on_gpu = [s for s in local if s.device.type == "cuda"]
+    on_cpu = [s for s in local if s.device.type == "cpu"]
+    if on_gpu and device.type != "cuda":
+        raise PipesplitError(
+            f"stage {on_gpu[0].index} was compiled for {on_gpu[0].device}, but the process group uses {backend}, "
+            "whose point-to-point ops move CPU tensors only. Use NCCL for GPU stages "
+            "(dist.init_process_group('nccl')), or compile with devices=['cpu'] * n."
+        )
+    if on_cpu and backend == "nccl":
+        raise PipesplitError(
+            f"stage {on_cpu[0].index} was compiled for the CPU, but NCCL moves CUDA tensors only. Compile with "
+            "devices=['cuda'] * n (each rank's stages then run on cuda:LOCAL_RANK), or use gloo."
+        )
+    if on_gpu:
+        move_stages(prog, [s.index for s in on_gpu if s.device != rank_device(s.device, device)], device)
+    return device if backend == "nccl" else torch.device("cpu")
 
 
 def start_communicator(device: torch.device) -> None:

@@ -15,7 +15,7 @@ from pipesplit.errors import PipesplitError, ScheduleError
 from pipesplit.program import SplitProgram
 from pipesplit.state import zero_grads
 from pipesplit.runtime.microbatch import merge_outputs, split_microbatches, split_target
-from pipesplit.runtime.distributed import RankCollectives, init_device, move_stages, rank_device, start_communicator
+from pipesplit.runtime.distributed import RankCollectives, place_rank, start_communicator
 from pipesplit.runtime.exchange import RankComm, program_edges, run_rank
 from pipesplit.runtime.rendezvous import RendezvousTransport
 from pipesplit.runtime.threads import RankThreads, autocast_scope, autocast_state
@@ -160,7 +160,7 @@ class Pipeline:
                 check_rendezvous(self.schedule, plan)
         streams = {}
         if executor == "distributed":
-            device = self._place(local)
+            device = place_rank(prog, local)
             self.transport: Any = DistTransport(timeout)
             self._collectives: RankCollectives | None = RankCollectives(
                 prog, self.rank, rank_of, [s.index for s in local], device)
@@ -178,24 +178,6 @@ class Pipeline:
             s.index: StageWorker(prog, s, rank_of, checkpointing=s.index in ckpt, stream=streams.get(s.index))
             for s in local
         }
-
-    def _place(self, local: list[Any]) -> torch.device:
-        """This rank's device (cuda:LOCAL_RANK, made current, for NCCL; else the CPU) and its stages moved
-        there; returns the device collectives use."""
-        import torch.distributed as dist
-
-        backend = dist.get_backend()
-        device = init_device(backend)
-        on_gpu = [s for s in local if s.device.type == "cuda"]
-        if on_gpu and device.type != "cuda":
-            raise PipesplitError(
-                f"stage {on_gpu[0].index} was compiled for {on_gpu[0].device}, but the process group uses {backend}, "
-                "whose point-to-point ops move CPU tensors only. Use NCCL for GPU stages "
-                "(dist.init_process_group('nccl')), or compile with devices=['cpu'] * n."
-            )
-        gpu = device if device.type == "cuda" else None
-        move_stages(self.prog, [s.index for s in local if s.device != rank_device(s.device, gpu)], gpu or device)
-        return device
 
     @contextmanager
     def trace(self) -> Iterator[Trace]:

@@ -12,7 +12,7 @@ proven for, so what is checked is what runs.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from pipesplit.errors import ScheduleError
@@ -76,8 +76,8 @@ class Step:
     action: Action | None
 
     def describe(self) -> str:
-        where = f"before {self.action}" if self.action is not None else "after its last action"
-        return f"{where}: [{'; '.join(map(str, self.ops))}]"
+        ops = f"[{'; '.join(map(str, self.ops))}]"
+        return ops if self.action is None else f"{ops}, then {self.action}"
 
 
 Plan = tuple[tuple[Step, ...], ...]
@@ -208,8 +208,8 @@ def check_rendezvous(schedule: Schedule, plan: Plan) -> None:
             if a != b:
                 raise ScheduleError(
                     f"Schedule {name!r}: rank {src}'s message #{k + 1} to rank {dst} is the {a.describe()} "
-                    f"(its step {plan[src][i].describe()}), but rank {dst}'s receive #{k + 1} from rank {src} "
-                    f"expects the {b.describe()} (its step {plan[dst][j].describe()}). NCCL matches the messages "
+                    f"({_where(plan, src, i)}), but rank {dst}'s receive #{k + 1} from rank {src} expects the "
+                    f"{b.describe()} ({_where(plan, dst, j)}). NCCL matches the messages "
                     f"between two ranks by order, not by tag, so this would deliver the wrong tensor. Order rank "
                     f"{dst}'s actions to consume what rank {src} sends in the order it is sent."
                 )
@@ -241,22 +241,29 @@ def check_rendezvous(schedule: Schedule, plan: Plan) -> None:
         raise _deadlock(schedule, plan, pos, stuck[0], waits)
 
 
-def _deadlock(schedule: Schedule, plan: Plan, pos: list[int], first: int, waits) -> ScheduleError:  # type: ignore[no-untyped-def]
+def _deadlock(schedule: Schedule, plan: Plan, pos: list[int], first: int,
+              waits: Callable[[int], list[tuple[Op, int, int]]]) -> ScheduleError:
     """Follow who waits on whom from ``first`` until a rank repeats: the deadlock cycle."""
     chain, seen, rank = [], [], first
     while rank not in seen:
         seen.append(rank)
         op, peer, _ = waits(rank)[0]
-        chain.append(f"rank {rank} is at its step {plan[rank][pos[rank]].describe()} and cannot {_verb(op)} "
-                     f"until rank {peer} posts the matching op, but rank {peer} has not got there")
+        step = plan[rank][pos[rank]]
+        batch = f" (in a batch with: {step.describe()})" if len(step.ops) > 1 else ""
+        chain.append(f"rank {rank}, at {_where(plan, rank, pos[rank])}, cannot {op}{batch} until rank {peer} posts "
+                     f"the matching {'receive' if op.send else 'send'}, which rank {peer} has not reached")
         rank = peer
     return ScheduleError(
         f"Schedule {schedule.name!r} deadlocks when a send completes only once its receive is posted (NCCL's "
-        f"semantics): {'; '.join(chain)}; so rank {rank} waits on itself. Post the sends and receives that "
-        "neighbours exchange in one batch (the runtime batches an action's sends with the next action's "
-        "receives), or reorder the actions so every send's receive is posted without waiting on the sender."
+        f"semantics): {'; '.join(chain)}; which closes the cycle back to rank {rank}. Post the sends and "
+        "receives that ranks exchange at the same time in one batch on both sides (the runtime's plan, "
+        "comm_plan(schedule), does), or reorder so that no send waits for a receive its own rank holds up."
     )
 
 
-def _verb(op: Op) -> str:
-    return f"send the {op.message.describe()}" if op.send else f"receive the {op.message.describe()}"
+def _where(plan: Plan, rank: int, i: int) -> str:
+    """``step 3 of 9, after 0F1`` (the compute action that ran last before step ``i`` of ``rank``)."""
+    steps = plan[rank]
+    before = next((s.action for s in reversed(steps[:i]) if s.action is not None), None)
+    return f"its step {i + 1} of {len(steps)}" + (f", after {before}" if before is not None else "")
+
