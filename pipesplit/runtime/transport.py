@@ -126,7 +126,7 @@ class DistTransport:
             what.append(f"the {msg.describe()} from rank {peer}")
         if not ops:
             return []
-        works = dist.batch_isend_irecv(ops)
+        works = [w for w in dist.batch_isend_irecv(ops) if w is not None]
         del ops  # from here on only the works hold the sent tensors
         if len(works) == len(what):  # gloo: one work per op
             self._pending = list(zip(works, what))
