@@ -1,18 +1,19 @@
 """Train a small GPT-style model with pipeline parallelism on 2 ranks.
 
-    torchrun --nproc-per-node 2 examples/train_gpt.py            # gloo on CPU
-    torchrun --nproc-per-node 2 examples/train_gpt.py --cuda     # NCCL, one GPU per rank
-    torchrun --nproc-per-node 2 examples/train_gpt.py --schedule zb_v   # 2 stages per rank
+    torchrun --nproc-per-node 2 examples/train_gpt.py                 # a GPU per rank (NCCL) if CUDA is there, else CPU (gloo)
+    torchrun --nproc-per-node 2 examples/train_gpt.py --device cpu    # CPU and gloo even with GPUs
+    torchrun --nproc-per-node 2 examples/train_gpt.py --schedule zb_v # 2 stages per rank
 
-Every rank builds the same model and compiles the same split; each keeps only its own
-stage's parameters. The data is a learnable toy language: each sequence counts up
-modulo the vocabulary from a random start, so the loss should fall quickly.
+Each rank picks its device before the process group starts: cuda:LOCAL_RANK with NCCL
+when CUDA is available, else the CPU with gloo. Every rank builds the same model and
+compiles the same split; each keeps only its own stage's parameters. The data is a
+learnable toy language: each sequence counts up modulo the vocabulary from a random
+start, so the loss should fall quickly.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 from datetime import timedelta
 
 import torch
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 
 import pipesplit
 from pipesplit.models import gpt
+from pipesplit.runtime.distributed import init_device
 
 
 def batch(n: int, seq: int, vocab: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -34,12 +36,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--schedule", default="1f1b")
     parser.add_argument("--microbatches", type=int, default=4)
-    parser.add_argument("--cuda", action="store_true")
+    parser.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
+                        help="auto: cuda:LOCAL_RANK with NCCL when CUDA is available, else cpu with gloo")
     args = parser.parse_args()
 
-    dist.init_process_group("nccl" if args.cuda else "gloo", timeout=timedelta(seconds=120))
+    # cuda:LOCAL_RANK made current before the first collective (NCCL needs a GPU per rank), or cpu
+    device = init_device({"auto": None, "cuda": "nccl", "cpu": "gloo"}[args.device])
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, timeout=timedelta(seconds=120),
+                            device_id=device if device.type == "cuda" else None)
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if args.cuda else "cpu"
     torch.manual_seed(0)  # the same model on every rank
     vocab, seq = 64, 32
     model = gpt(layers=4, dim=64, vocab=vocab, seq=seq, heads=4)
@@ -50,6 +56,7 @@ def main() -> None:
     stages = per_rank * world
     prog = pipesplit.compile(model, example, num_stages=stages, devices=[device] * stages, progress=False)
     if rank == 0:
+        print(f"{world} ranks on {backend}; rank 0 computes on {device}", flush=True)
         print(prog.report(), flush=True)
 
     def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,7 @@ import argparse
 import copy
 import os
 import sys
+import weakref
 from datetime import timedelta
 
 import torch
@@ -23,6 +24,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import pipesplit  # noqa: E402
 from tests.close import assert_close  # noqa: E402
 from tests.zoo import CASE_BY_NAME  # noqa: E402
+
+ORIGINAL_BATCH = dist.batch_isend_irecv
 
 
 def main() -> int:
@@ -63,6 +66,7 @@ def check(model, case, schedule, args, rank, world) -> None:
         reduction = "sum"
     pipe = pipesplit.Pipeline(prog, schedule, n_microbatches=args.microbatches, loss_fn=loss_fn,
                               loss_reduction=reduction, timeout=args.timeout)
+    alive = track_sends(pipe)
     ref = copy.deepcopy(model)
     opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
     opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
@@ -87,6 +91,30 @@ def check(model, case, schedule, args, rank, world) -> None:
         for name, p in held.items():
             assert_close(p, ref_params[name], name=f"rank {rank}: {name} after step {step}")
     print(f"rank {rank}/{world}: {len(held)} parameters match over {args.steps} steps ({schedule})", flush=True)
+    print(f"rank {rank}/{world}: {alive['sent']} tensors sent, at most {alive['max']} still alive after an action "
+          f"({schedule})", flush=True)
+
+
+def track_sends(pipe) -> dict:
+    """Count, after every action of this rank, the tensors it handed to isend that are still alive:
+    a sender must release them when their batch completes, not hold them until the step ends."""
+    refs: list = []
+    alive = {"sent": 0, "max": 0}
+    batch = ORIGINAL_BATCH  # not an earlier schedule's wrapper
+
+    def recording(ops):
+        refs.extend(weakref.ref(op.tensor) for op in ops if op.op is dist.isend)
+        alive["sent"] += sum(op.op is dist.isend for op in ops)
+        return batch(ops)
+
+    dist.batch_isend_irecv = recording
+    for worker in pipe.workers.values():
+        def run(*a, _run=worker.run, **k):
+            _run(*a, **k)
+            refs[:] = [r for r in refs if r() is not None]
+            alive["max"] = max(alive["max"], len(refs))
+        worker.run = run
+    return alive
 
 
 if __name__ == "__main__":

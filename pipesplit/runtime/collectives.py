@@ -1,6 +1,5 @@
 """What the ranks of a distributed pipeline compute together: its layout on a pp x dp mesh, tied-weight
 and data-parallel gradient sums, the step seed, the loss, and barriers that name who did not come.
-that keep tied weights one parameter, and the collectives that end a training step.
 
 A step on a ``pp × dp`` mesh is gradient accumulation over the whole global batch: the batch
 is cut into ``dp × m`` microbatches, replica ``d`` runs microbatches ``d·m … d·m + m - 1`` through

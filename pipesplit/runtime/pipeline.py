@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Sequence
@@ -14,13 +15,17 @@ from pipesplit.errors import PipesplitError, ScheduleError
 from pipesplit.materialize import check_initialised, init_weights
 from pipesplit.program import SplitProgram
 from pipesplit.state import zero_grads
-from pipesplit.runtime.collectives import Layout, StepCollectives
 from pipesplit.runtime.microbatch import merge_outputs, split_microbatches, split_target
+from pipesplit.runtime.collectives import Layout, StepCollectives
+from pipesplit.runtime.distributed import place_rank, start_communicator
+from pipesplit.runtime.exchange import RankComm, program_edges, run_rank
+from pipesplit.runtime.rendezvous import RendezvousTransport
 from pipesplit.runtime.threads import RankThreads, autocast_scope, autocast_state
 from pipesplit.runtime.trace import Trace
 from pipesplit.runtime.transport import Aborted, DistTransport, LocalTransport
 from pipesplit.runtime.worker import StageWorker, StepData
 from pipesplit.schedules import ActionKind, Schedule, get_schedule, schedule_info, validate
+from pipesplit.schedules.rendezvous import Plan, check_rendezvous, comm_plan, receiver_stage
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 
@@ -42,18 +47,9 @@ def resolve_schedule(schedule: str | Schedule, n_stages: int, n_ranks: int | Non
     return get_schedule(schedule, n_stages=n_stages, n_ranks=n_ranks, n_microbatches=n_microbatches)
 
 
-def _collective_device(stages: Sequence[Any]) -> torch.device:
-    """Where a rank's collectives put their buffers: its stages' device under NCCL (which needs CUDA)."""
-    import torch.distributed as dist
-
-    if dist.get_backend() == "nccl":
-        return next((s.device for s in stages if s.device.type == "cuda"),
-                    torch.device("cuda", torch.cuda.current_device()))
-    return torch.device("cpu")
-
-
-def _forward_only(schedule: Schedule) -> list[list[Any]]:
-    return [[a for a in rank if a.kind is ActionKind.FORWARD] for rank in schedule.actions]
+def _forward_only(schedule: Schedule) -> Schedule:
+    return dataclasses.replace(schedule, actions=tuple(tuple(a for a in rank if a.kind is ActionKind.FORWARD)
+                                                       for rank in schedule.actions))
 
 
 class Pipeline:
@@ -70,6 +66,13 @@ class Pipeline:
     follows the plan: a program compiled with ``memory=MemoryModel(checkpoint=True)``
     was planned for checkpointing (its memory limits count only the stage inputs of the
     microbatches in flight), so every stage is checkpointed.
+
+    Communication follows a plan proven free of deadlock under NCCL's semantics (see
+    :func:`pipesplit.schedules.rendezvous.comm_plan`): what two ranks exchange is posted
+    in one batch on both sides. ``transport="rendezvous"`` runs the local executor with
+    those semantics imposed (a send waits for its receive, messages between two ranks pair
+    in order, no tags), so a CPU run fails where NCCL would hang. Under ``torchrun`` with
+    NCCL each rank uses ``cuda:LOCAL_RANK`` and its stages compiled for CUDA move there.
 
     >>> import torch, pipesplit
     >>> model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)])
@@ -93,6 +96,7 @@ class Pipeline:
         timeout: float = 300.0,
         executor: str = "auto",
         target_batch_dim: int | None | str = "same",  # default: batch_dim; None: every microbatch gets it whole
+        transport: str = "auto",  # local executor: "auto" (mailboxes) or "rendezvous" (NCCL's semantics imposed)
         mesh: Any = None,  # a DeviceMesh with a "pp" (and a "dp") dimension
         pp_group: Any = None,  # or the process groups themselves
         dp_group: Any = None,
@@ -103,10 +107,15 @@ class Pipeline:
             raise PipesplitError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}.")
         if executor == "auto":
             executor = "distributed" if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 else "local"
-        if executor == "local" and (mesh is not None or pp_group is not None or dp_group is not None):
-            raise PipesplitError("mesh=, pp_group= and dp_group= need the distributed executor (torchrun).")
         if executor not in ("local", "distributed"):
             raise PipesplitError(f"executor must be 'local', 'distributed' or 'auto', got {executor!r}.")
+        if executor == "local" and (mesh is not None or pp_group is not None or dp_group is not None):
+            raise PipesplitError("mesh=, pp_group= and dp_group= need the distributed executor (torchrun).")
+        if transport not in ("auto", "rendezvous"):
+            raise PipesplitError(f"transport must be 'auto' or 'rendezvous', got {transport!r}.")
+        if transport == "rendezvous" and executor == "distributed":
+            raise PipesplitError("transport='rendezvous' imposes NCCL's semantics on the local executor; under "
+                                 "torchrun the process group's own backend moves the tensors. Leave transport='auto'.")
         self.prog, self.loss_fn = prog, loss_fn
         self.batch_dim = prog.batch_dim if batch_dim is None else batch_dim
         if self.batch_dim != prog.batch_dim:
@@ -163,35 +172,36 @@ class Pipeline:
                            "hold), or use eval-mode normalisation." if planned
                            else "Disable checkpoint or use eval-mode normalisation.")
                     )
+        edges = program_edges(prog)
+        self._plans: dict[str, Plan] = {"train": comm_plan(self.schedule, edges),
+                                         "forward": comm_plan(_forward_only(self.schedule), edges)}
+        if executor == "distributed" or transport == "rendezvous":
+            for plan in self._plans.values():  # the order every rank will issue, proven for NCCL's semantics
+                check_rendezvous(self.schedule, plan)
+        streams = {}
         if executor == "distributed":
-            tags = {}
-            for b in prog.boundaries:
-                for direction in "FB":
-                    tags[(direction, b.name, b.src, b.dst)] = len(tags)
             assert self.layout is not None
-            self.transport: Any = DistTransport(timeout, tags, len(tags), self.layout.global_ranks, self.layout.rank)
-            device = _collective_device(local)
+            device = place_rank(prog, local)
+            self.transport: Any = DistTransport(timeout, self.layout.global_ranks)
             self.collectives: StepCollectives | None = StepCollectives(prog, self.layout, rank_of, device)
             prog.keep_only({s.index for s in local})
             if prog.on_meta:  # a model too big for one host: storage for this rank's stages only
                 prog.materialize({s.index for s in local})
+            start_communicator(device)
         else:
-            self.transport = LocalTransport(timeout)
+            self.transport = RendezvousTransport(timeout) if transport == "rendezvous" else LocalTransport(timeout)
             self.collectives = None
             if prog.on_meta:
                 prog.materialize()
+            for s in local:  # a stream per stage, so ranks sharing a GPU overlap
+                if s.device.type == "cuda":
+                    streams[s.index] = torch.cuda.Stream(device=s.device)
         self._threads: RankThreads | None = None  # the local executor's rank threads, started on first use
         self._tracer: Trace | None = None  # set inside `with self.trace():`
-        streams = {}
-        for s in local:
-            if s.device.type == "cuda":
-                streams[s.index] = torch.cuda.Stream(device=s.device)
         done = self.collectives.stage_done if self.collectives is not None and self.dp_size > 1 else None
         self.workers = {
-            s.index: StageWorker(
-                prog, s, rank_of, self.transport, checkpointing=s.index in ckpt, stream=streams.get(s.index),
-                on_gradients=done,
-            )
+            s.index: StageWorker(prog, s, rank_of, checkpointing=s.index in ckpt, stream=streams.get(s.index),
+                                 on_gradients=done)
             for s in local
         }
 
@@ -277,7 +287,7 @@ class Pipeline:
         the call applies in every stage.
         """
         data = self._prepare(args, kwargs, target, training=True)
-        self._run(self.schedule.actions, data)
+        self._run("train", data)
         loss = sum(data.losses.values()) if data.losses else None
         return self._share_loss(loss)
 
@@ -285,6 +295,10 @@ class Pipeline:
     def counts_here(self, idx: int) -> bool:
         """Whether this rank counts state entry ``idx`` in global sums (a tied weight on its first rank)."""
         return self.collectives is None or self.collectives.counts_here(idx)
+
+    def collective_device(self) -> torch.device:
+        """Where this rank's collectives put their buffers (its GPU under NCCL)."""
+        return self.collectives.device if self.collectives is not None else torch.device("cpu")
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the gradients of every stage and rank to a global norm of ``max_norm``; returns the
@@ -326,7 +340,7 @@ class Pipeline:
         """A forward-only pipeline pass in the current mode; outputs merged back to the full
         batch (on the last rank; ``None`` on the others)."""
         data = self._prepare(args, kwargs, None, training=False)
-        self._run(_forward_only(self.schedule), data)
+        self._run("forward", data)
         if not data.outputs:
             return None
         per_mb = [data.outputs[m] for m in range(self.n_microbatches)]
@@ -353,54 +367,54 @@ class Pipeline:
             if was_training:
                 self.prog.train()
 
-    def _run(self, actions: Any, data: StepData) -> None:
+    def _run(self, which: str, data: StepData) -> None:
         tracer = self._tracer
         if tracer is None:
-            self._execute(actions, data)
+            self._execute(self._plans[which], data)
             return
         tracer.begin_step(time.perf_counter())
         try:
-            self._execute(actions, data)
+            self._execute(self._plans[which], data)
         finally:
             tracer.end_step(time.perf_counter())
 
-    def _execute(self, actions: Any, data: StepData) -> None:
+    def _execute(self, plan: Plan, data: StepData) -> None:
         self.prog.sync_tied()
-        if self.executor == "distributed":
-            assert self.collectives is not None
-            params = self.collectives.summed_params() if data.training else []
-            earlier = self.collectives.stash(params)
-            for w in self.workers.values():
+        workers = self.workers
+
+        def like(msg: Any) -> Any:
+            return workers[receiver_stage(msg)].like(msg, data)
+
+        if self.collectives is not None:
+            coll = self.collectives
+            params = coll.summed_params() if data.training else []
+            earlier = coll.stash(params)
+            for w in workers.values():
                 w.backwards_done = 0
             self.prog.defer_tied_gradients(True)  # stages of this rank sharing a weight: summed in stage order
             try:
-                for a in actions[self.rank]:
-                    if a.kind.is_compute:
-                        self.workers[a.stage].run(a, data)
-                self.transport.flush()
-                self.collectives.finish_data_parallel(self.timeout)
+                run_rank(plan[self.rank], workers, RankComm(self.rank, self.transport, like), data)
+                coll.finish_data_parallel(self.timeout)
             finally:
                 self.prog.defer_tied_gradients(False)
+                self.transport.reset()
             if data.training:
-                self.collectives.reduce_tied()
-                self.collectives.restore(params, earlier)
+                coll.reduce_tied()
+                coll.restore(params, earlier)
             return
         self.prog.defer_tied_gradients(True)
         errors: list[BaseException] = []
-        transport: LocalTransport = self.transport
+        transport = self.transport
         autocast = autocast_state()  # thread-local in torch: carry the caller's into the rank threads
 
-        def work(rank_actions: Any) -> None:
+        def check() -> None:
+            if transport.failed is not None:  # another rank failed (or the caller was interrupted)
+                raise Aborted()
+
+        def work(rank: int) -> None:
             try:
                 with autocast_scope(autocast):
-                    for a in rank_actions:
-                        if transport.failed is not None:  # another rank failed (or the caller was interrupted)
-                            raise Aborted()
-                        if a.kind.is_compute:
-                            worker = self.workers[a.stage]
-                            if worker.stage.device.type == "cuda":
-                                torch.cuda.set_device(worker.stage.device)
-                            worker.run(a, data)
+                    run_rank(plan[rank], workers, RankComm(rank, transport, like), data, check)
             except Aborted:
                 pass
             except BaseException as e:  # re-raised in the caller's thread
@@ -408,28 +422,23 @@ class Pipeline:
                 transport.abort(e)
 
         if self._threads is None:
-            self._threads = RankThreads(len(actions))
+            self._threads = RankThreads(len(plan))
         try:
             try:
-                self._threads.run([lambda acts=acts: work(acts) for acts in actions])
+                self._threads.run([lambda r=r: work(r) for r in range(len(plan))])
             except BaseException as e:  # e.g. KeyboardInterrupt while waiting: stop the ranks, then re-raise
                 transport.abort(e)
                 self._threads.wait()
                 raise
         finally:
             self.prog.defer_tied_gradients(False)
-            transport.failed = None
-            for w in self.workers.values():
+            transport.reset()
+            for w in workers.values():
                 w.saved.clear()
-        for s in (w.stream for w in self.workers.values() if w.stream is not None):
+        for s in (w.stream for w in workers.values() if w.stream is not None):
             s.synchronize()
         if errors:
             raise errors[0]
-
-    # -------------------------------------------------------------- distributed
-    def collective_device(self) -> torch.device:
-        """Where this rank's collectives put their buffers: its stages' device (NCCL needs CUDA)."""
-        return self.collectives.device if self.collectives is not None else torch.device("cpu")
 
     def _share_loss(self, loss: Any) -> torch.Tensor | None:
         if self.collectives is None:

@@ -1,4 +1,10 @@
-"""Moving boundary values between ranks: in-process mailboxes, or torch.distributed point-to-point."""
+"""Moving boundary values between ranks: in-process mailboxes, or torch.distributed point-to-point.
+
+A transport posts one batch at a time (:meth:`Transport.exchange`): the sends and receives
+of one step of the communication plan (:func:`pipesplit.schedules.rendezvous.comm_plan`),
+and returns when every receive has arrived. Values travel as :class:`Parcel`\\ s: the
+tensor and, for in-process hand-offs between CUDA streams, the event its producer recorded.
+"""
 
 from __future__ import annotations
 
@@ -6,36 +12,39 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Protocol
+from typing import Any, Protocol, Sequence
 
 import torch
 
 from pipesplit.errors import RuntimeCommError
+from pipesplit.schedules.rendezvous import Message
+
+__all__ = ["Aborted", "DistTransport", "Like", "LocalTransport", "Message", "Parcel", "Transport"]
+
+Like = tuple[tuple[int, ...], torch.dtype, torch.device]
+"""Shape, dtype and device of a value to receive."""
 
 
-@dataclass(frozen=True)
-class Message:
-    """What one send carries: boundary ``name`` from stage ``src`` to ``dst`` for a microbatch.
+@dataclass
+class Parcel:
+    """A value in flight; ``event`` marks when its producer's stream had computed it (None: no stream)."""
 
-    ``direction`` is ``"F"`` for activations (src -> dst) and ``"B"`` for their gradients
-    (travelling back from dst to src).
-    """
+    value: Any
+    event: Any = None
 
-    direction: str
-    name: str
-    src: int
-    dst: int
-    microbatch: int
 
-    def describe(self) -> str:
-        what = "activation" if self.direction == "F" else "gradient of"
-        return f"{what} {self.name!r} (stage {self.src} -> stage {self.dst}, microbatch {self.microbatch})"
+Sends = Sequence[tuple[Message, Parcel, int]]  # (message, what, to rank)
+Recvs = Sequence[tuple[Message, int, Like]]  # (message, from rank, what to receive into)
 
 
 class Transport(Protocol):
-    def send(self, msg: Message, value: Any, peer: int) -> None: ...
-    def recv(self, msg: Message, peer: int, like: tuple[tuple[int, ...], torch.dtype, torch.device] | None) -> Any: ...
-    def flush(self) -> None: ...
+    def exchange(self, rank: int, sends: Sends, recvs: Recvs) -> list[Parcel]:
+        """Post ``sends`` and ``recvs`` of ``rank`` as one batch; return the received parcels in order."""
+        ...
+
+    def reset(self) -> None:
+        """Forget what a failed step left behind."""
+        ...
 
 
 class Aborted(Exception):
@@ -43,24 +52,25 @@ class Aborted(Exception):
 
 
 class LocalTransport:
-    """Mailboxes shared by the worker threads of one process; sends never block."""
+    """Mailboxes shared by the worker threads of one process, matched by message; sends never block."""
+
+    buffered = True  # a send may be posted the moment it is made (see RankComm)
 
     def __init__(self, timeout: float):
         self.timeout = timeout
-        self._box: dict[Message, Any] = {}
+        self._box: dict[Message, Parcel] = {}
         self._cond = threading.Condition()
         self.failed: BaseException | None = None
 
-    def send(self, msg: Message, value: Any, peer: int) -> None:
-        event = None
-        if isinstance(value, torch.Tensor) and value.is_cuda:
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(value.device))
-        with self._cond:
-            self._box[msg] = (value, event)
-            self._cond.notify_all()
+    def exchange(self, rank: int, sends: Sends, recvs: Recvs) -> list[Parcel]:
+        if sends:
+            with self._cond:
+                for msg, parcel, _ in sends:
+                    self._box[msg] = parcel
+                self._cond.notify_all()
+        return [self._take(msg, peer) for msg, peer, _ in recvs]
 
-    def recv(self, msg: Message, peer: int, like: Any = None) -> Any:
+    def _take(self, msg: Message, peer: int) -> Parcel:
         deadline = time.monotonic() + self.timeout
         with self._cond:
             while msg not in self._box:
@@ -73,12 +83,7 @@ class LocalTransport:
                         f"rank {peer}. That rank is stuck or failed; raise timeout= if its work is just slow."
                     )
                 self._cond.wait(min(left, 0.05))
-            value, event = self._box.pop(msg)
-        if event is not None:
-            stream = torch.cuda.current_stream(value.device)
-            stream.wait_event(event)
-            value.record_stream(stream)  # the producer's allocator must not reuse it while we compute
-        return value
+            return self._box.pop(msg)  # the mailbox keeps no reference once the receiver has it
 
     def abort(self, error: BaseException) -> None:
         with self._cond:
@@ -86,66 +91,67 @@ class LocalTransport:
                 self.failed = error
             self._cond.notify_all()
 
-    def flush(self) -> None:
-        pass
+    def reset(self) -> None:
+        with self._cond:
+            self._box.clear()
+            self.failed = None
 
 
 class DistTransport:
-    """Point-to-point over ``torch.distributed`` (gloo on CPU, NCCL on GPU); sends are async."""
+    """Point-to-point over ``torch.distributed`` (gloo on CPU, NCCL on GPU).
 
-    def __init__(
-        self,
-        timeout: float,
-        tags: dict[tuple[str, str, int, int], int],
-        n_tags: int,
-        global_ranks: list[int] | None = None,  # pipeline rank -> global rank (a data-parallel mesh)
-        rank: int | None = None,  # this process's pipeline rank
-    ):
+    Each batch goes out through ``dist.batch_isend_irecv`` without tags, so messages between
+    two ranks pair in issue order on gloo exactly as on NCCL, and is waited on as a whole: a
+    sent tensor is released as soon as its batch completes, never held until the step ends.
+    """
+
+    def __init__(self, timeout: float, global_ranks: list[int] | None = None):
         import torch.distributed as dist
 
         self.dist = dist
         self.timeout = timeout
-        self.tags, self.n_tags = tags, n_tags
-        self.rank = dist.get_rank() if rank is None else rank
+        self.rank = dist.get_rank()
+        # pipeline rank -> global rank (a replica of a pp x dp mesh); the identity without one
         self.global_ranks = global_ranks if global_ranks is not None else list(range(dist.get_world_size()))
-        self._pending: list[tuple[Any, torch.Tensor, Message, int]] = []
-        self._local: dict[Message, Any] = {}  # hand-offs between two stages of this rank
+        self._pending: list[tuple[Any, str]] = []  # works of the batch in flight: (work, what it carries)
 
-    def _tag(self, msg: Message) -> int:
-        return self.tags[(msg.direction, msg.name, msg.src, msg.dst)] + self.n_tags * msg.microbatch
+    def exchange(self, rank: int, sends: Sends, recvs: Recvs) -> list[Parcel]:
+        dist = self.dist
+        ops, what = [], []
+        for msg, parcel, peer in sends:
+            ops.append(dist.P2POp(dist.isend, parcel.value.detach().contiguous(), self.global_ranks[peer]))
+            what.append(f"the {msg.describe()} to rank {peer}")
+        bufs = []
+        for msg, peer, (shape, dtype, device) in recvs:
+            bufs.append(torch.empty(shape, dtype=dtype, device=device))
+            ops.append(dist.P2POp(dist.irecv, bufs[-1], self.global_ranks[peer]))
+            what.append(f"the {msg.describe()} from rank {peer}")
+        if not ops:
+            return []
+        works = [w for w in dist.batch_isend_irecv(ops) if w is not None]
+        del ops  # from here on only the works hold the sent tensors
+        if len(works) == len(what):  # gloo: one work per op
+            self._pending = list(zip(works, what))
+        else:  # NCCL: one work for the whole (coalesced) batch
+            self._pending = [(w, "a batch of " + "; ".join(what)) for w in works]
+        del works
+        while self._pending:
+            self._wait(*self._pending[0])
+            self._pending.pop(0)  # completed: drop the work and with it the sent tensor
+        return [Parcel(b) for b in bufs]
 
-    def send(self, msg: Message, value: Any, peer: int) -> None:
-        if peer == self.rank:
-            self._local[msg] = value
-            return
-        tensor = value.detach().contiguous()
-        work = self.dist.isend(tensor, dst=self.global_ranks[peer], tag=self._tag(msg))
-        self._pending.append((work, tensor, msg, peer))
-
-    def recv(self, msg: Message, peer: int, like: Any = None) -> Any:
-        if peer == self.rank:
-            if msg not in self._local:
-                raise RuntimeCommError(f"rank {self.rank} needs the {msg.describe()} before its own stage made it.")
-            return self._local.pop(msg)
-        shape, dtype, device = like
-        buf = torch.empty(shape, dtype=dtype, device=device)
-        work = self.dist.irecv(buf, src=self.global_ranks[peer], tag=self._tag(msg))
-        self._wait(work, msg, peer, "from")
-        return buf
-
-    def _wait(self, work: Any, msg: Message, peer: int, way: str) -> None:
+    def _wait(self, work: Any, what: str) -> None:
+        rank = self.rank
         try:
             ok = work.wait(timeout=timedelta(seconds=self.timeout))
         except Exception as e:  # gloo raises on timeouts and on closed connections
             raise RuntimeCommError(
-                f"rank {self.dist.get_rank()} gave up on the {msg.describe()} {way} rank {peer} "
-                f"after at most {self.timeout:.0f}s: {str(e).splitlines()[0] if str(e) else type(e).__name__}. "
-                f"Rank {peer} died or never reached this point; raise timeout= if it is just slow."
+                f"rank {rank} gave up on {what} after at most {self.timeout:.0f}s: "
+                f"{str(e).splitlines()[0] if str(e) else type(e).__name__}. That rank died or never reached this "
+                "point; raise timeout= if it is just slow."
             ) from e
         if ok is False:
-            raise RuntimeCommError(f"rank {self.dist.get_rank()} timed out on the {msg.describe()} {way} rank {peer}.")
+            raise RuntimeCommError(f"rank {rank} timed out after {self.timeout:.0f}s on {what}.")
 
-    def flush(self) -> None:
-        pending, self._pending = self._pending, []
-        for work, _tensor, msg, peer in pending:
-            self._wait(work, msg, peer, "to")
+    def reset(self) -> None:
+        self._pending = []

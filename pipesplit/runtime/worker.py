@@ -13,8 +13,10 @@ from torch.utils.checkpoint import checkpoint
 
 from pipesplit.program import SplitProgram, Stage
 from pipesplit.rng import random_stream, stream_seed
-from pipesplit.runtime.transport import Message, Transport
+from pipesplit.runtime.exchange import RankComm
+from pipesplit.runtime.transport import Like
 from pipesplit.schedules import Action, ActionKind
+from pipesplit.schedules.rendezvous import Message
 
 
 @dataclass
@@ -42,12 +44,11 @@ class _Saved:
 
 
 class StageWorker:
-    """Runs F, B, I and W actions of one stage; communication is implicit around them.
+    """Runs F, B, I and W actions of one stage.
 
-    Sends happen right after the compute that produced a value and never block;
-    receives happen right before the compute that needs it and block (with a
-    timeout), which is the assumption ``pipesplit.schedules.validate`` proves
-    deadlock-freedom under.
+    An action takes its inputs from, and hands its outputs to, its rank's
+    :class:`~pipesplit.runtime.exchange.RankComm`; when they travel is the rank's
+    communication plan's business (:func:`pipesplit.schedules.rendezvous.comm_plan`).
     """
 
     def __init__(
@@ -55,17 +56,17 @@ class StageWorker:
         prog: SplitProgram,
         stage: Stage,
         rank_of: Sequence[int],
-        transport: Transport,
         *,
         checkpointing: bool = False,
         stream: Any = None,
         on_gradients: Callable[[Sequence[torch.Tensor]], None] | None = None,
     ):
         self.prog, self.stage, self.rank_of = prog, stage, rank_of
-        self.transport, self.checkpointing, self.stream = transport, checkpointing, stream
+        self.checkpointing, self.stream = checkpointing, stream
         self.is_last = stage.index == prog.num_stages - 1
         self.index = stage.index
         self.in_bounds = {(b.name, b.src): b for b in prog.boundaries if b.dst == stage.index}
+        self.bounds = {(b.name, b.src, b.dst): b for b in prog.boundaries if stage.index in (b.src, b.dst)}
         self.consumers: dict[str, list[int]] = {}
         for b in prog.boundaries:
             if b.src == stage.index:
@@ -76,7 +77,6 @@ class StageWorker:
         self._shapes: dict[tuple[str, int, int], tuple[int, ...]] = {}  # (boundary, source, microbatch size)
         self._ints: dict[tuple[str, int, int], int] = {}
         self.tracer: Any = None  # a pipesplit.runtime.trace.Trace while Pipeline.trace() is active
-        self._ready = 0.0  # when the current action's last receive returned (read only while tracing)
         self.on_gradients = on_gradients  # called once a step's last weight gradients are in
         self.backwards_done = 0
 
@@ -84,7 +84,19 @@ class StageWorker:
     def _ctx(self) -> Any:
         return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
 
-    def _like(self, b: Any, data: StepData) -> tuple[tuple[int, ...], torch.dtype, torch.device]:
+    def like(self, msg: Message, data: StepData) -> Like:
+        """Shape, dtype and device of ``msg`` as this stage receives it (an activation or its gradient)."""
+        return self._like(self.bounds[(msg.name, msg.src, msg.dst)], data)
+
+    def _event(self) -> Any:
+        """An event marking the work queued so far on this stage's stream (None without one)."""
+        if self.stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        return event
+
+    def _like(self, b: Any, data: StepData) -> Like:
         key = (b.name, b.src, data.microbatch_size)
         shape = self._shapes.get(key)
         if shape is None:  # sympy resolves the sizes in ~0.3 ms: once per microbatch size
@@ -104,49 +116,43 @@ class StageWorker:
         return v
 
     # ------------------------------------------------------------------ actions
-    def run(self, action: Action, data: StepData) -> None:
+    def run(self, action: Action, data: StepData, comm: RankComm, begin: float | None = None) -> None:
+        """Run ``action``; its inputs are in ``comm`` (``begin``: when its rank started waiting for them)."""
         tracer = self.tracer
-        if tracer is not None:
-            self._ready = begin = time.perf_counter()
+        ready = time.perf_counter() if tracer is not None else 0.0
+        if self.stage.device.type == "cuda":
+            torch.cuda.set_device(self.stage.device)
         with self._ctx():
             if action.kind is ActionKind.FORWARD:
-                self.forward(action.microbatch, data)
+                self.forward(action.microbatch, data, comm)
             elif action.kind is ActionKind.FULL_BACKWARD:
-                self.backward_input(action.microbatch, data)
+                self.backward_input(action.microbatch, data, comm)
                 self.backward_weight(action.microbatch)
             elif action.kind is ActionKind.BACKWARD_INPUT:
-                self.backward_input(action.microbatch, data, split=True)
+                self.backward_input(action.microbatch, data, comm, split=True)
             elif action.kind is ActionKind.BACKWARD_WEIGHT:
                 self.backward_weight(action.microbatch)
             if self.on_gradients is not None and action.kind in (ActionKind.FULL_BACKWARD, ActionKind.BACKWARD_WEIGHT):
                 self.backwards_done += 1
                 if self.backwards_done == len(data.inputs) and self.params:
                     self.on_gradients(self.params)
-            if tracer is not None and self.stream is not None:  # count the device work inside the action
-                self.stream.synchronize()
+            if tracer is not None and self.stage.device.type == "cuda":  # count the device work inside the action
+                (self.stream or torch.cuda.current_stream(self.stage.device)).synchronize()
         if tracer is not None:
-            tracer.record(self.rank_of[self.index], action, begin, self._ready, time.perf_counter())
+            start = ready if begin is None else begin
+            tracer.record(self.rank_of[self.index], action, start, ready, time.perf_counter())
 
-    def _recv(self, msg: Message, peer: int, like: Any) -> Any:
-        value = self.transport.recv(msg, peer, like)
-        self._ready = time.perf_counter()
-        return value
-
-    def forward(self, m: int, data: StepData) -> None:
+    def forward(self, m: int, data: StepData, comm: RankComm) -> None:
         saved = _Saved([])
         received: dict[tuple[str, int], Any] = {}
-        # Receive in the order the senders send (by source stage, then its output order), so
-        # transports that match messages by order rather than by tag (NCCL) pair them right.
-        for name, kind, where in sorted(
-            (x for x in self.stage.inputs if x[1] == "stage"),
-            key=lambda x: (x[2], self.prog.stages[x[2]].outputs.index(x[0])),
-        ):
+        for name, kind, where in self.stage.inputs:
+            if kind != "stage":
+                continue
             b = self.in_bounds[(name, where)]
             if b.kind != "tensor":  # sizes are known from the microbatch size on every rank
                 received[(name, where)] = self._scalar(b, data)
                 continue
-            msg = Message("F", name, where, self.index, m)
-            value = self._to_device(self._recv(msg, self.rank_of[where], self._like(b, data)))
+            value = self._to_device(comm.take(Message("F", name, where, self.index, m)))
             if data.training and b.requires_grad:
                 value = value.detach().requires_grad_(True)
             received[(name, where)] = value
@@ -164,7 +170,6 @@ class StageWorker:
                 # clone costs what the out-of-place op would have allocated anyway.
                 value = value.clone()
             args.append(value)
-        saved.inputs.sort(key=lambda t: (t[1], self.prog.stages[t[1]].outputs.index(t[0])))  # send order
         grad_mode = torch.enable_grad() if data.training else torch.no_grad()
         module, device = self.stage.module, self.stage.device
         seed = stream_seed(data.seed, self.index, data.microbatch_offset + m)
@@ -189,16 +194,17 @@ class StageWorker:
                     saved.tensors, saved.grads = [loss], [None]
                 else:
                     data.outputs[m] = [o.detach() if isinstance(o, torch.Tensor) else o for o in flat]
+        event = self._event()
         for name, value in zip(self.stage.outputs, outs):
             for dst in self.consumers.get(name, ()) if not self.is_last else ():
                 b = self.out_bounds[(name, dst)]
                 if b.kind == "tensor":
-                    self.transport.send(Message("F", name, self.index, dst, m), value.detach(), self.rank_of[dst])
+                    comm.put(Message("F", name, self.index, dst, m), value.detach(), self.rank_of[dst], event)
         if data.training:
             saved.outputs = outs
             self.saved[m] = saved
 
-    def _output_grads(self, m: int, saved: _Saved, data: StepData) -> None:
+    def _output_grads(self, m: int, saved: _Saved, comm: RankComm) -> None:
         if self.is_last:
             return
         for name, value in zip(self.stage.outputs, saved.outputs):
@@ -207,16 +213,15 @@ class StageWorker:
                 b = self.out_bounds[(name, dst)]
                 if b.kind != "tensor" or not b.requires_grad:
                     continue
-                like = (tuple(value.shape), value.dtype, self.stage.device)
-                g = self._to_device(self._recv(Message("B", name, self.index, dst, m), self.rank_of[dst], like))
+                g = self._to_device(comm.take(Message("B", name, self.index, dst, m)))
                 total = g if total is None else total + g
             if total is not None and isinstance(value, torch.Tensor) and value.requires_grad:
                 saved.tensors.append(value)
                 saved.grads.append(total)
 
-    def backward_input(self, m: int, data: StepData, split: bool = False) -> None:
+    def backward_input(self, m: int, data: StepData, comm: RankComm, split: bool = False) -> None:
         saved = self.saved[m]
-        self._output_grads(m, saved, data)
+        self._output_grads(m, saved, comm)
         leaves = [x for _, _, x in saved.inputs]
         grads: Sequence[torch.Tensor | None]
         if not saved.tensors:
@@ -227,9 +232,10 @@ class StageWorker:
             torch.autograd.backward(saved.tensors, saved.grads, inputs=leaves + self.params or None)
             grads = [x.grad for x in leaves]
             saved.tensors = []  # the weight gradients are done too
+        event = self._event()
         for (name, src, x), g in zip(saved.inputs, grads):
             g = torch.zeros_like(x) if g is None else g
-            self.transport.send(Message("B", name, src, self.index, m), g.detach(), self.rank_of[src])
+            comm.put(Message("B", name, src, self.index, m), g.detach(), self.rank_of[src], event)
 
     def backward_weight(self, m: int) -> None:
         saved = self.saved.pop(m)

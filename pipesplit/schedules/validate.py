@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from pipesplit.errors import ScheduleError
 from pipesplit.schedules.actions import Action, ActionKind
 from pipesplit.schedules.execute import B, F, I, W, backward_index, execute, paired_with, unit_requirements
+from pipesplit.schedules.rendezvous import Edge, check_rendezvous, comm_plan
 from pipesplit.schedules.schedule import Schedule
 
 Where = dict[Action, tuple[int, int]]
 
 
-def validate(schedule: Schedule) -> Schedule:
+SEMANTICS = ("buffered", "rendezvous")
+
+
+def validate(schedule: Schedule, semantics: str = "buffered", edges: Sequence[Edge] | None = None) -> Schedule:
     """Check ``schedule`` and return it unchanged; raise ScheduleError on the first problem.
 
     Checks, in order: every action names an existing stage and microbatch and sits on the
@@ -27,10 +33,19 @@ def validate(schedule: Schedule) -> Schedule:
     consumer waits on its local RECV, a RECV blocks until its SEND ran, sends never block.
     Positions in messages are 0-based indexes into ``schedule.actions[rank]``.
 
+    ``semantics="rendezvous"`` then also proves the communication the runtime really issues
+    for the schedule (:func:`~pipesplit.schedules.rendezvous.comm_plan`) under NCCL's
+    semantics: a send completes only once the peer posted the matching receive, messages
+    between two ranks match in issue order (no tags), ops of one batch are posted together.
+    ``edges`` are the tensors crossing between stages (a Pipeline passes its program's);
+    by default one per pair of consecutive stages.
+
     >>> from pipesplit.schedules import get_schedule
-    >>> validate(get_schedule("1f1b", n_stages=4, n_ranks=4, n_microbatches=8)).name
+    >>> validate(get_schedule("1f1b", n_stages=4, n_ranks=4, n_microbatches=8), semantics="rendezvous").name
     '1f1b'
     """
+    if semantics not in SEMANTICS:
+        raise ScheduleError(f"validate: semantics must be one of {list(SEMANTICS)}, got {semantics!r}.")
     where = _check_placement(schedule)
     _check_coverage(schedule, where)
     _check_overlap(schedule, where)
@@ -39,6 +54,8 @@ def validate(schedule: Schedule) -> Schedule:
     run = execute(schedule, lambda a: 0.0, lambda dep, a: 0.0, lambda f, b: 0.0)
     if not run.complete:
         raise _explain_stuck(schedule, where, run.blocked)
+    if semantics == "rendezvous":
+        check_rendezvous(schedule, comm_plan(schedule, edges))
     return schedule
 
 

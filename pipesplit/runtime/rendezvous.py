@@ -1,0 +1,121 @@
+"""An in-process transport that imposes NCCL's point-to-point semantics on the local executor.
+
+``Pipeline(..., transport="rendezvous")`` runs the worker threads through it, so an order
+that NCCL would deadlock on, or pair wrongly, fails on a CPU here:
+
+* a send completes only when the peer has posted the matching receive (no buffering);
+* messages between two ranks match in the order they were posted, per direction: the
+  k-th send from rank a to rank b meets the k-th receive at b from a, whatever it carries
+  (no tags); a mismatch is an error, where NCCL would hand over the wrong tensor;
+* the ops of one batch are posted together, and the batch returns when all have met.
+
+A batch that is still waiting after ``timeout`` seconds raises RuntimeCommError naming
+the peer it waits on and what that peer is blocked on itself.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from pipesplit.errors import RuntimeCommError
+from pipesplit.runtime.transport import Aborted, Parcel, Recvs, Sends
+from pipesplit.schedules.rendezvous import Message, Op
+
+
+@dataclass(eq=False)
+class _Posted:
+    op: Op
+    rank: int
+    parcel: Parcel | None = None  # a send's payload until it meets its receive; then the receive's
+    done: bool = False
+
+
+class RendezvousTransport:
+    """Blocking rendezvous per batch, FIFO matching per ordered rank pair, no tags (see the module)."""
+
+    def __init__(self, timeout: float):
+        self.timeout = timeout
+        self._cond = threading.Condition()
+        self._sends: dict[tuple[int, int], deque[_Posted]] = {}  # (from, to) -> posted sends not yet met
+        self._recvs: dict[tuple[int, int], deque[_Posted]] = {}  # (from, to) -> posted receives not yet met
+        self._waiting: dict[int, list[_Posted]] = {}  # rank -> its batch in flight
+        self.failed: BaseException | None = None
+
+    def exchange(self, rank: int, sends: Sends, recvs: Recvs) -> list[Parcel]:
+        mine = [_Posted(Op(True, msg, peer), rank, parcel) for msg, parcel, peer in sends]
+        mine += [_Posted(Op(False, msg, peer), rank) for msg, peer, _ in recvs]
+        if not mine:
+            return []
+        deadline = time.monotonic() + self.timeout
+        with self._cond:
+            self._waiting[rank] = mine
+            try:
+                for p in mine:
+                    pair = (rank, p.op.peer) if p.op.send else (p.op.peer, rank)
+                    (self._sends if p.op.send else self._recvs).setdefault(pair, deque()).append(p)
+                    self._match(pair)
+                self._cond.notify_all()
+                while not all(p.done for p in mine):
+                    if self.failed is not None:
+                        raise Aborted()
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise self._timed_out(rank, mine)
+                    self._cond.wait(min(left, 0.05))
+            finally:
+                del self._waiting[rank]
+        return [p.parcel for p in mine if not p.op.send]  # type: ignore[misc]
+
+    def _match(self, pair: tuple[int, int]) -> None:
+        """Pair the oldest unmet send and receive of ``pair``, as long as both exist."""
+        sends, recvs = self._sends.get(pair), self._recvs.get(pair)
+        while sends and recvs:
+            s, r = sends.popleft(), recvs.popleft()
+            if s.op.message != r.op.message:
+                error = RuntimeCommError(
+                    f"rank {pair[0]}'s next message to rank {pair[1]} is the {s.op.message.describe()}, but rank "
+                    f"{pair[1]}'s next receive from rank {pair[0]} expects the {r.op.message.describe()}. Without "
+                    "tags (NCCL) the messages between two ranks pair in the order they are posted, so this would "
+                    "hand over the wrong tensor; both ranks must post them in the same order "
+                    "(validate(schedule, semantics='rendezvous') checks a schedule for this)."
+                )
+                self.failed = error
+                self._cond.notify_all()
+                raise error
+            r.parcel, s.parcel = s.parcel, None  # the sender keeps no reference to what it sent
+            s.done = r.done = True
+
+    def _timed_out(self, rank: int, mine: list[_Posted]) -> RuntimeCommError:
+        stuck = next(p for p in mine if not p.done)
+        peer = stuck.op.peer
+        theirs = self._waiting.get(peer)
+        doing = (f"rank {peer} is itself blocked in a batch that must [{'; '.join(str(p.op) for p in theirs)}]"
+                 if theirs else f"rank {peer} is not waiting on communication (still computing, or finished)")
+        return RuntimeCommError(
+            f"rank {rank} timed out after {self.timeout:.0f}s: it cannot {stuck.op} until rank {peer} posts "
+            f"the matching {'receive' if stuck.op.send else 'send'} (a send completes only when its receive is "
+            f"posted, as with NCCL), and {doing}. If the two wait on each other this is a deadlock: post the sends "
+            "and receives the ranks exchange in one batch, or reorder them; raise timeout= if rank "
+            f"{peer} is just slow."
+        )
+
+    def abort(self, error: BaseException) -> None:
+        with self._cond:
+            if self.failed is None:
+                self.failed = error
+            self._cond.notify_all()
+
+    def reset(self) -> None:
+        with self._cond:
+            self._sends.clear()
+            self._recvs.clear()
+            self.failed = None
+
+    def in_flight(self) -> list[Message]:
+        """The messages posted and not met yet (for tests and diagnostics)."""
+        with self._cond:
+            return [p.op.message for q in (*self._sends.values(), *self._recvs.values()) for p in q]
+

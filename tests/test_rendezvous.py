@@ -1,0 +1,130 @@
+"""The runtime's communication plan and its proof under NCCL's semantics (pipesplit.schedules.rendezvous)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipesplit.errors import ScheduleError
+from pipesplit.schedules import Schedule, get_schedule, register_schedule, schedule_info, unregister_schedule, validate
+from pipesplit.schedules import with_communication
+from pipesplit.schedules.rendezvous import Edge, Message, Op, Step, check_rendezvous, comm_plan
+
+BUILTINS = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zb_h1", "zb_v")
+
+
+def build(name: str, p: int, m: int, v: int = 2) -> Schedule:
+    spr = schedule_info(name).constraints.stages_per_rank or v
+    if schedule_info(name).constraints.microbatches_multiple_of_ranks:
+        m = p * max(1, m // p)
+    return get_schedule(name, n_stages=spr * p, n_ranks=p, n_microbatches=m)
+
+
+def ops_text(step: Step) -> list[str]:
+    return [("S" if op.send else "R") + f"{op.message.direction}{op.message.microbatch}@{op.peer}" for op in step.ops]
+
+
+@pytest.mark.parametrize("name", BUILTINS)
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("m", [1, 2, 4, 5, 8, 16])
+def test_builtins_are_proven_under_rendezvous(name: str, p: int, m: int) -> None:
+    for v in (2, 3):
+        schedule = build(name, p, m, v)
+        assert validate(schedule, semantics="rendezvous") is schedule
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.sampled_from(BUILTINS), st.integers(1, 6), st.integers(1, 12), st.integers(1, 3),
+       st.lists(st.tuples(st.integers(0, 11), st.integers(1, 4)), max_size=4))
+def test_builtins_are_proven_with_skip_edges(name: str, p: int, m: int, v: int, skips: list[tuple[int, int]]) -> None:
+    """Long skips (stage s to s + k) and several tensors per cut, as real programs have."""
+    schedule = build(name, p, m, v)
+    n = schedule.n_stages
+    edges = [Edge(f"h{s}", s, s + 1) for s in range(n - 1)] + [Edge(f"mask{s}", s, s + 1, grad=False) for s in range(n - 1)]
+    edges += [Edge(f"skip{s}_{k}", s, s + k) for s, k in skips if s + k < n]
+    validate(schedule, semantics="rendezvous", edges=sorted(edges, key=lambda e: (e.src, e.name, e.dst)))
+
+
+def test_1f1b_plan_posts_what_two_neighbours_exchange_in_one_batch() -> None:
+    plan = comm_plan(get_schedule("1f1b", n_stages=2, n_microbatches=3))
+    assert [(str(s.action), ops_text(s)) for s in plan[0]] == [
+        ("0F0", []), ("0F1", ["SF0@1"]), ("0B0", ["RB0@1", "SF1@1"]), ("0F2", []),
+        ("0B1", ["RB1@1", "SF2@1"]), ("0B2", ["RB2@1"]),
+    ]
+    assert [(str(s.action), ops_text(s)) for s in plan[1]] == [
+        ("1F0", ["RF0@0"]), ("1B0", []), ("1F1", ["RF1@0", "SB0@0"]), ("1B1", []),
+        ("1F2", ["RF2@0", "SB1@0"]), ("1B2", []), ("None", ["SB2@0"]),
+    ]
+
+
+def test_same_rank_hand_offs_are_not_communication() -> None:
+    plan = comm_plan(get_schedule("zb_v", n_stages=4, n_ranks=2, n_microbatches=2))
+    for rank, steps in enumerate(plan):
+        for step in steps:
+            assert all(op.peer != rank for op in step.ops)
+    sent = {op.message for steps in plan for step in steps for op in step.ops}
+    assert not any({m.src, m.dst} == {1, 2} for m in sent)  # stages 1 and 2 share rank 1
+
+
+def test_explicit_send_recv_actions_do_not_change_the_plan() -> None:
+    schedule = get_schedule("1f1b", n_stages=4, n_microbatches=4)
+    assert comm_plan(with_communication(schedule)) == comm_plan(schedule)
+
+
+def test_naive_order_deadlocks_under_rendezvous_but_not_buffered() -> None:
+    schedule = validate(get_schedule("1f1b", n_stages=2, n_microbatches=4))  # fine with buffered sends
+    with pytest.raises(ScheduleError) as info:
+        check_rendezvous(schedule, comm_plan(schedule, batched=False))
+    text = str(info.value)
+    assert "deadlocks" in text and "rank 0" in text and "rank 1" in text and "batch" in text
+    assert "send the activation 'x0' (stage 0 -> stage 1, microbatch 1) to rank 1" in text
+
+
+def test_naive_order_is_fine_without_crossing_traffic() -> None:
+    gpipe = get_schedule("gpipe", n_stages=3, n_microbatches=4)  # every forward, then every backward
+    check_rendezvous(gpipe, comm_plan(gpipe, batched=False))
+
+
+def _plan(*ranks: list[Step]) -> tuple[tuple[Step, ...], ...]:
+    return tuple(tuple(r) for r in ranks)
+
+
+def test_messages_paired_out_of_order_are_reported() -> None:
+    a, b = Message("F", "x", 0, 1, 0), Message("F", "x", 0, 1, 1)
+    schedule = get_schedule("gpipe", n_stages=2, n_microbatches=2)
+    plan = _plan([Step((Op(True, a, 1), Op(True, b, 1)), None)],
+                 [Step((Op(False, b, 0),), None), Step((Op(False, a, 0),), None)])
+    with pytest.raises(ScheduleError, match="by order, not by tag") as info:
+        check_rendezvous(schedule, plan)
+    assert "microbatch 0" in str(info.value) and "microbatch 1" in str(info.value)
+
+
+def test_a_send_without_its_receive_is_reported() -> None:
+    schedule = get_schedule("gpipe", n_stages=2, n_microbatches=1)
+    plan = _plan([Step((Op(True, Message("F", "x", 0, 1, 0), 1),), None)], [])
+    with pytest.raises(ScheduleError, match="sends 1 message"):
+        check_rendezvous(schedule, plan)
+
+
+def test_user_schedule_is_proven_and_its_order_respected() -> None:
+    """Backwards in reverse microbatch order on the last rank: the gradients reach rank 0 in that
+    order, and the plan has rank 0 receive them in that order too."""
+
+    @register_schedule("test_reversed_tail", replace=True)
+    def reversed_tail(n_stages: int, n_ranks: int, n_microbatches: int) -> list[list[str]]:
+        mbs = range(n_microbatches)
+        return [[f"{r}F{m}" for m in mbs] + [f"{r}B{m}" for m in reversed(mbs)] for r in range(n_ranks)]
+
+    try:
+        schedule = get_schedule("test_reversed_tail", n_stages=3, n_microbatches=4)
+        validate(schedule, semantics="rendezvous")
+        received = [op.message.microbatch for step in comm_plan(schedule)[0] for op in step.ops if not op.send]
+        assert received == [3, 2, 1, 0]
+    finally:
+        unregister_schedule("test_reversed_tail")
+
+
+def test_unknown_semantics_is_refused() -> None:
+    with pytest.raises(ScheduleError, match="rendezvous"):
+        validate(get_schedule("1f1b", n_stages=2, n_microbatches=2), semantics="nccl")
