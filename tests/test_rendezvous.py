@@ -34,6 +34,13 @@ def test_builtins_are_proven_under_rendezvous(name: str, p: int, m: int) -> None
         assert validate(schedule, semantics="rendezvous") is schedule
 
 
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("extra", [0, 1, 5])
+def test_dualpipe_v_is_proven_under_rendezvous(p: int, extra: int) -> None:
+    schedule = get_schedule("dualpipe_v", n_stages=2 * p, n_ranks=p, n_microbatches=2 * p + extra)
+    assert validate(schedule, semantics="rendezvous") is schedule
+
+
 @settings(max_examples=40, deadline=None)
 @given(st.sampled_from(BUILTINS), st.integers(1, 6), st.integers(1, 12), st.integers(1, 3),
        st.lists(st.tuples(st.integers(0, 11), st.integers(1, 4)), max_size=4))

@@ -18,8 +18,8 @@ from pipesplit.schedules.rendezvous import Message, comm_plan
 from tests.training import check_training, dot_loss
 from tests.zoo import CASE_BY_NAME
 
-SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zb_h1", "zb_v"]
-MULTI = {"interleaved_1f1b", "looped_bfs", "zb_v"}  # several stages per rank
+SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zb_h1", "zb_v", "dualpipe_v"]
+MULTI = {"interleaved_1f1b", "looped_bfs", "zb_v", "dualpipe_v"}  # several stages per rank
 
 
 def _pipe(model_name: str, schedule: str, stages: int = 4, **kw):
