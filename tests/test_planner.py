@@ -325,10 +325,11 @@ def test_recompute_keeps_rwkv_state_exact():
     torch.manual_seed(0)
     model = _rwkv()
     ids = torch.randint(0, 64, (2, 8))
+    cache = {"use_cache": True}  # asked for explicitly: the recurrent state is an output (pipesplit's default is off)
     for k in (2, 3):
-        prog = pipesplit.compile(model, ids, num_stages=k, progress=False)
+        prog = pipesplit.compile(model, ids, example_kwargs=cache, num_stages=k, progress=False)
         with torch.no_grad():
-            check_same(model, prog, (torch.randint(0, 64, (3, 8)),), train=False)  # logits and state
+            check_same(model, prog, (torch.randint(0, 64, (3, 8)),), cache, train=False)  # logits and state
 
 
 # ------------------------------------------------------------------------- pins, no_split
