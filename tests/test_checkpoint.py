@@ -14,9 +14,8 @@ import torch.nn.functional as F
 
 import pipesplit
 from tests.close import assert_close, assert_grads_close
+from tests.launch import ROOT, torchrun
 from tests.zoo import CASE_BY_NAME
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def ce(out, y):
@@ -89,11 +88,7 @@ def test_clip_grad_norm_equals_torch_on_the_plain_model(norm_type):
 
 @pytest.mark.slow
 def test_checkpoints_and_clipping_under_torchrun():
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           os.path.join(ROOT, "tests", "checkpoint_check.py")]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    result = torchrun("checkpoint_check.py", 2)
     for what in ("clip", "resume"):
         assert set(re.findall(rf"rank (\d): ok {what}", result.stdout)) == {"0", "1"}, result.stdout
     assert "ok plain" in result.stdout, result.stdout
@@ -103,11 +98,7 @@ def test_checkpoints_and_clipping_under_torchrun():
 def test_pipeline_times_data_parallel_on_a_2x2_mesh_under_torchrun():
     """4 gloo ranks: 2 (pp) x 2 (dp) equals accumulation of the global batch (1f1b, zb_h1); its
     checkpoint resumes on 4 stages without data parallelism with the same losses."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
-           os.path.join(ROOT, "tests", "mesh_check.py")]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    result = torchrun("mesh_check.py", 4)
     for what in (r"mesh 2x2 \(1f1b", r"mesh 2x2 \(zb_h1", "resume 2x2 -> 4x1"):
         assert set(re.findall(rf"rank (\d): ok {what}", result.stdout)) == {"0", "1", "2", "3"}, result.stdout
 
@@ -203,9 +194,5 @@ def test_a_meta_model_gets_storage_then_values_from_its_own_init_or_a_checkpoint
 
 @pytest.mark.slow
 def test_each_rank_holds_only_its_share_of_a_meta_model():
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
-           os.path.join(ROOT, "tests", "meta_check.py")]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    result = torchrun("meta_check.py", 4)
     assert set(re.findall(r"rank (\d): ok meta", result.stdout)) == {"0", "1", "2", "3"}, result.stdout
