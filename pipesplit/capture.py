@@ -350,7 +350,7 @@ def capture(
     for e in entries:  # the program's own copies: the user's tensors are never touched
         e.tensor = _own_copy(e.tensor, e.is_param)
     for target, idx in target_to_entry.items():
-        _rebind(gm, target, entries[idx].tensor)
+        rebind(gm, target, entries[idx].tensor)
 
     flat, _ = pytree.tree_flatten((args, kwargs))
     unknown = sorted(set(unbatched) - set(owners))
@@ -390,7 +390,8 @@ def capture(
     return captured
 
 
-def _rebind(root: nn.Module, target: str, tensor: torch.Tensor) -> None:
+def rebind(root: nn.Module, target: str, tensor: torch.Tensor) -> None:
+    """Point ``root``'s attribute at dotted ``target`` (a parameter, buffer or plain attribute) to ``tensor``."""
     *prefix, leaf = target.split(".")
     mod = root
     for part in prefix:

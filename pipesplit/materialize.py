@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 from torch import nn
 
+from pipesplit.capture import rebind
 from pipesplit.errors import PipesplitError
 from pipesplit.state import Placement
 
@@ -46,22 +47,10 @@ def materialize(prog: "SplitProgram", stages: set[int] | None = None) -> list[st
                 idx = prog.target_to_entry.get(target)
                 if idx is None:
                     idx = next(i for i in entries if prog.state_entry(i).name == target)
-                _set(module, target, entries[idx])
+                rebind(module, target, entries[idx])
     prog.rebuild_holders({s.index for s in kept})
     prog.uninitialised |= fresh
     return sorted(prog.state_entry(i).name for i in prog.uninitialised)
-
-
-def _set(module: nn.Module, target: str, tensor: torch.Tensor) -> None:
-    *prefix, leaf = target.split(".")
-    for part in prefix:
-        module = getattr(module, part)
-    if leaf in module._parameters:
-        module._parameters[leaf] = tensor  # type: ignore[assignment]
-    elif leaf in module._buffers:
-        module._buffers[leaf] = tensor
-    else:
-        setattr(module, leaf, tensor)
 
 
 def init_weights(prog: "SplitProgram", model: nn.Module,

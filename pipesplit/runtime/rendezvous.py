@@ -15,13 +15,12 @@ the peer it waits on and what that peer is blocked on itself.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections import deque
 from dataclasses import dataclass
 
 from pipesplit.errors import RuntimeCommError
-from pipesplit.runtime.transport import Aborted, Parcel, Recvs, Sends
+from pipesplit.runtime.transport import Aborted, InProcessTransport, Parcel, Recvs, Sends
 from pipesplit.schedules.rendezvous import Message, Op
 
 
@@ -33,16 +32,14 @@ class _Posted:
     done: bool = False
 
 
-class RendezvousTransport:
+class RendezvousTransport(InProcessTransport):
     """Blocking rendezvous per batch, FIFO matching per ordered rank pair, no tags (see the module)."""
 
     def __init__(self, timeout: float):
-        self.timeout = timeout
-        self._cond = threading.Condition()
+        super().__init__(timeout)
         self._sends: dict[tuple[int, int], deque[_Posted]] = {}  # (from, to) -> posted sends not yet met
         self._recvs: dict[tuple[int, int], deque[_Posted]] = {}  # (from, to) -> posted receives not yet met
         self._waiting: dict[int, list[_Posted]] = {}  # rank -> its batch in flight
-        self.failed: BaseException | None = None
 
     def exchange(self, rank: int, sends: Sends, recvs: Recvs) -> list[Parcel]:
         mine = [_Posted(Op(True, msg, peer), rank, parcel) for msg, parcel, peer in sends]
@@ -102,17 +99,9 @@ class RendezvousTransport:
             f"{peer} is just slow."
         )
 
-    def abort(self, error: BaseException) -> None:
-        with self._cond:
-            if self.failed is None:
-                self.failed = error
-            self._cond.notify_all()
-
-    def reset(self) -> None:
-        with self._cond:
-            self._sends.clear()
-            self._recvs.clear()
-            self.failed = None
+    def _clear(self) -> None:
+        self._sends.clear()
+        self._recvs.clear()
 
     def in_flight(self) -> list[Message]:
         """The messages posted and not met yet (for tests and diagnostics)."""

@@ -51,16 +51,38 @@ class Aborted(Exception):
     """Raised in a worker when another worker failed first."""
 
 
-class LocalTransport:
+class InProcessTransport:
+    """What the local executor's transports share: one condition its rank threads wait on, and
+    the first failure of any rank, which wakes every waiter (:meth:`abort`)."""
+
+    def __init__(self, timeout: float):
+        self.timeout = timeout
+        self._cond = threading.Condition()
+        self.failed: BaseException | None = None
+
+    def abort(self, error: BaseException) -> None:
+        with self._cond:
+            if self.failed is None:
+                self.failed = error
+            self._cond.notify_all()
+
+    def reset(self) -> None:
+        with self._cond:
+            self._clear()
+            self.failed = None
+
+    def _clear(self) -> None:
+        """Forget what the step left behind (after a failure)."""
+
+
+class LocalTransport(InProcessTransport):
     """Mailboxes shared by the worker threads of one process, matched by message; sends never block."""
 
     buffered = True  # a send may be posted the moment it is made (see RankComm)
 
     def __init__(self, timeout: float):
-        self.timeout = timeout
+        super().__init__(timeout)
         self._box: dict[Message, Parcel] = {}
-        self._cond = threading.Condition()
-        self.failed: BaseException | None = None
 
     def exchange(self, rank: int, sends: Sends, recvs: Recvs) -> list[Parcel]:
         if sends:
@@ -85,16 +107,8 @@ class LocalTransport:
                 self._cond.wait(min(left, 0.05))
             return self._box.pop(msg)  # the mailbox keeps no reference once the receiver has it
 
-    def abort(self, error: BaseException) -> None:
-        with self._cond:
-            if self.failed is None:
-                self.failed = error
-            self._cond.notify_all()
-
-    def reset(self) -> None:
-        with self._cond:
-            self._box.clear()
-            self.failed = None
+    def _clear(self) -> None:
+        self._box.clear()
 
 
 class DistTransport:
