@@ -11,10 +11,11 @@ for every stage, the actions the runtime executes (see ``runtime/worker.py``):
 - ``backward_weight`` (W): gradients of the stage's parameters from the same graph
   (what a ``BACKWARD_WEIGHT`` action does).
 
-The simulator charges a full backward ``B`` (a ``FULL_BACKWARD`` action) ``I + W``. The
-runtime runs B as one fused autograd pass, which is cheaper: its W pass walks the graph
-again from the stage's outputs, recomputing the activation gradients that I computed
-(on the built-in GPT, I + W came to ~1.5x the fused B). So there are two cost models:
+The simulator charges a full backward ``B`` (a ``FULL_BACKWARD`` action) ``I + W``. I also
+keeps the gradients at the outputs of the ops that consume weights, and W turns them into
+weight gradients through those ops alone (``runtime/weight_grads.py``), so I + W is close
+to one fused pass (1.09-1.19x on the built-in GPT and an MLP; a W that walked the graph
+again from the stage's outputs cost 1.5x). Two cost models:
 
 - ``backward="split"`` (default): I and W as the runtime runs them; right for schedules
   that split the backward (``zb_h1``, ``zb_v``), an overestimate of B for the others;
@@ -29,6 +30,7 @@ The measurement leaves the program as it found it: gradients are computed with
 
 from __future__ import annotations
 
+import operator
 import statistics
 import time
 from typing import Any, Callable, Sequence
@@ -39,6 +41,7 @@ import torch.utils._pytree as pytree
 from pipesplit.errors import PipesplitError
 from pipesplit.program import SplitProgram
 from pipesplit.runtime.microbatch import split_microbatches, split_target
+from pipesplit.runtime.weight_grads import weight_backward, weight_graph
 from pipesplit.schedules import StageCost
 
 __all__ = ["measure_stage_costs"]
@@ -182,11 +185,22 @@ def _measure_stage(
         for (name, kind, where), v in zip(stage.inputs, raw)
     ]
 
+    weights = weight_graph(stage.module)  # I then W as the runtime runs them (runtime/weight_grads.py)
+    module = weights.module if weights is not None else stage.module
+    extras: list[Any] = []
+    if weights is not None:
+        get = {t: operator.attrgetter(t)(stage.module) for g in weights.targets for t in g}
+        groups = [list({id(get[t]): get[t] for t in g}.values()) for g in weights.targets]
+        covered = {id(q) for g in groups for q in g}
+        rest = [q for q in params if id(q) not in covered]
+
     def forward() -> tuple[list[torch.Tensor], tuple[Any, ...], list[torch.Tensor]]:
         args = [v.detach().requires_grad_(True) if g else v for v, g in zip(raw, wants_grad)]
         leaves = [a for a, g in zip(args, wants_grad) if g]
         with torch.enable_grad():
-            outs = tuple(stage.module(*args))
+            outs = tuple(module(*args))
+            if weights is not None:
+                outs, extras[:] = outs[:weights.n_outputs], list(outs[weights.n_outputs:])
             if is_last and loss_fn is not None:
                 tree = pytree.tree_unflatten(prog.assemble_outputs(outs), prog.out_spec)
                 return leaves, outs, [loss_fn(tree, target)]
@@ -197,15 +211,26 @@ def _measure_stage(
                      if n in grad_outputs and isinstance(o, torch.Tensor) and o.requires_grad]
         return leaves, outs, roots
 
+    op_grads: list[Any] = []
+
     def input_grads(leaves: list[torch.Tensor], roots: list[torch.Tensor], grads: list[torch.Tensor]) -> Any:
-        if not leaves or not roots:
+        ops = [i for outs_, _ in weights.groups for i in outs_ if extras[i].requires_grad] if weights else []
+        wanted = leaves + [extras[i] for i in ops]
+        if not wanted or not roots:
             return None
-        return torch.autograd.grad(roots, leaves, grads, retain_graph=True, allow_unused=True)
+        got = torch.autograd.grad(roots, wanted, grads, retain_graph=True, allow_unused=True)
+        op_grads[:] = [None] * len(extras)
+        for i, g in zip(ops, got[len(leaves):]):
+            op_grads[i] = g
+        return got[:len(leaves)]
 
     def weight_grads(roots: list[torch.Tensor], grads: list[torch.Tensor]) -> Any:
         if not params or not roots:
             return None
-        return torch.autograd.grad(roots, params, grads, allow_unused=True)
+        if weights is None:
+            return torch.autograd.grad(roots, params, grads, allow_unused=True)
+        weight_backward(extras, op_grads, weights, groups, rest, roots, grads, accumulate=False)
+        return None
 
     def full_backward(leaves: list[torch.Tensor], roots: list[torch.Tensor], grads: list[torch.Tensor]) -> Any:
         if not roots or not (leaves or params):

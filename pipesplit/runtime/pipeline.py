@@ -199,9 +199,10 @@ class Pipeline:
         self._threads: RankThreads | None = None  # the local executor's rank threads, started on first use
         self._tracer: Trace | None = None  # set inside `with self.trace():`
         done = self.collectives.stage_done if self.collectives is not None and self.dp_size > 1 else None
+        split = {a.stage for actions in self.schedule.actions for a in actions if a.kind is ActionKind.BACKWARD_WEIGHT}
         self.workers = {
             s.index: StageWorker(prog, s, rank_of, checkpointing=s.index in ckpt, stream=streams.get(s.index),
-                                 on_gradients=done)
+                                 on_gradients=done, split_backward=s.index in split)
             for s in local
         }
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import operator
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -13,6 +14,7 @@ from torch.utils.checkpoint import checkpoint
 
 from pipesplit.program import SplitProgram, Stage
 from pipesplit.rng import random_stream, stream_seed
+from pipesplit.runtime.weight_grads import weight_backward, weight_graph
 from pipesplit.runtime.exchange import RankComm
 from pipesplit.runtime.transport import Like
 from pipesplit.schedules import Action, ActionKind
@@ -41,6 +43,8 @@ class _Saved:
     tensors: list[torch.Tensor] = field(default_factory=list)  # what backward starts from
     grads: list[torch.Tensor | None] = field(default_factory=list)
     outputs: tuple[Any, ...] = ()
+    inters: list[torch.Tensor] = field(default_factory=list)  # weight consumers' outputs (split backward)
+    inter_grads: list[torch.Tensor | None] = field(default_factory=list)
 
 
 class StageWorker:
@@ -60,6 +64,7 @@ class StageWorker:
         checkpointing: bool = False,
         stream: Any = None,
         on_gradients: Callable[[Sequence[torch.Tensor]], None] | None = None,
+        split_backward: bool = False,
     ):
         self.prog, self.stage, self.rank_of = prog, stage, rank_of
         self.checkpointing, self.stream = checkpointing, stream
@@ -78,6 +83,8 @@ class StageWorker:
         self._ints: dict[tuple[str, int, int], int] = {}
         self.tracer: Any = None  # a pipesplit.runtime.trace.Trace while Pipeline.trace() is active
         self.on_gradients = on_gradients  # called once a step's last weight gradients are in
+        self.split_backward = split_backward and not checkpointing  # I then W: see runtime/weight_grads.py
+        self._weight_graphs: dict[int, Any] = {}  # id(stage module) -> (WeightGraph | None, groups, rest)
         self.backwards_done = 0
 
     # ------------------------------------------------------------------ helpers
@@ -172,6 +179,9 @@ class StageWorker:
             args.append(value)
         grad_mode = torch.enable_grad() if data.training else torch.no_grad()
         module, device = self.stage.module, self.stage.device
+        weights = self._weights() if data.training and self.split_backward else None
+        if weights is not None:
+            module = weights[0].module
         seed = stream_seed(data.seed, self.index, data.microbatch_offset + m)
 
         def run_stage(*xs: Any) -> Any:  # checkpointing replays it, masks and all, from the same seed
@@ -184,6 +194,8 @@ class StageWorker:
             else:
                 outs = run_stage(*args)
             outs = tuple(outs)
+            if weights is not None:  # the weight consumers' outputs ride behind the stage's own
+                outs, saved.inters = outs[:weights[0].n_outputs], list(outs[weights[0].n_outputs:])
             if self.is_last:
                 flat = self.prog.assemble_outputs(outs)
                 if data.training and data.loss_fn is not None:
@@ -227,7 +239,14 @@ class StageWorker:
         if not saved.tensors:
             grads = [None] * len(leaves)
         elif split:
-            grads = torch.autograd.grad(saved.tensors, leaves, saved.grads, retain_graph=True, allow_unused=True) if leaves else []
+            outs_of_ops = self._op_outputs(saved)  # the weight consumers' outputs (see runtime/weight_grads.py)
+            wanted = leaves + [saved.inters[i] for i in outs_of_ops]
+            got = torch.autograd.grad(saved.tensors, wanted, saved.grads, retain_graph=True, allow_unused=True) \
+                if wanted else []
+            grads = got[:len(leaves)]
+            saved.inter_grads = [None] * len(saved.inters)
+            for i, g in zip(outs_of_ops, got[len(leaves):]):
+                saved.inter_grads[i] = g
         else:
             torch.autograd.backward(saved.tensors, saved.grads, inputs=leaves + self.params or None)
             grads = [x.grad for x in leaves]
@@ -239,5 +258,33 @@ class StageWorker:
 
     def backward_weight(self, m: int) -> None:
         saved = self.saved.pop(m)
-        if saved.tensors and self.params:
+        if not (saved.tensors and self.params):
+            return
+        weights = self._weights() if saved.inters else None
+        if weights is None:  # a second backward from the stage outputs (no split forward was run)
             torch.autograd.backward(saved.tensors, saved.grads, inputs=self.params)
+            return
+        wg, params, rest = weights
+        weight_backward(saved.inters, saved.inter_grads, wg, params, rest, saved.tensors, saved.grads)
+
+    def _op_outputs(self, saved: _Saved) -> list[int]:
+        weights = self._weights() if saved.inters else None
+        if weights is None:
+            return []
+        return [i for outs, _ in weights[0].groups for i in outs if saved.inters[i].requires_grad]
+
+    def _weights(self) -> Any:
+        """This stage's weight graph (see runtime/weight_grads.py) with its weights resolved, or None."""
+        module = self.stage.module
+        key = id(module)
+        if key not in self._weight_graphs:
+            wg = weight_graph(module)
+            if wg is None:
+                self._weight_graphs[key] = None
+            else:
+                get = {t: operator.attrgetter(t)(module) for g in wg.targets for t in g}
+                groups = [list({id(get[t]): get[t] for t in g}.values()) for g in wg.targets]
+                covered = {id(p) for g in groups for p in g}
+                rest = [p for p in self.params if id(p) not in covered]
+                self._weight_graphs[key] = (wg, groups, rest)
+        return self._weight_graphs[key]

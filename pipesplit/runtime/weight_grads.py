@@ -1,0 +1,149 @@
+"""Zero-bubble's split backward without doing the work twice.
+
+The I action needs the gradients of a stage's inputs; the W action needs those of its
+weights. Running W as a second backward from the stage's outputs computes every
+activation gradient again (I + W cost 1.6–1.7x one fused backward). Instead, the forward
+also returns the outputs of the ops that consume a weight (a ``linear``, an ``embedding``,
+a ``layer_norm``...); I asks autograd for the gradients of the stage inputs *and* of those
+outputs, and W turns each output's gradient into its weights' gradients through that one
+op alone, as torch's ``stage_backward_weight`` does.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from pipesplit.passes.aliasing import StorageClasses, storage_classes
+
+
+@dataclass
+class WeightGraph:
+    """A stage module that also returns, per weight-consuming op, its output and the weights it
+    consumed, each through an alias of its own (so W reaches the weights through that op alone)."""
+
+    module: fx.GraphModule
+    n_outputs: int  # the stage's own outputs come first
+    groups: list[tuple[list[int], list[int]]]  # per op: (its outputs, its weight aliases) as indices in the extras
+    targets: list[list[str]]  # per op: the get_attr targets of the weights behind its aliases
+
+
+def _tensor_val(node: fx.Node) -> bool:
+    val = node.meta.get("val")
+    return isinstance(val, torch.Tensor) and val.is_floating_point()
+
+
+def _written_only_in_chain(out: fx.Node, classes: StorageClasses) -> bool:
+    """Whether the gradient at ``out``'s tensor object, read after the step, is the gradient of the
+    op's output: true unless the storage is written in place while something else still reads an
+    earlier value (``h = a(x); early = h.sum(); h.mul_(2)``: ``early``'s share would be lost).
+    Safe: never written, or written only by a chain of in-place ops each of which is the sole
+    user of the value before it (``bn -> relu_``, ``conv -> add_ -> relu_``)."""
+    if not classes.is_written(out):
+        return True
+    root = classes.root(out)
+    writers = {w for w, ws in classes.writes.items() if any(classes.root(x) == root for x in ws)}
+    chain, n = set(), out
+    while len(n.users) == 1:
+        (u,) = n.users
+        if u not in writers or n not in classes.writes[u]:
+            break
+        chain.add(u)
+        n = u
+    return writers <= chain
+
+
+def weight_graph(gm: fx.GraphModule) -> WeightGraph | None:
+    """``gm`` rewritten to also return its weight consumers' outputs and weight aliases; None if it
+    has no weights. A weight both consumed by an op and upstream of that op's activations (a tied
+    embedding and head in one stage) is reached by W through the alias only, never twice."""
+    params = {t for t, p in gm.named_parameters(remove_duplicate=False) if p.requires_grad}  # every alias
+    graph = fx.Graph(owning_module=gm)
+    env: dict[fx.Node, fx.Node] = {}
+    out = graph.graph_copy(gm.graph, env)
+    classes = storage_classes(graph)
+    derived: dict[fx.Node, set[str]] = {}  # node -> the weights it is a pure function of (views, casts)
+    found: list[tuple[fx.Node, set[str]]] = []
+    unsafe: set[str] = set()  # weights W must reach from the stage outputs, as before
+    for node in list(graph.nodes):
+        if node.op == "get_attr" and str(node.target) in params:
+            derived[node] = {str(node.target)}
+            continue
+        if node.op not in ("call_function", "call_method", "call_module"):
+            continue
+        ins = node.all_input_nodes
+        used = set().union(*(derived.get(a, set()) for a in ins)) if ins else set()
+        if not used:
+            continue
+        if all(a in derived or a.op == "get_attr" for a in ins):
+            derived[node] = used  # a function of weights alone (t(), a cast): keep following
+            continue
+        outs = [node] if _tensor_val(node) else [u for u in node.users if u.target is operator.getitem]
+        if any(classes.is_written(a) for a in ins if a in derived) or not all(_written_only_in_chain(o, classes)
+                                                                              for o in outs):
+            unsafe |= used  # W must go from the stage outputs: see _written_only_in_chain
+            continue
+        found.append((node, used))
+    consumers: list[tuple[fx.Node, list[fx.Node], set[str]]] = []
+    for node, used in found:
+        used = used - unsafe
+        if not used:
+            continue
+        aliases = []
+        for a in dict.fromkeys(x for x in node.all_input_nodes if x in derived):
+            with graph.inserting_before(node):
+                alias = graph.call_function(torch.ops.aten.alias.default, (a,))
+            alias.meta = dict(a.meta)
+            node.replace_input_with(a, alias)
+            aliases.append(alias)
+        consumers.append((node, aliases, used))
+    extra: list[fx.Node] = []
+    groups: list[tuple[list[int], list[int]]] = []
+    targets: list[list[str]] = []
+    for node, aliases, used in consumers:
+        outs = [node] if _tensor_val(node) else [u for u in node.users if u.target is operator.getitem and _tensor_val(u)]
+        first = len(extra)
+        extra += outs
+        extra += aliases
+        groups.append((list(range(first, first + len(outs))), list(range(first + len(outs), len(extra)))))
+        targets.append(sorted(used))
+    if not extra:
+        return None
+    own = list(out) if isinstance(out, (tuple, list)) else [out]
+    graph.output(tuple(own) + tuple(extra))
+    graph.lint()
+    module = fx.GraphModule(gm, graph, class_name=type(gm).__name__ + "WithWeightInputs")
+    module._forward_hooks = gm._forward_hooks  # the stage's hooks (shared: later ones apply too)
+    module._forward_pre_hooks = gm._forward_pre_hooks
+    return WeightGraph(module, len(own), groups, targets)
+
+
+def weight_backward(extras: list[torch.Tensor], grads: list[torch.Tensor | None], weights: WeightGraph,
+                    params: list[list[torch.Tensor]], rest: list[torch.Tensor], outputs: list[torch.Tensor],
+                    output_grads: list[torch.Tensor | None], accumulate: bool = True) -> None:
+    """Accumulate the weights' gradients: each op's output gradient through that op to its weight
+    aliases, then through the aliases (views and casts of weights only) into the weights; ``rest``
+    (weights no op covers) from the stage outputs, as before. ``accumulate=False`` computes the
+    same and drops it (timing without touching ``.grad``)."""
+
+    def into(tensors: list[torch.Tensor], grads: list[torch.Tensor], inputs: list[torch.Tensor]) -> None:
+        if accumulate:
+            torch.autograd.backward(tensors, grads, inputs=inputs, retain_graph=True)
+        else:
+            torch.autograd.grad(tensors, inputs, grads, retain_graph=True, allow_unused=True)
+
+    for (outs, aliases), ps in zip(weights.groups, params):
+        pairs = [(extras[i], grads[i]) for i in outs if grads[i] is not None]
+        if not pairs or not ps:
+            continue
+        via = [extras[i] for i in aliases]
+        alias_grads = torch.autograd.grad([t for t, _ in pairs], via, [g for _, g in pairs], retain_graph=True,
+                                          allow_unused=True)
+        back = [(t, g) for t, g in zip(via, alias_grads) if g is not None]
+        if back:
+            into([t for t, _ in back], [g for _, g in back], ps)
+    if rest and outputs:
+        into(outputs, output_grads, rest)  # type: ignore[arg-type]
