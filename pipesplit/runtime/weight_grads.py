@@ -135,6 +135,8 @@ def weight_backward(extras: list[torch.Tensor], grads: list[torch.Tensor | None]
         else:
             torch.autograd.grad(tensors, inputs, grads, retain_graph=True, allow_unused=True)
 
+    back: list[tuple[torch.Tensor, torch.Tensor]] = []  # (weight alias, its gradient through its op alone)
+    wanted: dict[int, torch.Tensor] = {}
     for (outs, aliases), ps in zip(weights.groups, params):
         pairs = [(extras[i], grads[i]) for i in outs if grads[i] is not None]
         if not pairs or not ps:
@@ -142,8 +144,9 @@ def weight_backward(extras: list[torch.Tensor], grads: list[torch.Tensor | None]
         via = [extras[i] for i in aliases]
         alias_grads = torch.autograd.grad([t for t, _ in pairs], via, [g for _, g in pairs], retain_graph=True,
                                           allow_unused=True)
-        back = [(t, g) for t, g in zip(via, alias_grads) if g is not None]
-        if back:
-            into([t for t, _ in back], [g for _, g in back], ps)
+        back += [(t, g) for t, g in zip(via, alias_grads) if g is not None]
+        wanted.update((id(p), p) for p in ps)
+    if back:  # one pass from every alias to the weights: those paths hold weights only, never activations
+        into([t for t, _ in back], [g for _, g in back], list(wanted.values()))
     if rest and outputs:
         into(outputs, output_grads, rest)  # type: ignore[arg-type]
