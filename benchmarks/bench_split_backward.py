@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import operator
 import os
 import platform
 import statistics
@@ -22,7 +21,7 @@ import torch
 
 import pipesplit
 from pipesplit.models import gpt
-from pipesplit.runtime.weight_grads import weight_backward, weight_graph
+from pipesplit.runtime.weight_grads import input_grads, weight_backward, weight_graph
 
 
 def _mlp() -> torch.nn.Module:
@@ -59,8 +58,6 @@ def main() -> None:
         stage = prog.stages[0].module
         wg = weight_graph(stage)
         params = [p for p in stage.parameters() if p.requires_grad]
-        get = {t: operator.attrgetter(t)(stage) for g in wg.targets for t in g}
-        groups = [list({id(get[t]): get[t] for t in g}.values()) for g in wg.targets]
         times: dict[str, list[float]] = {"B": [], "I": [], "W": [], "oldW": []}
 
         def clock(fn):
@@ -76,13 +73,8 @@ def main() -> None:
             prog.zero_grad()
             outs = wg.module(x)
             own, extras = outs[0], list(outs[wg.n_outputs:])
-            ops = [i for o, _ in wg.groups for i in o if extras[i].requires_grad]
-            ti, got = clock(lambda: torch.autograd.grad([own], [extras[i] for i in ops], [g], retain_graph=True,
-                                                        allow_unused=True))
-            grads = [None] * len(extras)
-            for i, gi in zip(ops, got):
-                grads[i] = gi
-            tw, _ = clock(lambda: weight_backward(extras, grads, wg, groups, [], [own], [g]))
+            ti, (_, grads) = clock(lambda: input_grads(wg, [own], [g], [], extras))
+            tw, _ = clock(lambda: weight_backward(wg, extras, grads, [own], [g]))
             out = stage(x)[0]
             to, _ = clock(lambda: torch.autograd.backward([out], [g], inputs=params))  # the old W: a full pass
             if r >= 2:

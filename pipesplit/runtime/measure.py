@@ -30,7 +30,6 @@ The measurement leaves the program as it found it: gradients are computed with
 
 from __future__ import annotations
 
-import operator
 import statistics
 import time
 from typing import Any, Callable, Sequence
@@ -41,7 +40,7 @@ import torch.utils._pytree as pytree
 from pipesplit.errors import PipesplitError
 from pipesplit.program import SplitProgram
 from pipesplit.runtime.microbatch import split_microbatches, split_target
-from pipesplit.runtime.weight_grads import weight_backward, weight_graph
+from pipesplit.runtime.weight_grads import input_grads, weight_backward, weight_graph
 from pipesplit.schedules import StageCost
 
 __all__ = ["measure_stage_costs"]
@@ -188,11 +187,6 @@ def _measure_stage(
     weights = weight_graph(stage.module)  # I then W as the runtime runs them (runtime/weight_grads.py)
     module = weights.module if weights is not None else stage.module
     extras: list[Any] = []
-    if weights is not None:
-        get = {t: operator.attrgetter(t)(stage.module) for g in weights.targets for t in g}
-        groups = [list({id(get[t]): get[t] for t in g}.values()) for g in weights.targets]
-        covered = {id(q) for g in groups for q in g}
-        rest = [q for q in params if id(q) not in covered]
 
     def forward() -> tuple[list[torch.Tensor], tuple[Any, ...], list[torch.Tensor]]:
         args = [v.detach().requires_grad_(True) if g else v for v, g in zip(raw, wants_grad)]
@@ -213,23 +207,18 @@ def _measure_stage(
 
     op_grads: list[Any] = []
 
-    def input_grads(leaves: list[torch.Tensor], roots: list[torch.Tensor], grads: list[torch.Tensor]) -> Any:
-        ops = [i for outs_, _ in weights.groups for i in outs_ if extras[i].requires_grad] if weights else []
-        wanted = leaves + [extras[i] for i in ops]
-        if not wanted or not roots:
+    def backward_input(leaves: list[torch.Tensor], roots: list[torch.Tensor], grads: list[torch.Tensor]) -> Any:
+        if not roots:
             return None
-        got = torch.autograd.grad(roots, wanted, grads, retain_graph=True, allow_unused=True)
-        op_grads[:] = [None] * len(extras)
-        for i, g in zip(ops, got[len(leaves):]):
-            op_grads[i] = g
-        return got[:len(leaves)]
+        got, op_grads[:] = input_grads(weights, roots, grads, leaves, extras)
+        return got
 
     def weight_grads(roots: list[torch.Tensor], grads: list[torch.Tensor]) -> Any:
         if not params or not roots:
             return None
         if weights is None:
             return torch.autograd.grad(roots, params, grads, allow_unused=True)
-        weight_backward(extras, op_grads, weights, groups, rest, roots, grads, accumulate=False)
+        weight_backward(weights, extras, op_grads, roots, grads, accumulate=False)
         return None
 
     def full_backward(leaves: list[torch.Tensor], roots: list[torch.Tensor], grads: list[torch.Tensor]) -> Any:
@@ -245,7 +234,7 @@ def _measure_stage(
     for k in range(warmup + repeats):
         tf, (leaves, outs, roots) = clock(forward)
         grads = [torch.ones_like(r) for r in roots]  # what the next stage would send back
-        ti, _ = clock(lambda: input_grads(leaves, roots, grads))
+        ti, _ = clock(lambda: backward_input(leaves, roots, grads))
         tw, _ = clock(lambda: weight_grads(roots, grads))
         tb = 0.0
         if fused:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -28,7 +29,8 @@ class WeightGraph:
     module: fx.GraphModule
     n_outputs: int  # the stage's own outputs come first
     groups: list[tuple[list[int], list[int]]]  # per op: (its outputs, its weight aliases) as indices in the extras
-    targets: list[list[str]]  # per op: the get_attr targets of the weights behind its aliases
+    weights: list[list[torch.Tensor]]  # per op: the weights behind its aliases (each once)
+    rest: list[torch.Tensor]  # weights no op covers: W reaches them from the stage outputs, as before
 
 
 def _tensor_val(node: fx.Node) -> bool:
@@ -118,12 +120,31 @@ def weight_graph(gm: fx.GraphModule) -> WeightGraph | None:
     module = fx.GraphModule(gm, graph, class_name=type(gm).__name__ + "WithWeightInputs")
     module._forward_hooks = gm._forward_hooks  # the stage's hooks (shared: later ones apply too)
     module._forward_pre_hooks = gm._forward_pre_hooks
-    return WeightGraph(module, len(own), groups, targets)
+    get = {t: operator.attrgetter(t)(gm) for g in targets for t in g}
+    weights = [list({id(get[t]): get[t] for t in g}.values()) for g in targets]
+    covered = {id(p) for g in weights for p in g}
+    rest = [p for p in gm.parameters() if p.requires_grad and id(p) not in covered]
+    return WeightGraph(module, len(own), groups, weights, rest)
 
 
-def weight_backward(extras: list[torch.Tensor], grads: list[torch.Tensor | None], weights: WeightGraph,
-                    params: list[list[torch.Tensor]], rest: list[torch.Tensor], outputs: list[torch.Tensor],
-                    output_grads: list[torch.Tensor | None], accumulate: bool = True) -> None:
+def input_grads(weights: WeightGraph | None, outputs: list[torch.Tensor], output_grads: list[Any],
+                leaves: list[torch.Tensor], extras: list[torch.Tensor]) -> tuple[list[Any], list[Any]]:
+    """The I action: gradients of ``leaves`` (the stage inputs) and, for W, of the weight ops'
+    outputs among ``extras``; keeps the graph. Returns (leaf gradients, gradients by extra)."""
+    ops = [i for outs, _ in weights.groups for i in outs if extras[i].requires_grad] if weights else []
+    wanted = leaves + [extras[i] for i in ops]
+    by_extra: list[Any] = [None] * len(extras)
+    if not wanted:
+        return [None] * len(leaves), by_extra
+    got = torch.autograd.grad(outputs, wanted, output_grads, retain_graph=True, allow_unused=True)
+    for i, g in zip(ops, got[len(leaves):]):
+        by_extra[i] = g
+    return list(got[:len(leaves)]), by_extra
+
+
+def weight_backward(weights: WeightGraph, extras: list[torch.Tensor], grads: list[torch.Tensor | None],
+                    outputs: list[torch.Tensor], output_grads: list[torch.Tensor | None],
+                    accumulate: bool = True) -> None:
     """Accumulate the weights' gradients: each op's output gradient through that op to its weight
     aliases, then through the aliases (views and casts of weights only) into the weights; ``rest``
     (weights no op covers) from the stage outputs, as before. ``accumulate=False`` computes the
@@ -137,7 +158,7 @@ def weight_backward(extras: list[torch.Tensor], grads: list[torch.Tensor | None]
 
     back: list[tuple[torch.Tensor, torch.Tensor]] = []  # (weight alias, its gradient through its op alone)
     wanted: dict[int, torch.Tensor] = {}
-    for (outs, aliases), ps in zip(weights.groups, params):
+    for (outs, aliases), ps in zip(weights.groups, weights.weights):
         pairs = [(extras[i], grads[i]) for i in outs if grads[i] is not None]
         if not pairs or not ps:
             continue
@@ -148,5 +169,5 @@ def weight_backward(extras: list[torch.Tensor], grads: list[torch.Tensor | None]
         wanted.update((id(p), p) for p in ps)
     if back:  # one pass from every alias to the weights: those paths hold weights only, never activations
         into([t for t, _ in back], [g for _, g in back], list(wanted.values()))
-    if rest and outputs:
-        into(outputs, output_grads, rest)  # type: ignore[arg-type]
+    if weights.rest and outputs:
+        into(outputs, output_grads, weights.rest)  # type: ignore[arg-type]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import operator
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -14,7 +13,7 @@ from torch.utils.checkpoint import checkpoint
 
 from pipesplit.program import SplitProgram, Stage
 from pipesplit.rng import random_stream, stream_seed
-from pipesplit.runtime.weight_grads import weight_backward, weight_graph
+from pipesplit.runtime.weight_grads import WeightGraph, input_grads, weight_backward, weight_graph
 from pipesplit.runtime.exchange import RankComm
 from pipesplit.runtime.transport import Like
 from pipesplit.schedules import Action, ActionKind
@@ -84,7 +83,7 @@ class StageWorker:
         self.tracer: Any = None  # a pipesplit.runtime.trace.Trace while Pipeline.trace() is active
         self.on_gradients = on_gradients  # called once a step's last weight gradients are in
         self.split_backward = split_backward and not checkpointing  # I then W: see runtime/weight_grads.py
-        self._weight_graphs: dict[int, Any] = {}  # id(stage module) -> (WeightGraph | None, groups, rest)
+        self._weight_graphs: dict[int, WeightGraph | None] = {}  # id(stage module) -> its weight graph
         self.backwards_done = 0
 
     # ------------------------------------------------------------------ helpers
@@ -181,7 +180,7 @@ class StageWorker:
         module, device = self.stage.module, self.stage.device
         weights = self._weights() if data.training and self.split_backward else None
         if weights is not None:
-            module = weights[0].module
+            module = weights.module
         seed = stream_seed(data.seed, self.index, data.microbatch_offset + m)
 
         def run_stage(*xs: Any) -> Any:  # checkpointing replays it, masks and all, from the same seed
@@ -195,7 +194,7 @@ class StageWorker:
                 outs = run_stage(*args)
             outs = tuple(outs)
             if weights is not None:  # the weight consumers' outputs ride behind the stage's own
-                outs, saved.inters = outs[:weights[0].n_outputs], list(outs[weights[0].n_outputs:])
+                outs, saved.inters = outs[:weights.n_outputs], list(outs[weights.n_outputs:])
             if self.is_last:
                 flat = self.prog.assemble_outputs(outs)
                 if data.training and data.loss_fn is not None:
@@ -238,15 +237,9 @@ class StageWorker:
         grads: Sequence[torch.Tensor | None]
         if not saved.tensors:
             grads = [None] * len(leaves)
-        elif split:
-            outs_of_ops = self._op_outputs(saved)  # the weight consumers' outputs (see runtime/weight_grads.py)
-            wanted = leaves + [saved.inters[i] for i in outs_of_ops]
-            got = torch.autograd.grad(saved.tensors, wanted, saved.grads, retain_graph=True, allow_unused=True) \
-                if wanted else []
-            grads = got[:len(leaves)]
-            saved.inter_grads = [None] * len(saved.inters)
-            for i, g in zip(outs_of_ops, got[len(leaves):]):
-                saved.inter_grads[i] = g
+        elif split:  # also the gradients W starts from (see runtime/weight_grads.py)
+            weights = self._weights() if saved.inters else None
+            grads, saved.inter_grads = input_grads(weights, saved.tensors, saved.grads, leaves, saved.inters)
         else:
             torch.autograd.backward(saved.tensors, saved.grads, inputs=leaves + self.params or None)
             grads = [x.grad for x in leaves]
@@ -264,27 +257,11 @@ class StageWorker:
         if weights is None:  # a second backward from the stage outputs (no split forward was run)
             torch.autograd.backward(saved.tensors, saved.grads, inputs=self.params)
             return
-        wg, params, rest = weights
-        weight_backward(saved.inters, saved.inter_grads, wg, params, rest, saved.tensors, saved.grads)
+        weight_backward(weights, saved.inters, saved.inter_grads, saved.tensors, saved.grads)
 
-    def _op_outputs(self, saved: _Saved) -> list[int]:
-        weights = self._weights() if saved.inters else None
-        if weights is None:
-            return []
-        return [i for outs, _ in weights[0].groups for i in outs if saved.inters[i].requires_grad]
-
-    def _weights(self) -> Any:
-        """This stage's weight graph (see runtime/weight_grads.py) with its weights resolved, or None."""
+    def _weights(self) -> WeightGraph | None:
+        """This stage's weight graph (see runtime/weight_grads.py), made once per module."""
         module = self.stage.module
-        key = id(module)
-        if key not in self._weight_graphs:
-            wg = weight_graph(module)
-            if wg is None:
-                self._weight_graphs[key] = None
-            else:
-                get = {t: operator.attrgetter(t)(module) for g in wg.targets for t in g}
-                groups = [list({id(get[t]): get[t] for t in g}.values()) for g in wg.targets]
-                covered = {id(p) for g in groups for p in g}
-                rest = [p for p in self.params if id(p) not in covered]
-                self._weight_graphs[key] = (wg, groups, rest)
-        return self._weight_graphs[key]
+        if id(module) not in self._weight_graphs:
+            self._weight_graphs[id(module)] = weight_graph(module)
+        return self._weight_graphs[id(module)]
