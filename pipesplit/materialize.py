@@ -38,15 +38,13 @@ def materialize(prog: "SplitProgram", stages: set[int] | None = None) -> list[st
             new = placement.take(idx, t, stage.device)
             entries[idx] = new
             fresh.add(idx)
-        targets = [t for t in stage.attr_targets if prog.target_to_entry.get(t) in fresh]
-        if stage.index == 0:  # state no op uses stays with stage 0 under its own name
-            targets += [prog.state_entry(i).name for i in entries if i in fresh
-                        and i not in prog.target_to_entry.values()]
+        # where each fresh entry sits in the stage's modules: its get_attr targets, or for state no
+        # op uses (kept by stage 0) its own name
+        sites = [(t, prog.target_to_entry[t]) for t in stage.attr_targets if prog.target_to_entry.get(t) in fresh]
+        used = set(prog.target_to_entry.values())
+        sites += [(prog.state_entry(i).name, i) for i in entries if i in fresh and i not in used]
         for module in stage.modes.values():
-            for target in targets:
-                idx = prog.target_to_entry.get(target)
-                if idx is None:
-                    idx = next(i for i in entries if prog.state_entry(i).name == target)
+            for target, idx in sites:
                 rebind(module, target, entries[idx])
     prog.rebuild_holders({s.index for s in kept})
     prog.uninitialised |= fresh
@@ -71,14 +69,14 @@ def init_weights(prog: "SplitProgram", model: nn.Module,
                    list(mod.named_parameters(recurse=False)) + list(mod.named_buffers(recurse=False))]
             if not callable(reset) or not own or not all(full in held for _, full in own):
                 continue
-            originals = {n: _get(mod, n) for n, _ in own}
+            originals = {n: getattr(mod, n) for n, _ in own}
             try:
                 for n, full in own:
-                    _put(mod, n, held[full][1])
+                    rebind(mod, n, held[full][1])
                 reset()
             finally:
                 for n, t in originals.items():
-                    _put(mod, n, t)
+                    rebind(mod, n, t)
             done |= {held[full][0] for _, full in own}
         for name, (idx, t) in held.items():
             if idx in prog.uninitialised and idx not in done and init_fn is not None:
@@ -98,13 +96,3 @@ def check_initialised(prog: "SplitProgram") -> None:
             "model resets them by itself."
         )
 
-
-def _get(mod: nn.Module, n: str) -> torch.Tensor:
-    return mod._parameters[n] if n in mod._parameters else mod._buffers[n]  # type: ignore[return-value]
-
-
-def _put(mod: nn.Module, n: str, t: torch.Tensor) -> None:
-    if n in mod._parameters:
-        mod._parameters[n] = t  # type: ignore[assignment]
-    else:
-        mod._buffers[n] = t
