@@ -318,7 +318,8 @@ class SplitProgram:
         return pytree.tree_unflatten(self.run_flat(flat), self.out_spec)
 
     # ------------------------------------------------------------------- state
-    def _owned(self) -> Iterator[tuple[int, torch.Tensor]]:
+    def held_items(self) -> Iterator[tuple[int, torch.Tensor]]:
+        """(state index, tensor) for everything this process holds (its owner here)."""
         for idx, owner in enumerate(self._owner):
             if owner is not None:
                 yield idx, owner
@@ -336,13 +337,9 @@ class SplitProgram:
     def n_state_entries(self) -> int:
         return len(self._state)
 
-    def held_items(self) -> Iterator[tuple[int, torch.Tensor]]:
-        """(state index, tensor) for everything this process holds (its owner here)."""
-        return self._owned()
-
     def held_state(self) -> Iterator[tuple[Any, torch.Tensor]]:
         """(state entry, the tensor this process holds for it) for every entry with a holder here."""
-        for idx, owner in self._owned():
+        for idx, owner in self.held_items():
             if self._state[idx].aliases:  # not a constant export lifted
                 yield self._state[idx], owner
 
@@ -354,7 +351,7 @@ class SplitProgram:
 
     def held_params(self) -> Iterator[tuple[int, torch.Tensor]]:
         """(state index, parameter) for every parameter this process holds, once."""
-        for idx, owner in self._owned():
+        for idx, owner in self.held_items():
             if self._state[idx].is_param:
                 yield idx, owner
 
@@ -366,7 +363,7 @@ class SplitProgram:
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """Every parameter once (a tied weight once), under the original model's name."""
-        for idx, owner in self._owned():
+        for idx, owner in self.held_items():
             if self._state[idx].is_param:
                 yield self._state[idx].name, owner  # type: ignore[misc]
 
@@ -374,7 +371,7 @@ class SplitProgram:
         return (p for _, p in self.named_parameters())
 
     def named_buffers(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for idx, owner in self._owned():
+        for idx, owner in self.held_items():
             entry = self._state[idx]
             if not entry.is_param and entry.aliases:
                 yield entry.name, owner
