@@ -49,15 +49,14 @@ class Tied:
     def begin_step(self) -> None:
         """Defer replica gradients and set aside what earlier steps accumulated."""
         self.deferred = True
-        self.earlier, self.owner.grad = self.owner.grad, None
+        (self.earlier,) = set_aside_grads([self.owner])
 
     def end_step(self) -> None:
         """This step's gradient in stage order, then the earlier steps' added: the same sums in the
         same order as the distributed executor's (whose ranks hold the stages) under any schedule."""
         self.deferred = False
         self.flush()
-        if self.earlier is not None:
-            self.owner.grad = self.earlier if self.owner.grad is None else self.owner.grad + self.earlier
+        add_back_grads([self.owner], [self.earlier])
         self.earlier = None
 
     def unhook(self) -> None:
@@ -72,6 +71,21 @@ class Tied:
                     if not _same_storage(r, self.owner):  # an alias on the owner's storage is always current
                         r.copy_(self.owner)
             self.version = self.owner._version
+
+
+def set_aside_grads(params: list[torch.Tensor]) -> list[torch.Tensor | None]:
+    """Take the gradients earlier steps accumulated off ``params`` (a step then sums only its own)."""
+    earlier = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    return earlier
+
+
+def add_back_grads(params: list[torch.Tensor], earlier: list[torch.Tensor | None]) -> None:
+    """Add what :func:`set_aside_grads` took back onto this step's gradients."""
+    for p, g in zip(params, earlier):
+        if g is not None:
+            p.grad = g if p.grad is None else p.grad + g
 
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:

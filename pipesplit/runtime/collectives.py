@@ -126,19 +126,6 @@ class StepCollectives:
             return [p for _, p in self.prog.held_params()]
         return [self.prog.held_tensor(idx) for _, idx in self.tied_groups]
 
-    def stash(self, params: list[torch.Tensor]) -> list[torch.Tensor | None]:
-        """Take gradients of earlier steps aside: the collectives sum only this step's."""
-        earlier = [p.grad for p in params]
-        for p in params:
-            p.grad = None
-        return earlier
-
-    @staticmethod
-    def restore(params: list[torch.Tensor], earlier: list[torch.Tensor | None]) -> None:
-        for p, g in zip(params, earlier):
-            if g is not None:
-                p.grad = g if p.grad is None else p.grad + g
-
     def stage_done(self, params: Sequence[torch.Tensor]) -> None:
         """A stage's gradients of this step are final: start summing them over the replicas."""
         if self.layout.dp_group is None:

@@ -14,7 +14,7 @@ from torch import nn
 from pipesplit.errors import PipesplitError, ScheduleError
 from pipesplit.materialize import check_initialised, init_weights
 from pipesplit.program import SplitProgram
-from pipesplit.state import zero_grads
+from pipesplit.state import add_back_grads, set_aside_grads, zero_grads
 from pipesplit.runtime.microbatch import merge_outputs, split_microbatches, split_target
 from pipesplit.runtime.collectives import Layout, StepCollectives
 from pipesplit.runtime.distributed import place_rank, start_communicator
@@ -389,7 +389,7 @@ class Pipeline:
         if self.collectives is not None:
             coll = self.collectives
             params = coll.summed_params() if data.training else []
-            earlier = coll.stash(params)
+            earlier = set_aside_grads(params)  # the collectives sum this step's gradients only
             for w in workers.values():
                 w.backwards_done = 0
             self.prog.defer_tied_gradients(True)  # stages of this rank sharing a weight: summed in stage order
@@ -401,7 +401,7 @@ class Pipeline:
                 self.transport.reset()
             if data.training:
                 coll.reduce_tied()
-                coll.restore(params, earlier)
+                add_back_grads(params, earlier)
             return
         self.prog.defer_tied_gradients(True)
         errors: list[BaseException] = []
