@@ -147,8 +147,9 @@ def load(pipe: "Pipeline", path: str | os.PathLike[str], optimizer: torch.optim.
 
 def _grads(pipe: "Pipeline") -> Iterator[torch.Tensor]:
     """This process's share of the gradients: a tied weight held by several ranks counts on its first."""
+    assert pipe.collectives is not None
     for idx, p in pipe.prog.held_params():
-        if p.grad is not None and pipe.counts_here(idx):
+        if p.grad is not None and pipe.collectives.counts_here(idx):
             yield p.grad
 
 
@@ -158,11 +159,11 @@ def clip_grad_norm_(pipe: "Pipeline", max_norm: float, norm_type: float = 2.0) -
     Equals ``torch.nn.utils.clip_grad_norm_`` on the unsplit model (the norm is taken over
     every parameter once); returns that total norm, on every rank.
     """
-    dist = _dist() if pipe.executor == "distributed" else None
+    dist = _dist() if pipe.collectives is not None else None
     params = [p for _, p in pipe.prog.held_params()]
     if dist is None:
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
-    device = pipe.collective_device()
+    device = pipe.collectives.device
     norm_type = float(norm_type)
     grads = [g.detach().to(device, torch.float64) for g in _grads(pipe)]
     if math.isinf(norm_type):

@@ -293,14 +293,6 @@ class Pipeline:
         return self._share_loss(loss)
 
     # ------------------------------------------------------ optimizer helpers
-    def counts_here(self, idx: int) -> bool:
-        """Whether this rank counts state entry ``idx`` in global sums (a tied weight on its first rank)."""
-        return self.collectives is None or self.collectives.counts_here(idx)
-
-    def collective_device(self) -> torch.device:
-        """Where this rank's collectives put their buffers (its GPU under NCCL)."""
-        return self.collectives.device if self.collectives is not None else torch.device("cpu")
-
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the gradients of every stage and rank to a global norm of ``max_norm``; returns the
         total norm, as ``torch.nn.utils.clip_grad_norm_`` on the unsplit model would (every rank)."""
