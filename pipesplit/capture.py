@@ -52,6 +52,10 @@ class InputInfo:
     ranges: dict[int, tuple[int, int | None]] = field(default_factory=dict)
     unbatched: bool = False  # marked by the user: the same whole tensor goes to every microbatch
 
+    def has_batch_dim(self, d: int) -> bool:
+        """A tensor input with a dimension ``d`` that the user did not mark unbatched."""
+        return self.is_tensor and bool(self.shape) and len(self.shape) > d and not self.unbatched  # type: ignore[arg-type]
+
 
 @dataclass
 class Captured:
@@ -85,7 +89,7 @@ class Captured:
     @property
     def batch_dynamic(self) -> bool:
         d = self.batch_dim
-        tensors = [i for i in self.inputs if i.is_tensor and i.shape and len(i.shape) > d and not i.unbatched]
+        tensors = [i for i in self.inputs if i.has_batch_dim(d)]
         return bool(tensors) and all(i.shape[d] is None for i in tensors if i.shape)
 
 
@@ -310,6 +314,12 @@ def capture(
             f"the example inputs do not fit {type(model).__name__}.forward{inspect.signature(model.forward)}: {e}. "
             "Pass positional inputs as a tuple and keyword inputs as example_kwargs."
         ) from None
+    unknown = sorted(set(unbatched) - set(owners))
+    if unknown:  # before the (slow) export
+        raise CaptureError(
+            f"unbatched names {unknown}, which the example call does not pass; the arguments passed are "
+            f"{sorted(set(owners))}."
+        )
     start = time.perf_counter()
     printed = io.StringIO()
     try:
@@ -353,12 +363,6 @@ def capture(
         rebind(gm, target, entries[idx].tensor)
 
     flat, _ = pytree.tree_flatten((args, kwargs))
-    unknown = sorted(set(unbatched) - set(owners))
-    if unknown:
-        raise CaptureError(
-            f"unbatched names {unknown}, which the example call does not pass; the arguments passed are "
-            f"{sorted(set(owners))}."
-        )
     infos = _input_infos(gm, flat, ep, [o in unbatched for o in owners])
     captured = Captured(
         gm=gm,
@@ -378,10 +382,9 @@ def capture(
         batch_dim=batch_dim,
     )
     d = batch_dim
-    tensor_inputs = [i for i in infos if i.is_tensor and i.shape and len(i.shape) > d and not i.unbatched]
-    if tensor_inputs and not captured.batch_dynamic:
+    if any(i.has_batch_dim(d) for i in infos) and not captured.batch_dynamic:
         pinned = [f"{i.name}[{d}]={x.shape[d]}" for i, x in zip(infos, flat)
-                  if i.is_tensor and i.shape and len(i.shape) > d and i.shape[d] is not None and not i.unbatched]
+                  if i.has_batch_dim(d) and i.shape[d] is not None]  # type: ignore[index]
         why = " (an example batch of size 1 always pins it: use a batch of 2 or more)" if any(
             isinstance(x, torch.Tensor) and x.dim() > d and x.shape[d] == 1 for x in flat) else ""
         notes.append(f"the model pins the batch dimension ({', '.join(pinned)}){why}; "
