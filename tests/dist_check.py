@@ -22,10 +22,12 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import pipesplit  # noqa: E402
+from pipesplit.runtime.exchange import RankComm  # noqa: E402
 from tests.close import assert_close  # noqa: E402
 from tests.zoo import CASE_BY_NAME  # noqa: E402
 
 ORIGINAL_BATCH = dist.batch_isend_irecv
+ORIGINAL_RELEASE = RankComm.release
 
 
 def main() -> int:
@@ -91,15 +93,17 @@ def check(model, case, schedule, args, rank, world) -> None:
         for name, p in held.items():
             assert_close(p, ref_params[name], name=f"rank {rank}: {name} after step {step}")
     print(f"rank {rank}/{world}: {len(held)} parameters match over {args.steps} steps ({schedule})", flush=True)
-    print(f"rank {rank}/{world}: {alive['sent']} tensors sent, at most {alive['max']} still alive after an action "
-          f"({schedule})", flush=True)
+    assert all(r() is None for r in alive["refs"]), f"rank {rank}: sent tensors outlive the step ({schedule})"
+    print(f"rank {rank}/{world}: {alive['sent']} tensors sent, {alive['held']} held after their send completed, "
+          f"at most {alive['max']} in flight after an action ({schedule})", flush=True)
 
 
 def track_sends(pipe) -> dict:
-    """Count, after every action of this rank, the tensors it handed to isend that are still alive:
-    a sender must release them when their batch completes, not hold them until the step ends."""
+    """Count what this rank sends, and check at every release of finished sends (after each action)
+    that every batch already complete before it is let go: a sender drops a sent tensor once its send
+    completes, not when the step ends. Also the most sent tensors alive after an action (in flight)."""
     refs: list = []
-    alive = {"sent": 0, "max": 0}
+    alive = {"sent": 0, "max": 0, "held": 0, "refs": refs}
     batch = ORIGINAL_BATCH  # not an earlier schedule's wrapper
 
     def recording(ops):
@@ -108,12 +112,16 @@ def track_sends(pipe) -> dict:
         return batch(ops)
 
     dist.batch_isend_irecv = recording
-    for worker in pipe.workers.values():
-        def run(*a, _run=worker.run, **k):
-            _run(*a, **k)
-            refs[:] = [r for r in refs if r() is not None]
-            alive["max"] = max(alive["max"], len(refs))
-        worker.run = run
+    release = ORIGINAL_RELEASE  # not an earlier schedule's wrapper
+
+    def checked(comm):
+        done = [i for i, b in enumerate(comm._batches) if b is not None and comm.transport.done(b[0])]
+        release(comm)
+        alive["held"] += sum(comm._batches[i] is not None for i in done)
+        refs[:] = [r for r in refs if r() is not None]
+        alive["max"] = max(alive["max"], len(refs))
+
+    RankComm.release = checked
     return alive
 
 

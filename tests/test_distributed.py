@@ -27,10 +27,10 @@ def _ok(result: subprocess.CompletedProcess[str], nproc: int, schedules: list[st
     for schedule in schedules:
         matched = set(re.findall(rf"rank (\d+)/{nproc}: \d+ parameters match over \d+ steps \({schedule}\)", result.stdout))
         assert matched == {str(r) for r in range(nproc)}, f"{schedule}: expected {nproc} ranks to report a match\n{result.stdout}"
-        # senders release what they sent when its batch completes (not when the step ends)
-        held = re.findall(rf"rank \d+/{nproc}: (\d+) tensors sent, at most (\d+) still alive after an action \({schedule}\)",
-                          result.stdout)
-        assert len(held) == nproc and all(int(alive) == 0 for _, alive in held), held
+        # senders let go of what they sent once its batch completes (not when the step ends)
+        held = re.findall(rf"rank \d+/{nproc}: (\d+) tensors sent, (\d+) held after their send completed, "
+                          rf"at most \d+ in flight after an action \({schedule}\)", result.stdout)
+        assert len(held) == nproc and all(int(kept) == 0 for _, kept in held), held
         assert sum(int(sent) for sent, _ in held) > 0
 
 

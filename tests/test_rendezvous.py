@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 from pipesplit.errors import ScheduleError
 from pipesplit.schedules import Schedule, get_schedule, register_schedule, schedule_info, unregister_schedule, validate
 from pipesplit.schedules import with_communication
-from pipesplit.schedules.rendezvous import Edge, Message, Op, Step, check_rendezvous, comm_plan
+from pipesplit.schedules.issue import check_issued, check_rendezvous, issue, proven
+from pipesplit.schedules.rendezvous import Edge, Message, Op, Step, comm_plan
 
 BUILTINS = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zb_h1", "zb_v")
 
@@ -135,3 +136,64 @@ def test_user_schedule_is_proven_and_its_order_respected() -> None:
 def test_unknown_semantics_is_refused() -> None:
     with pytest.raises(ScheduleError, match="rendezvous"):
         validate(get_schedule("1f1b", n_stages=2, n_microbatches=2), semantics="nccl")
+
+
+# ------------------------------------------------------------------ what each rank issues (schedules/issue.py)
+def posts_text(turn) -> list[list[str]]:
+    return [[("S" if op.send else "R") + f"{op.message.direction}{op.message.microbatch}" for op in b] for b in turn.post]
+
+
+def test_gpipe_posts_receives_ahead_and_never_waits_for_a_send() -> None:
+    gpipe = get_schedule("gpipe", n_stages=2, n_microbatches=4)
+    program = proven(gpipe, comm_plan(gpipe))
+    last = program[1]
+    assert str(last[0].action) == "1F0" and posts_text(last[0]) == [["RF0"], ["RF1"]]  # F1's input is on its way
+    assert last[0].wait == (0,)  # 1F0 waits for its own input only
+    first = program[0]
+    assert [t.wait for t in first[:4]] == [(), (), (), ()]  # the first rank runs every forward without waiting
+    assert first[-1].action is None and first[-1].wait  # its sends are waited for once, at the end
+
+
+def test_receives_ahead_everywhere_would_deadlock_1f1b_on_nccl() -> None:
+    """Posted ahead on both ranks, a receive holds up the rank's later sends on NCCL's one stream:
+    rank 0 waits for a gradient rank 1 posted behind its early receive, which waits for rank 0's
+    send behind the early receive of that gradient. The proof finds it; proven() keeps only what holds."""
+    schedule = get_schedule("1f1b", n_stages=2, n_microbatches=4)
+    plan = comm_plan(schedule)
+    with pytest.raises(ScheduleError, match="deadlocks") as info:
+        check_issued(schedule, issue(plan, lookahead=1))
+    assert "one after another" in str(info.value) and "rank 0" in str(info.value) and "rank 1" in str(info.value)
+    program = proven(schedule, plan)
+    check_issued(schedule, program)
+    assert received_ahead(program[0]), "rank 0 posts its gradient receives ahead: proven safe"
+    assert not received_ahead(program[1]), "rank 1 cannot: it would hold up its gradient sends"
+
+
+def received_ahead(turns) -> list[str]:
+    """The receives posted in a turn whose action does not wait for them (they are for a later one)."""
+    out, index = [], 0
+    for t in turns:
+        for b in t.post:
+            if index not in t.wait:
+                out += [f"R{op.message.direction}{op.message.microbatch}" for op in b if not op.send]
+            index += 1
+    return out
+
+
+def test_the_plans_own_points_are_the_fallback() -> None:
+    """lookahead=0 without early sends issues exactly the plan's batches at the plan's steps."""
+    schedule = get_schedule("zb_v", n_stages=4, n_ranks=2, n_microbatches=4)
+    plan = comm_plan(schedule)
+    program = issue(plan, lookahead=0, early_sends=False)
+    for steps, turns in zip(plan, program):
+        assert [s.ops for s in steps if s.ops] == [b for t in turns for b in t.post]
+    check_issued(schedule, program)
+
+
+def test_issue_keeps_pair_order_and_waits_for_every_batch() -> None:
+    for name in BUILTINS:
+        schedule = build(name, 3, 6)
+        program = proven(schedule, comm_plan(schedule))
+        for turns in program:
+            n = sum(len(t.post) for t in turns)
+            assert sorted(i for t in turns for i in t.wait) == list(range(n))  # each batch waited for exactly once

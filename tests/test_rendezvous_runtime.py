@@ -14,6 +14,7 @@ from pipesplit.runtime import distributed
 from pipesplit.runtime.exchange import program_edges
 from pipesplit.runtime.rendezvous import RendezvousTransport
 from pipesplit.runtime.transport import LocalTransport, Parcel
+from pipesplit.schedules.issue import issue, proven
 from pipesplit.schedules.rendezvous import Message, comm_plan
 from tests.training import check_training, dot_loss
 from tests.zoo import CASE_BY_NAME
@@ -54,16 +55,28 @@ def test_naive_order_times_out_in_the_rendezvous_transport():
     _, case, pipe = _pipe("mlp", "1f1b", stages=2, n_microbatches=4, transport="rendezvous", timeout=1.0)
     naive = comm_plan(pipe.schedule, program_edges(pipe.prog), batched=False)
     with pytest.raises(pipesplit.ScheduleError, match="deadlocks"):
-        pipesplit.schedules.rendezvous.check_rendezvous(pipe.schedule, naive)
-    pipe._plans["train"] = naive
+        pipesplit.schedules.issue.check_rendezvous(pipe.schedule, naive)
+    pipe._plans["train"] = issue(naive, 0)
     start = time.monotonic()
     with pytest.raises(pipesplit.RuntimeCommError) as info:
         pipe.step(*case.inputs(8)[0], target=torch.randn(8, 4))
     assert time.monotonic() - start < 15
     text = str(info.value)
     assert "timed out" in text and "rank 1" in text and "rank 0" in text and "deadlock" in text
-    pipe._plans["train"] = comm_plan(pipe.schedule, program_edges(pipe.prog))  # the same pipe recovers
+    pipe._plans["train"] = proven(pipe.schedule, comm_plan(pipe.schedule, program_edges(pipe.prog)))  # recovers
     assert pipe.step(*case.inputs(8)[0], target=torch.randn(8, 4)) is not None
+
+
+def test_receives_ahead_on_every_rank_time_out_as_the_proof_says():
+    """What proven() refuses (1F1B with every rank posting receives ahead) hangs under NCCL's semantics:
+    the transport that imposes them fails within the timeout instead."""
+    _, case, pipe = _pipe("mlp", "1f1b", stages=2, n_microbatches=4, transport="rendezvous", timeout=1.0)
+    plan = comm_plan(pipe.schedule, program_edges(pipe.prog))
+    with pytest.raises(pipesplit.ScheduleError, match="deadlocks"):
+        pipesplit.schedules.issue.check_issued(pipe.schedule, issue(plan, lookahead=1))
+    pipe._plans["train"] = issue(plan, lookahead=1)
+    with pytest.raises(pipesplit.RuntimeCommError, match="timed out"):
+        pipe.step(*case.inputs(8)[0], target=torch.randn(8, 4))
 
 
 def _threads(*jobs):
@@ -116,6 +129,30 @@ def test_messages_posted_in_different_orders_are_an_error_not_a_wrong_tensor():
     assert any(isinstance(e, pipesplit.RuntimeCommError) and "pair in the order" in str(e) for e in errors), errors
 
 
+def test_a_ranks_batches_run_one_after_another_as_on_one_nccl_stream():
+    """A receive posted early holds up the rank's later batches: two ranks that each post a receive
+    before the send the other is waiting for deadlock, even though posting never blocks."""
+    like = ((1,), torch.float32, torch.device("cpu"))
+    a, b = Message("B", "x", 0, 1, 0), Message("F", "x", 0, 1, 1)  # a: rank 1 -> 0, b: rank 0 -> 1
+
+    def run(t, first_rank1):
+        def rank0():
+            t.post(0, [], [(a, 1, like)])
+            t.wait(t.post(0, [(b, Parcel(torch.ones(1)), 1)], []))
+
+        def rank1():
+            batches = [lambda: t.post(1, [], [(b, 0, like)]), lambda: t.post(1, [(a, Parcel(torch.zeros(1)), 0)], [])]
+            handles = [post() for post in (batches if first_rank1 == "receive" else batches[::-1])]
+            for h in handles:
+                t.wait(h)
+
+        return _threads(rank0, rank1)
+
+    errors = run(RendezvousTransport(timeout=0.5), "receive")
+    assert all(isinstance(e, pipesplit.RuntimeCommError) for e in errors), errors
+    assert run(RendezvousTransport(timeout=5), "send") == [None, None]  # rank 1 sends first: no cycle
+
+
 # ------------------------------------------------------------------ senders free their buffers
 class Tracking:
     """Wraps a transport: after every batch, how many tensors ever sent are still alive."""
@@ -123,10 +160,9 @@ class Tracking:
     def __init__(self, transport):
         self.inner, self.sent, self.alive_after = transport, [], []
 
-    def exchange(self, rank, sends, recvs):
+    def post(self, rank, sends, recvs):
         self.sent += [weakref.ref(p.value) for _, p, _ in sends]
-        got = self.inner.exchange(rank, sends, recvs)
-        return got
+        return self.inner.post(rank, sends, recvs)
 
     def __getattr__(self, name):
         return getattr(self.inner, name)

@@ -1,4 +1,4 @@
-"""One rank's communication during a step: the plan's batches, the sends held for them, local hand-offs."""
+"""One rank's communication during a step: its issued program's batches, the sends held for them, local hand-offs."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import torch
 
 from pipesplit.errors import RuntimeCommError
 from pipesplit.runtime.transport import Like, Parcel, Transport
-from pipesplit.schedules.rendezvous import Edge, Message, Step
+from pipesplit.schedules.issue import Turn
+from pipesplit.schedules.rendezvous import Edge, Message, Op
 
 
 def program_edges(prog: Any) -> tuple[Edge, ...]:
@@ -21,18 +22,21 @@ def program_edges(prog: Any) -> tuple[Edge, ...]:
 
 
 class RankComm:
-    """What one rank's stages send and receive in one step, in the order of its plan.
+    """What one rank's stages send and receive in one step, in the order of its issued program.
 
     Stages hand their outputs over with :meth:`put` and take their inputs with :meth:`take`;
-    :meth:`post` runs the next step of the plan through the transport. A value for a stage of
-    another rank waits in the outbox until the plan's batch that sends it; a value for a
-    stage of this rank goes straight to the inbox. The plan, not the stages, decides when a
-    message moves, so the order the transport sees is the one the plan was proven for; a
-    stage that puts or takes something the plan does not move is a bug, reported as one.
+    :meth:`turn` posts a turn's batches through the transport and waits for the ones its
+    action needs (:class:`pipesplit.schedules.issue.Turn`). A value for a stage of another
+    rank waits in the outbox until the batch that sends it; a value for a stage of this rank
+    goes straight to the inbox. The program, not the stages, decides when a message moves,
+    so the order the transport sees is the one that was proven; a stage that puts or takes
+    something the program does not move is a bug, reported as one. Sends are not waited
+    for: :meth:`release` drops those that completed (and with them the sent tensors), the
+    last turn waits for the rest.
 
     A buffered transport (the local executor's mailboxes: sends never block, messages are
-    matched by name) gets each send as soon as it is made instead, so no receiver waits on
-    the plan's meeting point; the plan still checks that the stages made what it sends.
+    matched by name) gets each send as soon as it is made instead; the program still
+    checks that the stages made what it sends.
     """
 
     def __init__(self, rank: int, transport: Transport, like: Callable[[Message], Like]):
@@ -40,14 +44,15 @@ class RankComm:
         self.eager = bool(getattr(transport, "buffered", False))
         self._outbox: dict[Message, Parcel] = {}
         self._inbox: dict[Message, Parcel] = {}
-        self._sent: set[Message] = set()  # sent eagerly, not yet reached in the plan
+        self._sent: set[Message] = set()  # sent eagerly, not yet reached in the program
+        self._batches: list[tuple[Any, list[Message]] | None] = []  # posted, not yet waited: (handle, receives)
 
     def put(self, msg: Message, value: Any, peer: int, event: Any = None) -> None:
         """Hand ``msg`` (produced on a stream that recorded ``event``) to the stage on rank ``peer``."""
         if peer == self.rank:
             self._inbox[msg] = Parcel(value, event)
         elif self.eager:
-            self.transport.exchange(self.rank, [(msg, Parcel(value, event), peer)], [])
+            self.transport.wait(self.transport.post(self.rank, [(msg, Parcel(value, event), peer)], []))
             self._sent.add(msg)
         else:
             self._outbox[msg] = Parcel(value, event)
@@ -67,10 +72,16 @@ class RankComm:
             value.record_stream(stream)
         return value
 
-    def post(self, step: Step) -> None:
-        """Post the step's ops as one batch; return once all have completed."""
+    def turn(self, turn: Turn) -> None:
+        """Post the turn's batches (never blocks), then wait for the batches its action needs."""
+        for ops in turn.post:
+            self._post(ops)
+        for i in turn.wait:
+            self._wait(i)
+
+    def _post(self, ops: Sequence[Op]) -> None:
         sends, recvs = [], []
-        for op in step.ops:
+        for op in ops:
             if not op.send:
                 recvs.append((op.message, op.peer, self.like(op.message)))
             elif op.message in self._sent:
@@ -82,32 +93,47 @@ class RankComm:
                     f"rank {self.rank} must send the {op.message.describe()} to rank {op.peer} now, but none of its "
                     "stages has made it: the communication plan and the stages disagree (a pipesplit bug)."
                 )
-        if not sends and not recvs:
+        handle = self.transport.post(self.rank, sends, recvs) if sends or recvs else None
+        self._batches.append((handle, [m for m, _, _ in recvs]) if handle is not None else None)
+
+    def _wait(self, i: int) -> None:
+        batch = self._batches[i]
+        if batch is None:
             return
-        got = self.transport.exchange(self.rank, sends, recvs)
-        for (msg, _, _), parcel in zip(recvs, got):
+        handle, recvs = batch
+        self._batches[i] = None  # from here on nothing here holds the batch (its sent tensors)
+        for msg, parcel in zip(recvs, self.transport.wait(handle)):
             self._inbox[msg] = parcel
 
+    def release(self) -> None:
+        """Let go of every batch that has completed (its receives move to the inbox): from then on nothing
+        here holds its sent tensors."""
+        for i, batch in enumerate(self._batches):
+            if batch is not None and self.transport.done(batch[0]):
+                self._wait(i)
+
     def finish(self) -> None:
-        """Check that every value made was sent and every value received was used."""
-        if self._outbox or self._inbox or self._sent:
+        """Check that every value made was sent, every batch waited for, and every value received used."""
+        if self._outbox or self._inbox or self._sent or any(b is not None for b in self._batches):
             left = [f"unsent: {m.describe()}" for m in self._outbox] + [f"unused: {m.describe()}" for m in self._inbox]
             left += [f"sent outside the plan: {m.describe()}" for m in self._sent]
+            left += [f"batch {i + 1} never waited for" for i, b in enumerate(self._batches) if b is not None]
             raise RuntimeCommError(f"rank {self.rank} ended the step with {'; '.join(left[:4])}"
                                    f"{' ...' if len(left) > 4 else ''}: the plan and the stages disagree (a pipesplit bug).")
 
 
-def run_rank(steps: Sequence[Step], workers: Mapping[int, Any], comm: RankComm, data: Any,
+def run_rank(turns: Sequence[Turn], workers: Mapping[int, Any], comm: RankComm, data: Any,
              check: Callable[[], None] | None = None) -> None:
-    """Run one rank's plan: post each step's batch, then run its action on its stage's worker.
+    """Run one rank's issued program: each turn's batches and waits, then its action on its stage's worker.
 
-    ``check`` runs before every step (the local executor stops there when another rank failed).
+    ``check`` runs before every turn (the local executor stops there when another rank failed).
     """
-    for step in steps:
+    for turn in turns:
         if check is not None:
             check()
         begin = time.perf_counter()
-        comm.post(step)
-        if step.action is not None:
-            workers[step.action.stage].run(step.action, data, comm, begin)
+        comm.turn(turn)
+        if turn.action is not None:
+            workers[turn.action.stage].run(turn.action, data, comm, begin)
+            comm.release()
     comm.finish()

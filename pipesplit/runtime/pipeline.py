@@ -25,7 +25,8 @@ from pipesplit.runtime.trace import Trace
 from pipesplit.runtime.transport import Aborted, DistTransport, LocalTransport
 from pipesplit.runtime.worker import StageWorker, StepData
 from pipesplit.schedules import ActionKind, Schedule, get_schedule, schedule_info, validate
-from pipesplit.schedules.rendezvous import Plan, check_rendezvous, comm_plan, receiver_stage
+from pipesplit.schedules.issue import Program, issue, proven
+from pipesplit.schedules.rendezvous import comm_plan, receiver_stage
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 
@@ -68,10 +69,13 @@ class Pipeline:
     microbatches in flight), so every stage is checkpointed.
 
     Communication follows a plan proven free of deadlock under NCCL's semantics (see
-    :func:`pipesplit.schedules.rendezvous.comm_plan`): what two ranks exchange is posted
-    in one batch on both sides. ``transport="rendezvous"`` runs the local executor with
+    :func:`pipesplit.schedules.rendezvous.comm_plan` and :mod:`pipesplit.schedules.issue`):
+    what two ranks exchange at the same time is posted in one batch on both sides, each
+    receive is posted an action ahead of its consumer, and sends are not waited for, so
+    communication overlaps compute. ``transport="rendezvous"`` runs the local executor with
     those semantics imposed (a send waits for its receive, messages between two ranks pair
-    in order, no tags), so a CPU run fails where NCCL would hang. Under ``torchrun`` with
+    in order, no tags, a rank's batches one after another), so a CPU run fails where NCCL
+    would hang. Under ``torchrun`` with
     NCCL each rank uses ``cuda:LOCAL_RANK`` and its stages compiled for CUDA move there.
 
     >>> import torch, pipesplit
@@ -173,11 +177,12 @@ class Pipeline:
                            else "Disable checkpoint or use eval-mode normalisation.")
                     )
         edges = program_edges(prog)
-        self._plans: dict[str, Plan] = {"train": comm_plan(self.schedule, edges),
-                                         "forward": comm_plan(_forward_only(self.schedule), edges)}
-        if executor == "distributed" or transport == "rendezvous":
-            for plan in self._plans.values():  # the order every rank will issue, proven for NCCL's semantics
-                check_rendezvous(self.schedule, plan)
+        # What every rank issues, with receives posted ahead; proven for NCCL's semantics where they apply
+        prove = proven if executor == "distributed" or transport == "rendezvous" else (lambda schedule, plan: issue(plan))
+        self._plans: dict[str, Program] = {
+            "train": prove(self.schedule, comm_plan(self.schedule, edges)),
+            "forward": prove(_forward_only(self.schedule), comm_plan(_forward_only(self.schedule), edges)),
+        }
         streams = {}
         if executor == "distributed":
             assert self.layout is not None
@@ -371,7 +376,7 @@ class Pipeline:
         finally:
             tracer.end_step(time.perf_counter())
 
-    def _execute(self, plan: Plan, data: StepData) -> None:
+    def _execute(self, plan: Program, data: StepData) -> None:
         self.prog.sync_tied()
         workers = self.workers
 

@@ -1,8 +1,9 @@
 """Moving boundary values between ranks: in-process mailboxes, or torch.distributed point-to-point.
 
-A transport posts one batch at a time (:meth:`Transport.exchange`): the sends and receives
-of one step of the communication plan (:func:`pipesplit.schedules.rendezvous.comm_plan`),
-and returns when every receive has arrived. Values travel as :class:`Parcel`\\ s: the
+A transport posts a batch of sends and receives without waiting (:meth:`Transport.post`,
+one batch of a rank's issued program, :mod:`pipesplit.schedules.issue`) and hands back a
+handle to wait on (:meth:`Transport.wait`) or to poll (:meth:`Transport.done`); a rank
+posts its batches in the order of its program. Values travel as :class:`Parcel`\\ s: the
 tensor and, for in-process hand-offs between CUDA streams, the event its producer recorded.
 """
 
@@ -38,8 +39,16 @@ Recvs = Sequence[tuple[Message, int, Like]]  # (message, from rank, what to rece
 
 
 class Transport(Protocol):
-    def exchange(self, rank: int, sends: Sends, recvs: Recvs) -> list[Parcel]:
-        """Post ``sends`` and ``recvs`` of ``rank`` as one batch; return the received parcels in order."""
+    def post(self, rank: int, sends: Sends, recvs: Recvs) -> Any:
+        """Post ``sends`` and ``recvs`` of ``rank`` as one batch, without waiting; return its handle."""
+        ...
+
+    def wait(self, handle: Any) -> list[Parcel]:
+        """Block until the batch has completed (or raise after the timeout); its received parcels in order."""
+        ...
+
+    def done(self, handle: Any) -> bool:
+        """Whether the batch has completed; never blocks."""
         ...
 
     def reset(self) -> None:
@@ -71,6 +80,10 @@ class InProcessTransport:
             self._clear()
             self.failed = None
 
+    def exchange(self, rank: int, sends: Sends, recvs: Recvs) -> list[Parcel]:
+        """Post one batch and wait for it."""
+        return self.wait(self.post(rank, sends, recvs))  # type: ignore[attr-defined]
+
     def _clear(self) -> None:
         """Forget what the step left behind (after a failure)."""
 
@@ -84,13 +97,20 @@ class LocalTransport(InProcessTransport):
         super().__init__(timeout)
         self._box: dict[Message, Parcel] = {}
 
-    def exchange(self, rank: int, sends: Sends, recvs: Recvs) -> list[Parcel]:
+    def post(self, rank: int, sends: Sends, recvs: Recvs) -> Recvs:
         if sends:
             with self._cond:
                 for msg, parcel, _ in sends:
                     self._box[msg] = parcel
                 self._cond.notify_all()
-        return [self._take(msg, peer) for msg, peer, _ in recvs]
+        return recvs
+
+    def wait(self, handle: Recvs) -> list[Parcel]:
+        return [self._take(msg, peer) for msg, peer, _ in handle]
+
+    def done(self, handle: Recvs) -> bool:
+        with self._cond:
+            return all(msg in self._box for msg, _, _ in handle)
 
     def _take(self, msg: Message, peer: int) -> Parcel:
         deadline = time.monotonic() + self.timeout
@@ -111,12 +131,20 @@ class LocalTransport(InProcessTransport):
         self._box.clear()
 
 
+@dataclass(eq=False)
+class _Works:
+    """A batch in flight on torch.distributed: its works (each with what it carries) and receive buffers."""
+
+    works: list[tuple[Any, str]]
+    bufs: list[torch.Tensor]
+
+
 class DistTransport:
     """Point-to-point over ``torch.distributed`` (gloo on CPU, NCCL on GPU).
 
     Each batch goes out through ``dist.batch_isend_irecv`` without tags, so messages between
-    two ranks pair in issue order on gloo exactly as on NCCL, and is waited on as a whole: a
-    sent tensor is released as soon as its batch completes, never held until the step ends.
+    two ranks pair in issue order on gloo exactly as on NCCL. Only the batch's works hold
+    the sent tensors: they are released once the batch is waited on or seen done.
     """
 
     def __init__(self, timeout: float, global_ranks: list[int] | None = None):
@@ -127,9 +155,8 @@ class DistTransport:
         self.rank = dist.get_rank()
         # pipeline rank -> global rank (a replica of a pp x dp mesh); the identity without one
         self.global_ranks = global_ranks if global_ranks is not None else list(range(dist.get_world_size()))
-        self._pending: list[tuple[Any, str]] = []  # works of the batch in flight: (work, what it carries)
 
-    def exchange(self, rank: int, sends: Sends, recvs: Recvs) -> list[Parcel]:
+    def post(self, rank: int, sends: Sends, recvs: Recvs) -> _Works:
         dist = self.dist
         ops, what = [], []
         for msg, parcel, peer in sends:
@@ -141,18 +168,25 @@ class DistTransport:
             ops.append(dist.P2POp(dist.irecv, bufs[-1], self.global_ranks[peer]))
             what.append(f"the {msg.describe()} from rank {peer}")
         if not ops:
-            return []
+            return _Works([], [])
         works = [w for w in dist.batch_isend_irecv(ops) if w is not None]
         del ops  # from here on only the works hold the sent tensors
         if len(works) == len(what):  # gloo: one work per op
-            self._pending = list(zip(works, what))
-        else:  # NCCL: one work for the whole (coalesced) batch
-            self._pending = [(w, "a batch of " + "; ".join(what)) for w in works]
-        del works
-        while self._pending:
-            self._wait(*self._pending[0])
-            self._pending.pop(0)  # completed: drop the work and with it the sent tensor
-        return [Parcel(b) for b in bufs]
+            return _Works(list(zip(works, what)), bufs)
+        return _Works([(w, "a batch of " + "; ".join(what)) for w in works], bufs)  # NCCL: one per batch
+
+    def wait(self, handle: _Works) -> list[Parcel]:
+        while handle.works:
+            self._wait(*handle.works[0])
+            handle.works.pop(0)  # completed: drop the work and with it the sent tensor
+        return [Parcel(b) for b in handle.bufs]
+
+    def done(self, handle: _Works) -> bool:
+        return all(w.is_completed() for w, _ in handle.works)
+
+    def exchange(self, rank: int, sends: Sends, recvs: Recvs) -> list[Parcel]:
+        """Post one batch and wait for it."""
+        return self.wait(self.post(rank, sends, recvs))
 
     def _wait(self, work: Any, what: str) -> None:
         rank = self.rank
@@ -168,4 +202,4 @@ class DistTransport:
             raise RuntimeCommError(f"rank {rank} timed out after {self.timeout:.0f}s on {what}.")
 
     def reset(self) -> None:
-        self._pending = []
+        """Nothing to forget: a failed step's handles die with its RankComm."""

@@ -1,18 +1,18 @@
-"""The runtime's point-to-point traffic as data, and its proof under NCCL's rendezvous semantics.
+"""The runtime's point-to-point traffic as data: which ops travel together, and in which order.
 
 The runtime does not send and receive one tensor at a time. :func:`comm_plan` turns a
-schedule into what each rank really issues: a list of :class:`Step` values, each a batch
-of sends and receives posted together (``dist.batch_isend_irecv``) and waited on, then a
-compute action. :func:`check_rendezvous` proves such a plan safe under the semantics NCCL
-gives and gloo hides: a send completes only once the peer has posted the matching
-receive, messages between two ranks match in the order they were issued (no tags), and
-the ops of one batch count as posted together. The runtime executes the plan it was
-proven for, so what is checked is what runs.
+schedule into a list of :class:`Step` values per rank, each a batch of sends and receives
+that meet at the same time (posted together with ``dist.batch_isend_irecv``), then a
+compute action. :func:`check_pairs` checks that the messages between two ranks pair in
+issue order, since NCCL has no tags. How a rank issues its plan (receives posted ahead,
+sends not waited for) and the proof of that under NCCL's semantics are in
+:mod:`pipesplit.schedules.issue`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 from dataclasses import dataclass
 
 from pipesplit.errors import ScheduleError
@@ -183,33 +183,27 @@ def _naive(actions: Sequence[Action], rank: int, edges: Sequence[Edge], rank_of:
     return tuple(steps)
 
 
-def check_rendezvous(schedule: Schedule, plan: Plan) -> None:
-    """Prove that ``plan`` runs to the end under rendezvous semantics; raise ScheduleError if not.
+def check_pairs(name: str, ranks: Sequence[Sequence[tuple[Sequence[Op], Any]]], where: Callable[[Any], str]) -> None:
+    """Without tags, the k-th message rank a sends to rank b must be the k-th one b receives from a.
 
-    First, for every ordered pair of ranks, the sender's messages in issue order must be the
-    receiver's in issue order (without tags, the k-th send meets the k-th receive). Then each
-    rank runs its steps in order; a step completes once every one of its ops has met its
-    partner, i.e. the peer has reached the step posting the matching op. A state where the
-    unfinished ranks all wait is a deadlock, reported as the cycle of ranks waiting on each other.
+    ``ranks[r]`` lists rank r's batches in issue order, each with a key that ``where`` turns
+    into words for the error. Raises ScheduleError on the first mismatch or unmatched op.
     """
-    name = schedule.name
-    sent: dict[tuple[int, int], list[tuple[Message, int]]] = {}
-    received: dict[tuple[int, int], list[tuple[Message, int]]] = {}
-    posted: dict[tuple[bool, Message], tuple[int, int]] = {}  # (is send, message) -> (rank, step)
-    for rank, steps in enumerate(plan):
-        for i, step in enumerate(steps):
-            for op in step.ops:
-                key = (rank, op.peer) if op.send else (op.peer, rank)
-                (sent if op.send else received).setdefault(key, []).append((op.message, i))
-                posted[(op.send, op.message)] = (rank, i)
+    sent: dict[tuple[int, int], list[tuple[Message, Any]]] = {}
+    received: dict[tuple[int, int], list[tuple[Message, Any]]] = {}
+    for rank, batches in enumerate(ranks):
+        for ops, key in batches:
+            for op in ops:
+                pair = (rank, op.peer) if op.send else (op.peer, rank)
+                (sent if op.send else received).setdefault(pair, []).append((op.message, key))
     for src, dst in sorted(set(sent) | set(received)):
         out, into = sent.get((src, dst), []), received.get((src, dst), [])
         for k, ((a, i), (b, j)) in enumerate(zip(out, into)):
             if a != b:
                 raise ScheduleError(
                     f"Schedule {name!r}: rank {src}'s message #{k + 1} to rank {dst} is the {a.describe()} "
-                    f"({_where(plan, src, i)}), but rank {dst}'s receive #{k + 1} from rank {src} expects the "
-                    f"{b.describe()} ({_where(plan, dst, j)}). NCCL matches the messages "
+                    f"({where(i)}), but rank {dst}'s receive #{k + 1} from rank {src} expects the "
+                    f"{b.describe()} ({where(j)}). NCCL matches the messages "
                     f"between two ranks by order, not by tag, so this would deliver the wrong tensor. Order rank "
                     f"{dst}'s actions to consume what rank {src} sends in the order it is sent."
                 )
@@ -218,52 +212,3 @@ def check_rendezvous(schedule: Schedule, plan: Plan) -> None:
                 f"Schedule {name!r}: rank {src} sends {len(out)} message(s) to rank {dst}, which receives "
                 f"{len(into)} from it; every send needs its receive."
             )
-    pos = [0] * len(plan)
-
-    def waits(rank: int) -> list[tuple[Op, int, int]]:
-        """The ops of ``rank``'s current step whose partner is not posted yet: (op, its rank, its step)."""
-        out = []
-        for op in plan[rank][pos[rank]].ops:
-            q, j = posted[(not op.send, op.message)]
-            if pos[q] < j:
-                out.append((op, q, j))
-        return out
-
-    moved = True
-    while moved:
-        moved = False
-        for rank, steps in enumerate(plan):
-            while pos[rank] < len(steps) and not waits(rank):
-                pos[rank] += 1
-                moved = True
-    stuck = [r for r, steps in enumerate(plan) if pos[r] < len(steps)]
-    if stuck:
-        raise _deadlock(schedule, plan, pos, stuck[0], waits)
-
-
-def _deadlock(schedule: Schedule, plan: Plan, pos: list[int], first: int,
-              waits: Callable[[int], list[tuple[Op, int, int]]]) -> ScheduleError:
-    """Follow who waits on whom from ``first`` until a rank repeats: the deadlock cycle."""
-    chain, seen, rank = [], [], first
-    while rank not in seen:
-        seen.append(rank)
-        op, peer, _ = waits(rank)[0]
-        step = plan[rank][pos[rank]]
-        batch = f" (in a batch with: {step.describe()})" if len(step.ops) > 1 else ""
-        chain.append(f"rank {rank}, at {_where(plan, rank, pos[rank])}, cannot {op}{batch} until rank {peer} posts "
-                     f"the matching {'receive' if op.send else 'send'}, which rank {peer} has not reached")
-        rank = peer
-    return ScheduleError(
-        f"Schedule {schedule.name!r} deadlocks when a send completes only once its receive is posted (NCCL's "
-        f"semantics): {'; '.join(chain)}; which closes the cycle back to rank {rank}. Post the sends and "
-        "receives that ranks exchange at the same time in one batch on both sides (the runtime's plan, "
-        "comm_plan(schedule), does), or reorder so that no send waits for a receive its own rank holds up."
-    )
-
-
-def _where(plan: Plan, rank: int, i: int) -> str:
-    """``step 3 of 9, after 0F1`` (the compute action that ran last before step ``i`` of ``rank``)."""
-    steps = plan[rank]
-    before = next((s.action for s in reversed(steps[:i]) if s.action is not None), None)
-    return f"its step {i + 1} of {len(steps)}" + (f", after {before}" if before is not None else "")
-

@@ -7,7 +7,8 @@ from collections.abc import Sequence
 from pipesplit.errors import ScheduleError
 from pipesplit.schedules.actions import Action, ActionKind
 from pipesplit.schedules.execute import B, F, I, W, backward_index, execute, paired_with, unit_requirements
-from pipesplit.schedules.rendezvous import Edge, check_rendezvous, comm_plan
+from pipesplit.schedules.issue import check_rendezvous
+from pipesplit.schedules.rendezvous import Edge, comm_plan
 from pipesplit.schedules.schedule import Schedule
 
 Where = dict[Action, tuple[int, int]]
