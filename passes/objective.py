@@ -47,9 +47,11 @@ class MemoryModel:
     """Bytes a stage holds during training.
 
     parameters x (1 + grad_factor + optimizer_factor) + activations of one microbatch x
-    the microbatches the schedule keeps in flight on that stage. With checkpointing,
-    only the stage inputs of in-flight microbatches are kept, plus one microbatch's
-    full activations during its recompute.
+    the microbatches the schedule keeps in flight on that stage, one more for a running
+    backward's gradients, and with a split backward one more per microbatch between its I
+    and its W (:func:`activation_units_per_stage`). With checkpointing, only the stage
+    inputs of in-flight microbatches are kept, plus one microbatch's full activations
+    during its recompute.
     """
 
     optimizer_factor: float = 2.0  # Adam keeps two moments per parameter
@@ -61,14 +63,20 @@ class MemoryModel:
         """Bytes held per byte of trainable parameter: the weight, its gradient, optimizer state."""
         return 1.0 + self.grad_factor + self.optimizer_factor
 
-    def stage_bytes(self, param_bytes: float, act_bytes: float, input_bytes: float, in_flight: int) -> float:
-        return self.held_bytes(param_bytes * self.state_factor, act_bytes, input_bytes, in_flight)
+    def stage_bytes(self, param_bytes: float, act_bytes: float, input_bytes: float, in_flight: int,
+                    units: int | None = None) -> float:
+        return self.held_bytes(param_bytes * self.state_factor, act_bytes, input_bytes, in_flight, units)
 
-    def held_bytes(self, state_bytes: float, act_bytes: float, input_bytes: float, in_flight: int) -> float:
-        """Like :meth:`stage_bytes` with ``state_bytes`` already counting gradients and optimizer state."""
+    def held_bytes(self, state_bytes: float, act_bytes: float, input_bytes: float, in_flight: int,
+                   units: int | None = None) -> float:
+        """Like :meth:`stage_bytes` with ``state_bytes`` already counting gradients and optimizer state.
+
+        ``units``: one microbatch's activations' worth of memory the stage holds at its peak
+        (:func:`activation_units_per_stage`); ``in_flight`` when not given.
+        """
         if self.checkpoint:
             return state_bytes + input_bytes * in_flight + act_bytes
-        return state_bytes + act_bytes * in_flight
+        return state_bytes + act_bytes * (in_flight if units is None else units)
 
 
 @dataclass
@@ -97,6 +105,39 @@ def in_flight_per_stage(schedule: Schedule) -> list[int]:
                 peak[a.stage] = max(peak[a.stage], held[a.stage])
             elif a.kind in (ActionKind.FULL_BACKWARD, ActionKind.BACKWARD_WEIGHT):
                 held[a.stage] -= 1
+    return peak
+
+
+def activation_units_per_stage(schedule: Schedule) -> list[int]:
+    """The most memory a stage holds at once for its activations, in one microbatch's activations.
+
+    The microbatches in flight (:func:`in_flight_per_stage`), plus, while a backward (B or
+    I) runs, its gradient buffers (one more), plus, with a split backward, the gradients kept
+    at the weight-consuming operations from a microbatch's I until its W (at most one more
+    per such microbatch). Measured against a real step in ``tests/memory_check.py``.
+
+    >>> from pipesplit.schedules import get_schedule
+    >>> one_f_one_b = get_schedule("1f1b", n_stages=4, n_microbatches=8)
+    >>> in_flight_per_stage(one_f_one_b), activation_units_per_stage(one_f_one_b)
+    ([4, 3, 2, 1], [5, 4, 3, 2])
+    """
+    peak = [0] * schedule.n_stages
+    for actions in schedule.actions:
+        held, waiting = [0] * schedule.n_stages, [0] * schedule.n_stages  # waiting: I ran, W not yet
+        for a in actions:
+            s = a.stage
+            if a.kind is ActionKind.FORWARD:
+                held[s] += 1
+                peak[s] = max(peak[s], held[s] + waiting[s])
+            elif a.kind in (ActionKind.FULL_BACKWARD, ActionKind.BACKWARD_INPUT):
+                peak[s] = max(peak[s], held[s] + waiting[s] + 1)
+                if a.kind is ActionKind.FULL_BACKWARD:
+                    held[s] -= 1
+                else:
+                    waiting[s] += 1
+            elif a.kind is ActionKind.BACKWARD_WEIGHT:
+                held[s] -= 1
+                waiting[s] = max(waiting[s] - 1, 0)
     return peak
 
 

@@ -22,7 +22,9 @@ import torch.fx as fx
 from pipesplit.errors import PlanError
 from pipesplit.meta import node_cost
 from pipesplit.passes.chain import Chain
-from pipesplit.passes.objective import CommModel, MemoryModel, StageFigures, in_flight_per_stage, step_time
+from pipesplit.passes.objective import (
+    CommModel, MemoryModel, StageFigures, activation_units_per_stage, in_flight_per_stage, step_time,
+)
 from pipesplit.passes.balance import Solve, rebalance
 from pipesplit.passes.partition import StageLimits, checkpointed_memory_ends, solve_candidates, stage_memory_limits
 from pipesplit.schedules import Schedule, StageCost
@@ -68,7 +70,7 @@ class Candidate:
 
 def figures_for(
     chain: Chain, starts: Sequence[int], seconds: np.ndarray, in_flight: Sequence[int],
-    memory: MemoryModel, comm: CommModel, device_kind: str,
+    memory: MemoryModel, comm: CommModel, device_kind: str, units: Sequence[int] | None = None,
 ) -> StageFigures:
     bounds = list(starts) + [chain.n]
     act = chain.act if chain.act is not None else np.zeros(chain.n, dtype=np.int64)
@@ -81,7 +83,8 @@ def figures_for(
         state = float((chain.mem[a:b] - act[a:b]).sum())
         state += sum(nbytes for nbytes, pos in chain.shared if any(a <= p < b for p in pos))
         inputs = float(chain.cut_bytes[a]) if a > 0 else 0.0
-        mem.append(memory.held_bytes(state, float(act[a:b].sum()), inputs, in_flight[s]))
+        mem.append(memory.held_bytes(state, float(act[a:b].sum()), inputs, in_flight[s],
+                                     None if units is None else units[s]))
     comm_s = [comm.seconds(float(chain.cut_bytes[c]), device_kind, device_kind) for c in starts[1:]]
     return StageFigures(costs, comm_s, mem, list(in_flight))
 
@@ -100,18 +103,20 @@ def best_for_schedule(
     """The candidate split with the lowest simulated step time, and a lower bound on any split's."""
     k = schedule.n_stages
     in_flight = in_flight_per_stage(schedule)
+    # what multiplies one microbatch's activations: its inputs' count when checkpointed, else the units
+    held = in_flight if memory.checkpoint else activation_units_per_stage(schedule)
     if mem_cap is not None:
-        limits = _memory_limits(chain, mem_cap, in_flight, memory.checkpoint, limits.start_lo, limits.start_hi)
+        limits = _memory_limits(chain, mem_cap, held, memory.checkpoint, limits.start_lo, limits.start_hi)
     try:
         splits = solve_candidates(chain, k, SLACKS, limits=limits)
     except PlanError as e:
         if mem_cap is None:
             raise
-        raise PlanError(_memory_message(chain, schedule, in_flight, mem_cap, limits, memory.checkpoint)) from e
+        raise PlanError(_memory_message(chain, schedule, held, mem_cap, limits, memory.checkpoint)) from e
     base = list(dict.fromkeys(split.starts for split in splits))
     starts = list(base)
     for side_slack in REBALANCE_SLACKS:
-        solve = _side_solver(limits, mem_cap, in_flight, memory.checkpoint, side_slack)
+        solve = _side_solver(limits, mem_cap, held, memory.checkpoint, side_slack)
         for split in base:
             try:
                 starts.append(rebalance(chain, split, solve))
@@ -119,7 +124,7 @@ def best_for_schedule(
                 continue
     cands = []
     for st in dict.fromkeys(starts):
-        fig = figures_for(chain, st, seconds, in_flight, memory, comm, device_kind)
+        fig = figures_for(chain, st, seconds, in_flight, memory, comm, device_kind, held)
         cands.append(Candidate(st, fig, step_time(schedule, fig), int(sum(chain.cut_bytes[list(st[1:])]))))
     return choose(cands), step_lower_bound(seconds, schedule, memory.checkpoint)
 
@@ -192,7 +197,8 @@ def _memory_message(
             "fewer or smaller microbatches in flight, or a larger max_stage_memory."
         )
     return (
-        f"{head}: the stages keep {list(in_flight)} microbatches of activations in flight; the model's training "
+        f"{head}: the stages hold {list(in_flight)} microbatches' worth of activations at their peak (the "
+        "microbatches in flight and a running backward's gradients); the model's training "
         f"state (parameters, gradients, optimizer) is {state:,} bytes and one microbatch's activations {one:,} "
         f"bytes, so some stage holds at least {(state + one * min(in_flight)) // schedule.n_stages:,} bytes; "
         f"{largest}. Use more stages, fewer microbatches in flight (a schedule that holds fewer, or smaller "

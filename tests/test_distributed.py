@@ -11,6 +11,8 @@ import time
 
 import pytest
 
+from tests import launch
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "tests", "dist_check.py")
 pytestmark = pytest.mark.slow
@@ -93,3 +95,14 @@ def test_example_training_script_lowers_the_loss(schedule):
     losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", result.stdout)]
     assert len(losses) >= 3, result.stdout
     assert losses[-1] < 0.8 * losses[0], f"the loss did not fall: {losses}"
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_peak_memory_per_rank_stays_within_the_planners_estimate(nproc):
+    """Every storage a rank creates during a step, counted until freed (activations, gradients,
+    receives posted ahead, sends in flight): its peak stays under what the planner budgets."""
+    schedules = ["1f1b", "gpipe", "zb_h1"]
+    result = launch.torchrun("memory_check.py", nproc, "--schedule", ",".join(schedules), timeout=600)
+    for schedule in schedules:
+        lines = re.findall(rf"rank \d+/{nproc}: {schedule} peak .*? ratio [\d.]+: ok", result.stdout)
+        assert len(lines) == nproc, result.stdout

@@ -11,7 +11,9 @@ import torch
 from pipesplit.errors import InputError
 from pipesplit.meta import META_KEY, node_cost
 from pipesplit.passes.chain import compute_nodes
-from pipesplit.passes.objective import DEFAULT_FLOPS_PER_S, CommModel, MemoryModel, in_flight_per_stage
+from pipesplit.passes.objective import (
+    DEFAULT_FLOPS_PER_S, CommModel, MemoryModel, activation_units_per_stage, in_flight_per_stage,
+)
 from pipesplit.passes.planner import cost_function
 from pipesplit.passes.step_planner import node_seconds
 from pipesplit.program import SplitProgram
@@ -101,14 +103,15 @@ def cut_seconds(prog: SplitProgram, batch: int, n_microbatches: int, comm: CommM
 
 def memory_estimate(prog: SplitProgram, schedule: Schedule, scale: float, memory: MemoryModel) -> list[float]:
     """Peak bytes per stage: state (parameters, gradients, optimizer factor) + activations in flight."""
-    in_flight = in_flight_per_stage(schedule)
+    in_flight, units = in_flight_per_stage(schedule), activation_units_per_stage(schedule)
     out = []
     for stage, nodes in zip(prog.stages, _stage_nodes(prog)):
         state = sum(t.numel() * t.element_size() for t in stage.module.parameters())
         state += sum(t.numel() * t.element_size() for t in stage.module.buffers())
         act = sum(node_cost(n).out_bytes for n in nodes) * scale
         inputs = sum(b.nbytes for b in prog.boundaries if b.dst == stage.index) * scale
-        out.append(memory.stage_bytes(float(state), float(act), float(inputs), in_flight[stage.index]))
+        out.append(memory.stage_bytes(float(state), float(act), float(inputs), in_flight[stage.index],
+                                      units[stage.index]))
     return out
 
 

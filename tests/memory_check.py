@@ -1,0 +1,112 @@
+"""Run under torchrun: each rank's peak memory during a pipeline step against the planner's estimate.
+
+Every tensor storage created on this rank while a step runs (activations kept for the
+backward, gradients, receive buffers posted ahead, sent tensors not yet let go, scratch)
+is counted from its creation until it is freed; the peak of that sum is compared with
+what the planner budgets for the stage beyond its weights and optimizer state (the
+activations of every microbatch the schedule keeps in flight, and the gradients). A
+runtime that kept activations past their backward, or sent tensors past their send,
+would exceed it. Prints one line per rank; exits non-zero if a stage goes over.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import threading
+import weakref
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import pipesplit  # noqa: E402
+from pipesplit.models import gpt  # noqa: E402
+
+
+class LiveBytes(TorchDispatchMode):
+    """Bytes of the storages created inside the mode that are still alive, and their peak."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = self.peak = 0
+        self._refs: dict[int, weakref.ref] = {}
+        self._lock = threading.Lock()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                self._count(t.untyped_storage())
+        return out
+
+    def _count(self, storage: torch.UntypedStorage) -> None:
+        key, size = storage.data_ptr(), storage.nbytes()
+        with self._lock:
+            if size == 0 or key in self._refs:
+                return
+            self._refs[key] = weakref.ref(storage, lambda _, key=key, size=size: self._free(key, size))
+            self.live += size
+            self.peak = max(self.peak, self.live)
+
+    def _free(self, key: int, size: int) -> None:
+        with self._lock:
+            if self._refs.pop(key, None) is not None:
+                self.live -= size
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--schedule", default="1f1b")
+    p.add_argument("--microbatches", type=int, default=8)
+    p.add_argument("--microbatch-size", type=int, default=2)
+    args = p.parse_args()
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    model = gpt(layers=4, dim=64, vocab=256, seq=32, heads=2)
+    ok = True
+    for schedule in args.schedule.split(","):
+        ok &= check(model, schedule, args.microbatches, args.microbatch_size, rank, world)
+    dist.destroy_process_group()
+    return 0 if ok else 1
+
+
+def check(model, schedule: str, m: int, mb: int, rank: int, world: int) -> bool:
+    example = torch.randint(0, 256, (mb, 32))  # the planner's figures are per microbatch
+    memory = pipesplit.MemoryModel()
+    prog = pipesplit.compile(model, example, num_stages=world, schedule=schedule, n_microbatches=m,
+                             memory=memory, progress=False)
+    estimate = prog.plan.stage_memory[rank]
+
+    def loss_fn(out, y):
+        return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+    pipe = pipesplit.Pipeline(prog, schedule, n_microbatches=m, loss_fn=loss_fn)
+    weights = sum(p.numel() * p.element_size() for p in pipe.parameters())
+    budget = estimate - weights * (1 + memory.optimizer_factor)  # what a step may add: activations, gradients
+    peaks = []
+    for _ in range(3):
+        x, y = torch.randint(0, 256, (m * mb, 32)), torch.randint(0, 256, (m * mb, 32))
+        for p in pipe.parameters():
+            p.grad = None
+        with LiveBytes() as live:
+            pipe.step(x, target=y)
+        peaks.append(live.peak)
+    peak = max(peaks[1:])  # the first step also makes one-off caches
+    ok = peak <= budget
+    print(f"rank {rank}/{world}: {schedule} peak {peak / 2**20:.2f} MiB, planner budget {budget / 2**20:.2f} MiB "
+          f"(estimate {estimate / 2**20:.2f} MiB less weights and optimizer state), "
+          f"ratio {peak / budget:.2f}: {'ok' if ok else 'OVER'}", flush=True)
+    return ok
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
