@@ -129,8 +129,9 @@ def main() -> int:
                     f"{mib(peak('allreduce'))} / {mib(peak('fsdp2'))}",
                     f"{peak('fsdp2') / peak('allreduce'):.2f}",
                 ])
-            emit(f"- `{result['models'][0]['model']}` ({pp}x{dp}, `{schedule}`): "
-                 f"{result['models'][0].get('description', '')}; load average after: {load_average()}")
+            for m in result["models"]:
+                emit(f"- `{m['model']}` ({pp}x{dp}, `{schedule}`): {m.get('description', '')}; "
+                     f"load average after: {load_average()}")
     emit()
     emit(markdown_table(
         ["pp", "dp", "schedule", "model", "allreduce vs plain model (rel. diff)", "fsdp2 vs plain model",
