@@ -112,6 +112,26 @@ def test_several_optimizer_steps_stay_equal(schedule):
     assert_close(pipe.eval(x), ref(x), name="eval output after three AdamW steps")
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])
+def test_stage_forward_hooks_with_kwargs_run_under_every_backward(schedule):
+    """A forward hook registered on a stage module with with_kwargs=True (as FSDP2's fully_shard
+    registers its own) is called with the kwargs under the split backward's weight graph too."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)])
+    prog = pipesplit.compile(model, torch.randn(2, 8), num_stages=2)
+    pipe = pipesplit.Pipeline(prog, schedule, n_microbatches=2, loss_fn=F.mse_loss)
+    seen = []
+    for s in prog.stages:
+        s.module.register_forward_pre_hook(lambda m, args, kwargs: seen.append(("pre", kwargs)), with_kwargs=True)
+        s.module.register_forward_hook(lambda m, args, kwargs, out: seen.append(("post", kwargs)), with_kwargs=True)
+    ref = copy.deepcopy(model)
+    x, t = torch.randn(4, 8), torch.randn(4, 8)
+    pipe.step(x, target=t)
+    assert seen.count(("pre", {})) == seen.count(("post", {})) == 2 * 2  # two stages, two microbatches
+    F.mse_loss(ref(x), t).backward()
+    assert_grads(pipe, ref)
+
+
 def test_gradient_accumulation_across_steps():
     torch.manual_seed(0)
     case = CASE_BY_NAME["long_skip"]

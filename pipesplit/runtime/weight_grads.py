@@ -21,6 +21,12 @@ import torch.fx as fx
 from pipesplit.passes.aliasing import StorageClasses, storage_classes
 
 
+# What nn.Module keeps about forward hooks: the hooks, and which of them take kwargs or always
+# run. FSDP2's fully_shard registers its pre-forward hook with with_kwargs=True.
+_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs",
+               "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called")
+
+
 @dataclass
 class WeightGraph:
     """A stage module that also returns, per weight-consuming op, its output and the weights it
@@ -118,8 +124,8 @@ def weight_graph(gm: fx.GraphModule) -> WeightGraph | None:
     graph.output(tuple(own) + tuple(extra))
     graph.lint()
     module = fx.GraphModule(gm, graph, class_name=type(gm).__name__ + "WithWeightInputs")
-    module._forward_hooks = gm._forward_hooks  # the stage's hooks (shared: later ones apply too)
-    module._forward_pre_hooks = gm._forward_pre_hooks
+    for hooks in _HOOK_DICTS:  # the stage's hooks (shared: later ones apply too), with their kwargs flags
+        setattr(module, hooks, getattr(gm, hooks))
     get = {t: operator.attrgetter(t)(gm) for g in targets for t in g}
     weights = [list({id(get[t]): get[t] for t in g}.values()) for g in targets]
     covered = {id(p) for g in weights for p in g}
