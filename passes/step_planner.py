@@ -112,7 +112,7 @@ def best_for_schedule(
     except PlanError as e:
         if mem_cap is None:
             raise
-        raise PlanError(_memory_message(chain, schedule, held, mem_cap, limits, memory.checkpoint)) from e
+        raise PlanError(_memory_message(chain, schedule, in_flight, mem_cap, limits, memory.checkpoint, held)) from e
     base = list(dict.fromkeys(split.starts for split in splits))
     starts = list(base)
     for side_slack in REBALANCE_SLACKS:
@@ -178,11 +178,13 @@ def _side_solver(
 
 
 def _memory_message(
-    chain: Chain, schedule: Schedule, in_flight: Sequence[int], cap: int, limits: StageLimits, checkpoint: bool = False
+    chain: Chain, schedule: Schedule, in_flight: Sequence[int], cap: int, limits: StageLimits, checkpoint: bool = False,
+    units: Sequence[int] | None = None,
 ) -> str:
     act = chain.act if chain.act is not None else np.zeros(chain.n, dtype=np.int64)
     state = int((chain.mem - act).sum()) + sum(nbytes for nbytes, _ in chain.shared)
     one = int(act.sum())
+    units = in_flight if units is None else units
     pinned = " (and the pins)" if limits.start_lo is not None else ""
     head = (
         f"no split into {schedule.n_stages} stages keeps every stage under max_stage_memory={cap:,} bytes under "
@@ -197,10 +199,10 @@ def _memory_message(
             "fewer or smaller microbatches in flight, or a larger max_stage_memory."
         )
     return (
-        f"{head}: the stages hold {list(in_flight)} microbatches' worth of activations at their peak (the "
-        "microbatches in flight and a running backward's gradients); the model's training "
+        f"{head}: the stages keep {list(in_flight)} microbatches of activations in flight, and with a running "
+        f"backward's gradients hold {list(units)} microbatches' worth at their peak; the model's training "
         f"state (parameters, gradients, optimizer) is {state:,} bytes and one microbatch's activations {one:,} "
-        f"bytes, so some stage holds at least {(state + one * min(in_flight)) // schedule.n_stages:,} bytes; "
+        f"bytes, so some stage holds at least {(state + one * min(units)) // schedule.n_stages:,} bytes; "
         f"{largest}. Use more stages, fewer microbatches in flight (a schedule that holds fewer, or smaller "
         "microbatches), activation checkpointing, or a larger max_stage_memory."
     )

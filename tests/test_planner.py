@@ -14,7 +14,9 @@ from pipesplit.models import gpt
 from pipesplit.passes.calibrate import calibrate
 from pipesplit.passes.chain import build_chain, compute_nodes
 from pipesplit.passes.costs import annotate_costs
-from pipesplit.passes.objective import DEFAULT_FLOPS_PER_S, CommModel, MemoryModel, in_flight_per_stage, step_time
+from pipesplit.passes.objective import (
+    DEFAULT_FLOPS_PER_S, CommModel, MemoryModel, activation_units_per_stage, in_flight_per_stage, step_time,
+)
 from pipesplit.passes.planner import cost_function, plan_partition
 from pipesplit.passes.recompute import recomputable
 from pipesplit.passes.step_planner import TIE, figures_for, node_seconds
@@ -106,8 +108,9 @@ def test_schedule_aware_plan_through_compile(gpt6):
 
 # ------------------------------------------------------------------------- memory
 def _independent_memory(gm, stages, in_flight, memory=MemoryModel()):
-    """Parameters x (1 + grad + Adam) + buffers, plus one microbatch's outputs x microbatches in flight;
-    with checkpointing, the stage's inputs x microbatches in flight plus one microbatch's outputs."""
+    """Parameters x (1 + grad + Adam) + buffers, plus one microbatch's outputs x ``in_flight`` (the
+    activation units: microbatches in flight, a running backward, gradients kept for W); with
+    checkpointing, the stage's inputs x microbatches in flight plus one microbatch's outputs."""
     by_name = {n.name: n for n in compute_nodes(gm)}
     stage_of = {name: s for s, names in enumerate(stages) for name in names}
     out = []
@@ -130,8 +133,9 @@ def test_memory_cap_counts_the_microbatches_1f1b_keeps_in_flight(wide):
     _, _, _, gm = wide
     k = 4
     schedule = get_schedule("1f1b", n_stages=k, n_ranks=k, n_microbatches=8)
-    in_flight = in_flight_per_stage(schedule)
-    assert in_flight == [4, 3, 2, 1]
+    assert in_flight_per_stage(schedule) == [4, 3, 2, 1]
+    in_flight = activation_units_per_stage(schedule)  # and one more for the backward running
+    assert in_flight == [5, 4, 3, 2]
     free = plan_partition(gm, k, "flops", schedule=schedule, recompute="never")
     assert free.stage_memory == pytest.approx(_independent_memory(gm, free.stages, in_flight))
 
