@@ -21,6 +21,7 @@ import torch.fx as fx
 from pipesplit.meta import node_cost, set_node_cost
 from pipesplit.passes.chain import COMPUTE_OPS
 from pipesplit.passes.profile import profile_nodes
+from pipesplit.passes.rates import moved_bytes
 
 
 @dataclass(frozen=True)
@@ -34,15 +35,6 @@ class Calibration:
 
     def seconds(self, flops: float, nbytes: float) -> float:
         return self.per_flop * flops + self.per_byte * nbytes + self.per_op
-
-
-def moved_bytes(node: fx.Node) -> int:
-    """Bytes an op reads and writes: its output plus its tensor inputs."""
-    total = node_cost(node).out_bytes
-    for a in node.all_input_nodes:
-        c = node_cost(a)
-        total += c.param_bytes if a.op == "get_attr" else c.out_bytes
-    return total
 
 
 def _nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:

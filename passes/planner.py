@@ -15,6 +15,7 @@ from pipesplit.passes.chain import Chain, build_chain, compute_nodes
 from pipesplit.passes.constraints import forbid_cuts_inside, pin_ranges
 from pipesplit.passes.costs import unknown_ops
 from pipesplit.passes.objective import DEFAULT_FLOPS_PER_S, CommModel, MemoryModel
+from pipesplit.passes.rates import DeviceRates, device_rates
 from pipesplit.passes.orders import candidate_orders
 from pipesplit.passes.balance import rebalance
 from pipesplit.passes.partition import StageLimits, _largest_stage, solve_candidates, solve_chain
@@ -138,6 +139,8 @@ def plan_partition(
     """
     name, fn = cost_function(cost)
     rate = flops_per_s or DEFAULT_FLOPS_PER_S.get(device_kind, DEFAULT_FLOPS_PER_S["cpu"])
+    # the default cost in seconds: this device's measured rates, unless a FLOP rate is given
+    rates = device_rates(device_kind) if name == "flops" and flops_per_s is None else None
     check_choice("recompute", recompute, RECOMPUTE_CHOICES)
     check_choice("order", order, ORDER_CHOICES)
     rebuild = cheap_to_recompute(gm, mutated_targets, comm, device_kind, rate) if recompute == "auto" else set()
@@ -151,7 +154,7 @@ def plan_partition(
             solved.append(_solve_order(
                 gm, nodes, label, fn, name, rate, num_stages, rebuild, max_stage_memory=max_stage_memory,
                 slack=slack, known=module_paths or set(), pins=pins or {}, no_split=no_split, schedule=schedule,
-                comm=comm, memory=memory, device_kind=device_kind,
+                comm=comm, memory=memory, device_kind=device_kind, rates=rates,
             ))
         except PlanError:
             if i == 0:  # the program's order: the user's error
@@ -198,6 +201,7 @@ def _solve_order(
     gm: fx.GraphModule, nodes: list[fx.Node], label: str, fn: CostFn, name: str, rate: float, num_stages: int,
     rebuild: set[str], *, max_stage_memory: int | None, slack: float, known: set[str], pins: Mapping[str, int],
     no_split: Sequence[str], schedule: Schedule | None, comm: CommModel, memory: MemoryModel, device_kind: str,
+    rates: DeviceRates | None = None,
 ) -> _Solved:
     state_factor = 1.0 + memory.grad_factor + (memory.optimizer_factor if schedule is not None else 0.0)
     chain = build_chain(gm, fn, state_factor=state_factor, recompute=rebuild, order=nodes)
@@ -206,7 +210,7 @@ def _solve_order(
     ranges = pin_ranges(chain.nodes, pins, num_stages, known)
     limits = StageLimits(None, ranges.start_lo, ranges.start_hi) if ranges else StageLimits()
     if schedule is not None:
-        seconds = node_seconds(chain.nodes, name, fn, rate)
+        seconds = node_seconds(chain.nodes, name, fn, rate, rates)
         best, ideal = best_for_schedule(
             chain, seconds, schedule, comm=comm, memory=memory, mem_cap=max_stage_memory,
             limits=limits, device_kind=device_kind,

@@ -27,20 +27,29 @@ from pipesplit.passes.objective import (
 )
 from pipesplit.passes.balance import Solve, rebalance
 from pipesplit.passes.partition import StageLimits, checkpointed_memory_ends, solve_candidates, stage_memory_limits
+from pipesplit.passes.rates import DeviceRates, priced
 from pipesplit.schedules import Schedule, StageCost
 
 SLACKS = (0.0, 0.01, 0.02, 0.05, 0.1, 0.2, 0.35)
 
 
 def node_seconds(
-    nodes: Sequence[fx.Node], cost_name: str, cost_fn: Callable[[fx.Node], float], flops_per_s: float
+    nodes: Sequence[fx.Node], cost_name: str, cost_fn: Callable[[fx.Node], float], flops_per_s: float,
+    rates: DeviceRates | None = None,
 ) -> np.ndarray:
-    """Per node (forward, input-gradient, weight-gradient) seconds, shape (n, 3)."""
+    """Per node (forward, input-gradient, weight-gradient) seconds, shape (n, 3).
+
+    With ``rates`` (the default cost on a device whose rates were measured,
+    :mod:`pipesplit.passes.rates`) FLOP costs are priced as per-op overhead + FLOPs / FLOP
+    rate + bytes / bandwidth; without, as FLOPs / ``flops_per_s``.
+    """
     out = np.zeros((len(nodes), 3))
     timed = cost_name in ("profile", "hybrid")
     for i, node in enumerate(nodes):
         c = node_cost(node)
-        if timed and c.time_s is not None:
+        if not timed and cost_name == "flops" and rates is not None:
+            out[i] = priced(node, rates)
+        elif timed and c.time_s is not None:
             f = c.time_s
             if c.bwd_time_s is not None:  # profiled backward
                 out[i] = (f, *c.backward_split(c.bwd_time_s))

@@ -129,7 +129,10 @@ def compile(
         example_kwargs: keyword arguments of the example call.
         num_stages: stages to cut into (default 1, or as many as ``split_points``/``plan`` give).
         cost: ``"flops"`` (default), ``"params"``, ``"profile"``, ``"uniform"``, a callable
-            ``node -> float`` or an object with ``node_cost(node, costs)``.
+            ``node -> float`` or an object with ``node_cost(node, costs)``. With ``"flops"``
+            the stages are balanced by FLOP counts, and times (``schedule``-aware planning,
+            predictions, benchmarks) price each op at the device's measured rates: per-op
+            overhead + FLOPs / FLOP rate + bytes / bandwidth (:mod:`pipesplit.passes.rates`).
         devices: one device per stage (stages may share one); default the model's device.
         split_points: module paths (``"layers.4"``) where new stages start; bypasses the planner.
         plan: a :class:`Plan` or the path of a saved one, reused instead of planning.

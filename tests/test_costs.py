@@ -627,3 +627,54 @@ def test_unknown_cost_name_lists_the_choices(mlp_case):
         assert choice in msg
     with pytest.raises(pipesplit.CostError):
         pipesplit.compile(model, x, num_stages=2, cost=42, progress=False)
+
+
+# ------------------------------------------------------------------ the default cost: measured device rates
+def test_default_cost_prices_each_op_as_overhead_flops_and_bytes():
+    from pipesplit.passes.rates import DeviceRates, moved_bytes, priced
+
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU())
+    cap = capture(model, torch.randn(4, 16))
+    gm = annotate_costs(cap.gm)
+    rates = DeviceRates("cpu", forward_op_s=1e-5, backward_op_s=2e-5, flops_per_s=1e9, bytes_per_s=1e8)
+    linear = next(n for n in gm.graph.nodes if n.op == "call_function" and "linear" in str(n.target))
+    c = node_cost(linear)
+    f, i, w = priced(linear, rates)
+    assert f == pytest.approx(1e-5 + c.fwd_flops / 1e9 + moved_bytes(linear) / 1e8)
+    assert i == pytest.approx(2e-5 + c.igrad_flops / 1e9 + moved_bytes(linear) / 1e8)
+    weights = sum(node_cost(a).param_bytes for a in linear.all_input_nodes if a.op == "get_attr")
+    assert weights == (16 * 32 + 32) * 4
+    assert w == pytest.approx(c.wgrad_flops / 1e9 + 2 * weights / 1e8)
+    relu = next(n for n in gm.graph.nodes if n.op == "call_function" and "relu" in str(n.target))
+    assert priced(relu, rates)[2] == 0.0  # no weights, no weight gradient
+    assert priced(relu, rates)[0] >= 1e-5  # a FLOP-free op still costs its overhead
+
+
+def test_device_rates_are_measured_once_and_leave_the_rng_alone():
+    from pipesplit.passes import rates
+
+    rates._measure.cache_clear()
+    torch.manual_seed(7)
+    want = torch.rand(3)
+    torch.manual_seed(7)
+    first = rates.device_rates("cpu")
+    assert torch.equal(torch.rand(3), want)
+    assert rates.device_rates("cpu") is first and rates._measure.cache_info().misses == 1
+    assert first.flops_per_s > 1e8 and first.bytes_per_s > 1e8 and 0 < first.forward_op_s < 1e-3
+
+
+def test_small_ops_are_no_longer_priced_near_zero():
+    """A stage of tiny layers: FLOPs at a nominal rate priced it ~50x below its real time; the
+    default now charges at least every op's measured overhead."""
+    from pipesplit.bench.predict import stage_seconds
+    from pipesplit.passes.chain import compute_nodes
+    from pipesplit.passes.rates import device_rates
+
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.GELU()) for _ in range(6)])
+    prog = pipesplit.compile(model, torch.randn(4, 8), num_stages=2, progress=False)
+    rates = device_rates("cpu")
+    for stage, cost in zip(prog.stages, stage_seconds(prog, "flops", 1.0)):
+        ops = len(compute_nodes(stage.module))
+        assert cost.forward >= ops * rates.forward_op_s
+        flops_only = sum(node_cost(n).fwd_flops for n in compute_nodes(stage.module)) / 5e10
+        assert cost.forward > 10 * flops_only

@@ -14,6 +14,7 @@ from pipesplit.models import gpt
 from pipesplit.passes.calibrate import calibrate
 from pipesplit.passes.chain import build_chain, compute_nodes
 from pipesplit.passes.costs import annotate_costs
+from pipesplit.passes.rates import device_rates
 from pipesplit.passes.objective import (
     DEFAULT_FLOPS_PER_S, CommModel, MemoryModel, activation_units_per_stage, in_flight_per_stage, step_time,
 )
@@ -84,7 +85,7 @@ def test_schedule_aware_plan_is_no_slower_than_the_bottleneck_plan(gpt6, sched, 
     name, fn = cost_function("flops")
     memory = MemoryModel()
     chain = build_chain(gm, fn, state_factor=memory.state_factor)
-    seconds = node_seconds(chain.nodes, name, fn, DEFAULT_FLOPS_PER_S["cpu"])
+    seconds = node_seconds(chain.nodes, name, fn, DEFAULT_FLOPS_PER_S["cpu"], device_rates("cpu"))
     in_flight = in_flight_per_stage(schedule)
 
     def step(stages):

@@ -15,6 +15,7 @@ from pipesplit.passes.objective import (
     DEFAULT_FLOPS_PER_S, CommModel, MemoryModel, activation_units_per_stage, in_flight_per_stage,
 )
 from pipesplit.passes.planner import cost_function
+from pipesplit.passes.rates import device_rates
 from pipesplit.passes.step_planner import node_seconds
 from pipesplit.program import SplitProgram
 from pipesplit.schedules import Schedule, StageCost, Timeline, simulate
@@ -41,7 +42,7 @@ def _stage_nodes(prog: SplitProgram) -> list[list[Any]]:
 def stage_seconds(prog: SplitProgram, cost: Any, scale: float) -> list[StageCost]:
     """Per stage (F, I, W) seconds from the nodes' cost annotations, times ``scale``.
 
-    FLOPs become seconds at the default rate of each stage's device kind (as the
+    FLOP costs become seconds at the measured rates of each stage's device (as the
     schedule-aware planner prices them); profiled costs use the profiled times; user
     units keep their per-node weights, spread like FLOPs. ``scale`` turns the example
     batch the program was compiled with into one microbatch.
@@ -50,6 +51,10 @@ def stage_seconds(prog: SplitProgram, cost: Any, scale: float) -> list[StageCost
     per_stage = _stage_nodes(prog)
     everything = [n for nodes in per_stage for n in nodes]
     rates = [DEFAULT_FLOPS_PER_S.get(s.device.type, DEFAULT_FLOPS_PER_S["cpu"]) for s in prog.stages]
+    if name == "flops":  # each stage priced at its own device's measured rates
+        return [StageCost(*(node_seconds(nodes, name, fn, rates[i], device_rates(prog.stages[i].device))
+                            .sum(axis=0) * scale if nodes else (0.0, 0.0, 0.0)))
+                for i, nodes in enumerate(per_stage)]
     seconds = node_seconds(everything, name, fn, rates[0]) if everything else np.zeros((0, 3))
     timed = name in ("profile", "hybrid")  # already seconds on each stage's own device
     out, at = [], 0
