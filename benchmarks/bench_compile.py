@@ -1,7 +1,11 @@
 """Compile speed: pipesplit's own passes against torch.export, and the partition solver at scale.
 
-Three tables, each against a baseline measured in the same run:
+Four tables, each against a baseline measured in the same run:
 
+0. ``pipesplit.compile`` end to end against a bare static ``torch.export.export`` of the
+   same model with default options (and against an export with a ``Dim.AUTO`` batch,
+   the capture ``pipesplit.compile`` makes): GPTs of 12, 48 and 192 layers (width
+   256, vocab 4096, batch 2 x 64) and a 500-block MLP encoder. Target: at most 1.25.
 1. Compiling ``gpt(layers=L, dim=256, vocab=1024, seq=64)`` into 4 and 8 stages: the
    passes ``pipesplit.compile`` runs after torch.export (annotate, plan, split; the same
    calls, timed the same way) as a fraction of the export itself, timed in the same
@@ -18,6 +22,7 @@ Prints markdown (paste into benchmarks/RESULTS.md). ``--full`` adds a 192-layer 
 from __future__ import annotations
 
 import argparse
+import inspect
 import math
 import os
 import sys
@@ -47,6 +52,80 @@ from pipesplit.program import SplitProgram  # noqa: E402
 DIM, VOCAB, SEQ, BATCH = 256, 1024, 64, 2
 RATIO_TARGET, RATIO_AT = 0.25, 96  # passes / export at 96 layers
 SOLVE_TARGET_S, SOLVE_AT = 0.5, 20_000  # "well under a second" for a 20,000-node chain
+
+
+# --------------------------------------------------------------------------- compile vs a bare export
+VS_DIM, VS_VOCAB, VS_SEQ, VS_BATCH = 256, 4096, 64, 2
+VS_TARGET = 1.25
+ENCODER_BLOCKS, ENCODER_DIM, ENCODER_SEQ = 500, 64, 32
+
+
+class MLPBlock(nn.Module):
+    """A pre-norm residual MLP block: x + W2 gelu(W1 ln(x))."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.ln = nn.LayerNorm(dim)
+        self.fc = nn.Linear(dim, 4 * dim)
+        self.out = nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.out(torch.nn.functional.gelu(self.fc(self.ln(x))))
+
+
+def mlp_encoder(blocks: int = ENCODER_BLOCKS, dim: int = ENCODER_DIM) -> nn.Module:
+    return nn.Sequential(*[MLPBlock(dim) for _ in range(blocks)], nn.LayerNorm(dim))
+
+
+def vs_models(layer_counts: list[int], encoder: bool) -> list[tuple[str, nn.Module, torch.Tensor]]:
+    out = []
+    for layers in layer_counts:
+        torch.manual_seed(0)
+        out.append((f"GPT {layers} layers", gpt(layers=layers, dim=VS_DIM, vocab=VS_VOCAB, seq=VS_SEQ),
+                    torch.randint(0, VS_VOCAB, (VS_BATCH, VS_SEQ))))
+    if encoder:
+        torch.manual_seed(0)
+        out.append((f"MLP encoder {ENCODER_BLOCKS} blocks", mlp_encoder(),
+                    torch.randn(VS_BATCH, ENCODER_SEQ, ENCODER_DIM)))
+    return out
+
+
+def bench_vs_export(
+    models: list[tuple[str, nn.Module, torch.Tensor]], stages: int, repeats: int, clock: Callable[[], float]
+) -> tuple[str, list[dict]]:
+    """compile / bare static export / Dim.AUTO export, repeats interleaved, minimum of each."""
+    from torch.export import Dim
+
+    warm_model, warm_x = gpt(layers=1, dim=VS_DIM, vocab=VS_VOCAB, seq=VS_SEQ), torch.randint(0, VS_VOCAB, (2, VS_SEQ))
+    pipesplit.compile(warm_model, warm_x, num_stages=1, progress=False)  # one-off warm-ups
+    rows = []
+    for name, model, x in models:
+        times: dict[str, list[float]] = {"static": [], "auto": [], "compile": []}
+        nodes = 0
+        for _ in range(repeats):
+            start = clock()
+            ep = torch.export.export(model, (x,))
+            times["static"].append(clock() - start)
+            nodes = len(ep.graph.nodes)
+            del ep
+            arg = next(iter(inspect.signature(model.forward).parameters))
+            start = clock()
+            torch.export.export(model, (x,), dynamic_shapes={arg: {0: Dim.AUTO}})
+            times["auto"].append(clock() - start)
+            start = clock()
+            pipesplit.compile(model, x, num_stages=stages, progress=False)
+            times["compile"].append(clock() - start)
+        best = {k: min(v) for k, v in times.items()}
+        rows.append(dict(model=name, nodes=nodes, **best))
+        emit(f"  {name}: {nodes} nodes, static export {best['static']:.2f} s, Dim.AUTO export {best['auto']:.2f} s, "
+             f"compile {best['compile']:.2f} s")
+    table = markdown_table(
+        ["model", "export graph nodes", "bare static export s (baseline)", "export with Dim.AUTO batch s",
+         "pipesplit.compile s", "compile / static export", "Dim.AUTO export / static export"],
+        [[r["model"], f"{r['nodes']:,}", seconds(r["static"]), seconds(r["auto"]), seconds(r["compile"]),
+          ratio(r["compile"] / r["static"]), ratio(r["auto"] / r["static"])] for r in rows],
+    )
+    return table, rows
 
 
 # --------------------------------------------------------------------------- compile
@@ -274,6 +353,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--clock", choices=sorted(CLOCKS), default="cpu",
                     help="cpu: process CPU time (default; steadier on a shared machine), wall: perf_counter")
     ap.add_argument("--skip-compile", action="store_true", help="only the partition tables")
+    ap.add_argument("--vs-layers", type=int, nargs="+", default=[12, 48, 192],
+                    help="GPT depths compared with a bare static export (table 0)")
+    ap.add_argument("--vs-stages", type=int, default=4, help="stages of the compiles in table 0")
+    ap.add_argument("--no-encoder", action="store_true", help="skip the 500-block MLP encoder in table 0")
+    ap.add_argument("--only-vs", action="store_true", help="only table 0")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     layer_counts = args.layers or ([12, 24, 48, 96] + ([192] if args.full else []))
@@ -284,6 +368,24 @@ def main(argv: list[str] | None = None) -> None:
     ]))
     emit()
     if not args.skip_compile:
+        emit(f"### 0. `pipesplit.compile` against a bare static `torch.export` (GPT width {VS_DIM}, vocab {VS_VOCAB}, "
+             f"batch {VS_BATCH} x {VS_SEQ}; MLP encoder of {ENCODER_BLOCKS} pre-norm residual blocks, width "
+             f"{ENCODER_DIM}, batch {VS_BATCH} x {ENCODER_SEQ}), {args.vs_stages} stages\n")
+        table, rows = bench_vs_export(vs_models(args.vs_layers, not args.no_encoder), args.vs_stages, args.repeats,
+                                      clock)
+        emit()
+        emit(table)
+        emit()
+        if len(rows) > 1:
+            a, b = rows[0], rows[-1]
+            emit(f"Growth {a['model']} → {b['model']}: nodes {b['nodes'] / a['nodes']:.1f}×, static export "
+                 f"{b['static'] / a['static']:.1f}×, compile {b['compile'] / a['compile']:.1f}×\n")
+        worst = max(r["compile"] / r["static"] for r in rows)
+        emit(f"**Target: compile / bare static export ≤ {VS_TARGET}: {'PASS' if worst <= VS_TARGET else 'FAIL'}** "
+             f"(worst {worst:.3f})\n")
+        if args.only_vs:
+            emit(f"(load average at end (1/5/15 min): {load_average()})")
+            return
         emit(f"### 1. `pipesplit.compile`: GPT (dim {DIM}, vocab {VOCAB}, seq {SEQ}, batch {BATCH}), "
              f"passes after torch.export vs export\n")
         table, growth, rows = bench_compile(layer_counts, args.stages, args.repeats, clock)
