@@ -114,6 +114,8 @@ def main(argv: list[str] | None = None) -> None:
          f"{best.measured_step_s / plain:.2f}x the plain model's step, {best.throughput:.4g} samples/s.")
     for what, why in res.skipped:
         emit(f"Skipped {what}: {why}")
+    for warning in res.warnings:
+        emit(f"**Warning:** {warning}")
     emit()
     emit(f"![step times and bubbles]({rel['overview']})")
     emit()

@@ -203,3 +203,28 @@ def test_predicted_and_measured_timelines_share_one_time_axis():
     assert top.get_xlim() == bottom.get_xlim() == pytest.approx((0.0, measured.step_time * 1e3))
     assert fig.get_suptitle() == "measured / predicted step time: 5.00x"
     assert "predicted step" in top.get_title() and "measured step" in bottom.get_title()
+
+
+def test_warnings_say_when_rows_cannot_be_ranked():
+    """A busy machine, wide spreads and overlapping fastest rows are said, not hidden."""
+    import dataclasses
+
+    from pipesplit.bench.load import load_warning, machine_load
+
+    model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(4)])
+    res = pipesplit.benchmark(model, torch.randn(8, 16), num_stages=2, schedules=["gpipe", "1f1b"],
+                              n_microbatches=2, warmup=1, repeats=2, progress=False)
+    assert {"load_1min", "cores", "busy"} <= set(res.meta["load_before"])
+    a, b = res.rows
+    res.rows[:] = [dataclasses.replace(a, measured_step_s=1.0, measured_step_spread_s=0.3),
+                   dataclasses.replace(b, measured_step_s=1.2, measured_step_spread_s=0.01)]
+    res.meta["load_before"] = res.meta["load_after"] = {"load_1min": 0.1, "cores": 2, "busy": []}
+    text = " ".join(res.warnings)
+    assert "1 of 2 rows spread more than ±10%" in text and "±30%" in text
+    assert "cannot rank them" in text and "warning: " in str(res)
+    res.rows[0] = dataclasses.replace(a, measured_step_s=1.0, measured_step_spread_s=0.05)
+    assert res.warnings == []  # quiet, narrow, apart
+    busy = {"load_1min": 3.5, "cores": 2, "busy": ["python (123)"]}
+    assert "load average 3.50 on 2 cores" in load_warning(busy, {**busy, "busy": []})
+    assert "python (123)" in load_warning({**busy, "load_1min": 0.2}, {**busy, "load_1min": 0.2})
+    assert isinstance(machine_load()["busy"], list)

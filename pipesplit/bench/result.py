@@ -135,6 +135,31 @@ class BenchmarkResult:
     def __iter__(self) -> Any:
         return iter(self.rows)
 
+    @property
+    def warnings(self) -> list[str]:
+        """What makes these figures unfit to rank configurations: a busy machine, rows whose
+        repeats spread more than 10% around their median, fastest rows that overlap."""
+        from pipesplit.bench.load import load_warning
+
+        out = []
+        if "load_before" in self.meta:
+            busy = load_warning(self.meta["load_before"], self.meta["load_after"])
+            if busy:
+                out.append(busy)
+        wide = [r for r in self.rows if r.measured_step_spread_s > 0.1 * r.measured_step_s]
+        if wide:
+            out.append(f"{len(wide)} of {len(self.rows)} rows spread more than ±10% over their repeats ("
+                       + "; ".join(f"{r.label}: ±{100 * r.measured_step_spread_s / r.measured_step_s:.0f}%"
+                                   for r in wide[:3]) + ("; ..." if len(wide) > 3 else "")
+                       + "): more repeats (repeats=) would pin them down.")
+        ranked = sorted(self.rows, key=lambda r: r.measured_step_s)
+        if len(ranked) > 1:
+            a, b = ranked[0], ranked[1]
+            if a.measured_step_s + a.measured_step_spread_s >= b.measured_step_s - b.measured_step_spread_s:
+                out.append(f"the fastest two configurations ({a.label}; {b.label}) overlap within their spread: "
+                           "this run cannot rank them.")
+        return out
+
     def best(self) -> BenchRow:
         """The configuration with the lowest measured step time."""
         if not self.rows:
@@ -166,6 +191,7 @@ class BenchmarkResult:
             b = self.best()
             lines.append(f"\nfastest: {b.label}: {_ms(b.measured_step_s)} ms per step, {b.throughput:.4g} samples/s")
         lines += [f"skipped {what}: {why}" for what, why in self.skipped]
+        lines += [f"warning: {w}" for w in self.warnings]
         return "\n".join(lines)
 
     def to_markdown(self, per_stage: bool = True) -> str:

@@ -15,6 +15,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from pipesplit.api import compile as compile_model
+from pipesplit.bench.load import machine_load
 from pipesplit.bench.predict import Prediction, boundary_bytes_per_step, predict
 from pipesplit.bench.result import BenchmarkResult, BenchRow, RunDetail
 from pipesplit.errors import InputError, PipesplitError, ScheduleError
@@ -219,6 +220,7 @@ def benchmark(
     _check(scheds, [] if is_prog else costs, stage_counts, micro, _example_batch(args, kwargs, dim), warmup, repeats)
     configs = list(itertools.product(stage_counts, costs, scheds, micro))
     rows, details, skipped = [], [], []
+    load_before = machine_load()
     bar = tqdm(total=len(configs), desc="pipesplit benchmark", unit="config", disable=not progress, leave=False)
     try:
         for (k, c), group in itertools.groupby(configs, key=lambda x: x[:2]):
@@ -259,5 +261,6 @@ def benchmark(
         "torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
         "torch_threads": torch.get_num_threads(), "warmup": warmup, "repeats": repeats,
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "load_before": load_before, "load_after": machine_load(),
     }
     return BenchmarkResult(rows, details, skipped, meta)
