@@ -7,6 +7,7 @@ import io
 import itertools
 import json
 import math
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -209,22 +210,27 @@ def test_warnings_say_when_rows_cannot_be_ranked():
     """A busy machine, wide spreads and overlapping fastest rows are said, not hidden."""
     import dataclasses
 
-    from pipesplit.bench.load import load_warning, machine_load
+    from pipesplit.bench.load import load_summary, load_warning, machine_load
 
     model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(4)])
     res = pipesplit.benchmark(model, torch.randn(8, 16), num_stages=2, schedules=["gpipe", "1f1b"],
                               n_microbatches=2, warmup=1, repeats=2, progress=False)
-    assert {"load_1min", "cores", "busy"} <= set(res.meta["load_before"])
+    assert {"load_1min_before", "cores", "others_share", "busiest"} <= set(res.meta["load"])
     a, b = res.rows
     res.rows[:] = [dataclasses.replace(a, measured_step_s=1.0, measured_step_spread_s=0.3),
                    dataclasses.replace(b, measured_step_s=1.2, measured_step_spread_s=0.01)]
-    res.meta["load_before"] = res.meta["load_after"] = {"load_1min": 0.1, "cores": 2, "busy": []}
+    quiet = {"load_1min": 0.1, "cores": 2, "time": 0.0, "ticks": {7: ("python", 100)}}
+    res.meta["load"] = load_summary(quiet, {**quiet, "time": 10.0, "ticks": {7: ("python", 120)}})
     text = " ".join(res.warnings)
     assert "1 of 2 rows spread more than ±10%" in text and "±30%" in text
     assert "cannot rank them" in text and "warning: " in str(res)
-    res.rows[0] = dataclasses.replace(a, measured_step_s=1.0, measured_step_spread_s=0.05)
-    assert res.warnings == []  # quiet, narrow, apart
-    busy = {"load_1min": 3.5, "cores": 2, "busy": ["python (123)"]}
-    assert "load average 3.50 on 2 cores" in load_warning(busy, {**busy, "busy": []})
-    assert "python (123)" in load_warning({**busy, "load_1min": 0.2}, {**busy, "load_1min": 0.2})
-    assert isinstance(machine_load()["busy"], list)
+    assert "ranks run as threads of one process on the CPU" in text  # 2 stages on the CPU
+    res.rows[:] = [dataclasses.replace(r, devices="cuda:0,cuda:1") for r in res.rows]
+    res.rows[0] = dataclasses.replace(res.rows[0], measured_step_s=1.0, measured_step_spread_s=0.05)
+    assert res.warnings == []  # quiet, narrow, apart, a device per stage
+    # 0.2 s of another process's CPU in 10 s on 2 cores is 1%: quiet; 8 s of it is 40%: busy
+    assert load_warning(res.meta["load"]) is None
+    text = load_warning(load_summary(quiet, {**quiet, "time": 10.0, "ticks": {7: ("python", 900)}, "load_1min": 1.5}))
+    assert "other processes used 40% of its 2 core(s)" in text and "python (7): 80% of a core" in text
+    snapshot = machine_load()
+    assert snapshot["cores"] >= 1 and os.getpid() not in snapshot["ticks"]

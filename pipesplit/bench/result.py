@@ -142,10 +142,21 @@ class BenchmarkResult:
         from pipesplit.bench.load import load_warning
 
         out = []
-        if "load_before" in self.meta:
-            busy = load_warning(self.meta["load_before"], self.meta["load_after"])
+        if "load" in self.meta:
+            busy = load_warning(self.meta["load"])
             if busy:
                 out.append(busy)
+        cores = int(self.meta.get("load", {}).get("cores", 0) or 0)
+        threads = int(self.meta.get("torch_threads", 1) or 1)
+        shared = [r for r in self.rows if "cuda" not in r.devices and r.n_ranks > 1]
+        if shared:
+            r = max(shared, key=lambda r: r.n_ranks)
+            over = r.n_ranks * threads > cores > 0
+            out.append(f"up to {r.n_ranks} ranks run as threads of one process on the CPU"
+                       + (f", {r.n_ranks} x {threads} torch thread(s) on {cores} core(s)" if over else "")
+                       + ": the prediction gives every rank a device of its own, but these ranks contend for the "
+                       "cores and for Python's GIL between ops, so measured / predicted grows with the ranks; read "
+                       "those rows for balance and bubbles, not for the step time a device per stage would give.")
         wide = [r for r in self.rows if r.measured_step_spread_s > 0.1 * r.measured_step_s]
         if wide:
             out.append(f"{len(wide)} of {len(self.rows)} rows spread more than ±10% over their repeats ("

@@ -15,7 +15,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from pipesplit.api import compile as compile_model
-from pipesplit.bench.load import machine_load
+from pipesplit.bench.load import load_summary, machine_load
 from pipesplit.bench.predict import Prediction, boundary_bytes_per_step, predict
 from pipesplit.bench.result import BenchmarkResult, BenchRow, RunDetail
 from pipesplit.errors import InputError, PipesplitError, ScheduleError
@@ -261,6 +261,6 @@ def benchmark(
         "torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
         "torch_threads": torch.get_num_threads(), "warmup": warmup, "repeats": repeats,
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-        "load_before": load_before, "load_after": machine_load(),
+        "load": load_summary(load_before, machine_load()),
     }
     return BenchmarkResult(rows, details, skipped, meta)

@@ -75,6 +75,8 @@ def run_demo(args: argparse.Namespace) -> int:
         print(res.to_markdown(per_stage=False))
         best = res.best()
         print(f"fastest: {best.label}, {best.throughput:.4g} samples/s")
+        for warning in res.warnings:
+            print(f"note: {warning}")
         files: list[tuple[str, Callable[[str], Any]]] = [
             ("bench.csv", res.to_csv), ("timeline.png", res.plot_timeline), ("trace.json", res.to_chrome_trace)]
         for name, write in files:
