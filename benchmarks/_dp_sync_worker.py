@@ -313,6 +313,7 @@ def main() -> int:
             print(f"  {name} {args.schedule} pp={args.pp}: {json.dumps(entry['check'])[:600]}", file=sys.stderr, flush=True)
     if dist.get_rank() == 0:
         print("RESULT " + json.dumps(result), flush=True)
+    dist.barrier()  # no rank closes its connections while a peer still reads from them
     dist.destroy_process_group()
     return 0
 

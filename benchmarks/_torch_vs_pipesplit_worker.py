@@ -163,6 +163,7 @@ def main() -> int:
     }
     if dist.get_rank() == 0:
         print("RESULT " + json.dumps(results), flush=True)
+    dist.barrier()  # no rank closes its connections while a peer still reads from them
     dist.destroy_process_group()
     return 0
 

@@ -72,6 +72,7 @@ def main() -> None:
         opt.zero_grad()
         if rank == 0 and (step % 5 == 0 or step == args.steps - 1):
             print(f"step {step:3d}  loss {float(loss):.4f}", flush=True)
+    dist.barrier()  # no rank closes its connections while a peer still reads from them
     dist.destroy_process_group()
 
 

@@ -72,6 +72,7 @@ def main() -> None:
         pipe.save(args.save, opt)
         if rank == 0:
             print(f"saved {args.save}", flush=True)
+    dist.barrier()  # no rank closes its connections while a peer still reads from them
     dist.destroy_process_group()
 
 

@@ -48,6 +48,7 @@ def main() -> int:
     model = case.build()
     for schedule in args.schedule.split(","):
         check(model, case, schedule, args, rank, world)
+    dist.barrier()  # no rank closes its connections while a peer still reads from them
     dist.destroy_process_group()
     return 0
 

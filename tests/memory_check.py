@@ -37,7 +37,7 @@ class LiveBytes(TorchDispatchMode):
         super().__init__()
         self.live = self.peak = 0
         self._refs: dict[int, weakref.ref] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # a storage freed while counting calls _free on this thread
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -75,6 +75,7 @@ def main() -> int:
     ok = True
     for schedule in args.schedule.split(","):
         ok &= check(model, schedule, args.microbatches, args.microbatch_size, rank, world)
+    dist.barrier()  # no rank closes its connections while a peer still reads from them
     dist.destroy_process_group()
     return 0 if ok else 1
 
@@ -89,7 +90,7 @@ def check(model, schedule: str, m: int, mb: int, rank: int, world: int) -> bool:
     def loss_fn(out, y):
         return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
 
-    pipe = pipesplit.Pipeline(prog, schedule, n_microbatches=m, loss_fn=loss_fn)
+    pipe = pipesplit.Pipeline(prog, schedule, n_microbatches=m, loss_fn=loss_fn, timeout=60)
     weights = sum(p.numel() * p.element_size() for p in pipe.parameters())
     budget = estimate - weights * (1 + memory.optimizer_factor)  # what a step may add: activations, gradients
     peaks = []

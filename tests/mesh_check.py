@@ -43,7 +43,9 @@ def main() -> int:
     rank = dist.get_rank()
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
     try:
-        return run(args, rank, mesh)
+        code = run(args, rank, mesh)
+        dist.barrier()  # no rank closes its connections while a peer still reads from them
+        return code
     finally:
         dist.destroy_process_group()
 
