@@ -48,10 +48,6 @@ class Turn:
     wait: tuple[int, ...]
     action: Action | None
 
-    def describe(self) -> str:
-        posts = "; ".join("[" + ", ".join(map(str, b)) + "]" for b in self.post)
-        return f"post {posts or 'nothing'}, wait for batches {list(self.wait)}, then {self.action or 'nothing'}"
-
 
 Program = tuple[tuple[Turn, ...], ...]
 """Per rank, the turns it runs in order."""

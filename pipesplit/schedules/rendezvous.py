@@ -75,10 +75,6 @@ class Step:
     ops: tuple[Op, ...]
     action: Action | None
 
-    def describe(self) -> str:
-        ops = f"[{'; '.join(map(str, self.ops))}]"
-        return ops if self.action is None else f"{ops}, then {self.action}"
-
 
 Plan = tuple[tuple[Step, ...], ...]
 """Per rank, the steps it runs in order."""
