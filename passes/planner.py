@@ -139,8 +139,9 @@ def plan_partition(
     """
     name, fn = cost_function(cost)
     rate = flops_per_s or DEFAULT_FLOPS_PER_S.get(device_kind, DEFAULT_FLOPS_PER_S["cpu"])
-    # the default cost in seconds: this device's measured rates, unless a FLOP rate is given
-    rates = device_rates(device_kind) if name == "flops" and flops_per_s is None else None
+    # a schedule's step time prices the default cost at this device's measured rates (unless a FLOP
+    # rate is given); balancing alone needs no seconds, so compiling without a schedule measures nothing
+    rates = device_rates(device_kind) if name == "flops" and flops_per_s is None and schedule is not None else None
     check_choice("recompute", recompute, RECOMPUTE_CHOICES)
     check_choice("order", order, ORDER_CHOICES)
     rebuild = cheap_to_recompute(gm, mutated_targets, comm, device_kind, rate) if recompute == "auto" else set()
