@@ -25,6 +25,7 @@ import pipesplit  # noqa: E402
 from pipesplit.runtime.exchange import RankComm  # noqa: E402
 from tests.close import assert_close  # noqa: E402
 from tests.zoo import CASE_BY_NAME  # noqa: E402
+from tests.launch import end_rank  # noqa: E402
 
 ORIGINAL_BATCH = dist.batch_isend_irecv
 ORIGINAL_RELEASE = RankComm.release
@@ -155,4 +156,4 @@ def track_sends(pipe) -> dict:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    end_rank(main())

@@ -16,6 +16,7 @@ import pipesplit  # noqa: E402
 from pipesplit.interop import to_pipeline_stage  # noqa: E402
 from tests.close import assert_close  # noqa: E402
 from tests.zoo import CASE_BY_NAME  # noqa: E402
+from tests.launch import end_rank  # noqa: E402
 
 
 def main() -> int:
@@ -60,4 +61,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    end_rank(main())

@@ -28,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import pipesplit  # noqa: E402
 from pipesplit.models import gpt  # noqa: E402
+from tests.launch import end_rank  # noqa: E402
 
 
 class LiveBytes(TorchDispatchMode):
@@ -110,4 +111,4 @@ def check(model, schedule: str, m: int, mb: int, rank: int, world: int) -> bool:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    end_rank(main())

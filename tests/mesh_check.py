@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import pipesplit  # noqa: E402
 from tests.close import assert_close  # noqa: E402
 from tests.zoo import CASE_BY_NAME  # noqa: E402
+from tests.launch import end_rank  # noqa: E402
 
 
 def ce(out, y):
@@ -135,4 +136,4 @@ def resume(pipe, opt, gen, rank):
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    end_rank(main())

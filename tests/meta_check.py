@@ -17,6 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import pipesplit  # noqa: E402
 from pipesplit.models import GPT, GPTConfig  # noqa: E402
 from tests.training import dot_loss  # noqa: E402
+from tests.launch import end_rank  # noqa: E402
 
 
 def peak_mib() -> float:
@@ -50,4 +51,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    end_rank(main())

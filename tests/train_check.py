@@ -27,6 +27,7 @@ from pipesplit.models import GPT, GPTConfig  # noqa: E402
 from tests.close import assert_close  # noqa: E402
 from tests.training import dot_loss  # noqa: E402
 from tests.zoo import CASE_BY_NAME  # noqa: E402
+from tests.launch import end_rank  # noqa: E402
 
 MULTI = {"interleaved_1f1b", "looped_bfs", "zb_v"}
 
@@ -114,4 +115,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    end_rank(main())
