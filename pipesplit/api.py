@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from pipesplit.agree import agree_on_plan
 from pipesplit.capture import capture
 from pipesplit.errors import PlanError
 from pipesplit.passes.costs import annotate_costs
@@ -133,6 +134,9 @@ def compile(
             the stages are balanced by FLOP counts, and times (``schedule``-aware planning,
             predictions, benchmarks) price each op at the device's measured rates: per-op
             overhead + FLOPs / FLOP rate + bytes / bandwidth (:mod:`pipesplit.passes.rates`).
+            Measured costs differ between processes, so under an initialised
+            ``torch.distributed`` world every rank takes global rank 0's plan
+            (:mod:`pipesplit.agree`): each rank must compile the same model alike.
         devices: one device per stage (stages may share one); default the model's device.
         split_points: module paths (``"layers.4"``) where new stages start; bypasses the planner.
         plan: a :class:`Plan` or the path of a saved one, reused instead of planning.
@@ -234,6 +238,7 @@ def compile(
                     gm, captured, chosen, replan, devs, args, example_kwargs or {}, rounds=refine, schedule=sched,
                     comm=comm or CommModel(), progress=progress,
                 )
+            chosen = agree_on_plan(gm, chosen)  # measured costs differ between processes: all take rank 0's
     k = chosen.num_stages
     devs = check_devices(list(devices) if devices is not None else [device0] * k, k)
     with _timed("split", timings):

@@ -90,7 +90,7 @@ _COLUMNS = [  # (header, cell) for the printed and Markdown tables
     ("meas/pred", lambda r: f"{r.step_ratio:.2f}"),
     ("bubble pred/meas", lambda r: f"{100 * r.predicted_bubble:.0f}% / {100 * r.measured_bubble:.0f}%"),
     ("balance pred/meas", lambda r: f"{r.predicted_balance:.2f} / {r.balance:.2f}"),
-    ("bottleneck", lambda r: str(r.bottleneck_stage)),
+    ("bottleneck pred/meas", lambda r: f"{r.predicted_bottleneck_stage} / {r.bottleneck_stage}"),
     ("boundary/step", lambda r: human_bytes(r.boundary_bytes)),
     ("peak mem (max stage)", lambda r: human_bytes(max(r.peak_memory_bytes, default=0))
      + (" est" if r.memory_source == "estimated" else "")),
