@@ -145,9 +145,9 @@ def track_sends(pipe) -> dict:
     release = ORIGINAL_RELEASE  # not an earlier schedule's wrapper
 
     def checked(comm):
-        done = [i for i, b in enumerate(comm._batches) if b is not None and comm.transport.done(b[0])]
+        done = [i for i, (handle, _) in comm._in_flight.items() if comm.transport.done(handle)]
         release(comm)
-        alive["held"] += sum(comm._batches[i] is not None for i in done)
+        alive["held"] += sum(i in comm._in_flight for i in done)
         refs[:] = [r for r in refs if r() is not None]
         alive["max"] = max(alive["max"], len(refs))
 

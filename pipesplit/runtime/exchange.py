@@ -45,8 +45,8 @@ class RankComm:
         self._outbox: dict[Message, Parcel] = {}
         self._inbox: dict[Message, Parcel] = {}
         self._sent: set[Message] = set()  # sent eagerly, not yet reached in the program
-        self._batches: list[tuple[Any, list[Message]] | None] = []  # posted, not yet waited: (handle, receives)
-        self._pending: list[int] = []  # indices of the batches posted and not yet waited for
+        self._posted = 0  # batches this step has posted, empty ones included: the plan numbers them so
+        self._in_flight: dict[int, tuple[Any, list[Message]]] = {}  # number -> (handle, receives), not yet waited
 
     def put(self, msg: Message, value: Any, peer: int, event: Any = None) -> None:
         """Hand ``msg`` (produced on a stream that recorded ``event``) to the stage on rank ``peer``."""
@@ -94,33 +94,30 @@ class RankComm:
                     f"rank {self.rank} must send the {op.message.describe()} to rank {op.peer} now, but none of its "
                     "stages has made it: the communication plan and the stages disagree (a pipesplit bug)."
                 )
-        handle = self.transport.post(self.rank, sends, recvs) if sends or recvs else None
-        self._batches.append((handle, [m for m, _, _ in recvs]) if handle is not None else None)
-        if handle is not None:
-            self._pending.append(len(self._batches) - 1)
+        if sends or recvs:
+            self._in_flight[self._posted] = (self.transport.post(self.rank, sends, recvs), [m for m, _, _ in recvs])
+        self._posted += 1
 
     def _wait(self, i: int) -> None:
-        batch = self._batches[i]
+        batch = self._in_flight.pop(i, None)  # from here on nothing here holds the batch (its sent tensors)
         if batch is None:
             return
         handle, recvs = batch
-        self._batches[i] = None  # from here on nothing here holds the batch (its sent tensors)
-        self._pending.remove(i)
         for msg, parcel in zip(recvs, self.transport.wait(handle)):
             self._inbox[msg] = parcel
 
     def release(self) -> None:
         """Let go of every batch that has completed (its receives move to the inbox): from then on nothing
         here holds its sent tensors."""
-        for i in [i for i in self._pending if self.transport.done(self._batches[i][0])]:  # type: ignore[index]
+        for i in [i for i, (handle, _) in self._in_flight.items() if self.transport.done(handle)]:
             self._wait(i)
 
     def finish(self) -> None:
         """Check that every value made was sent, every batch waited for, and every value received used."""
-        if self._outbox or self._inbox or self._sent or self._pending:
+        if self._outbox or self._inbox or self._sent or self._in_flight:
             left = [f"unsent: {m.describe()}" for m in self._outbox] + [f"unused: {m.describe()}" for m in self._inbox]
             left += [f"sent outside the plan: {m.describe()}" for m in self._sent]
-            left += [f"batch {i + 1} never waited for" for i in self._pending]
+            left += [f"batch {i + 1} never waited for" for i in self._in_flight]
             raise RuntimeCommError(f"rank {self.rank} ended the step with {'; '.join(left[:4])}"
                                    f"{' ...' if len(left) > 4 else ''}: the plan and the stages disagree (a pipesplit bug).")
 
