@@ -12,6 +12,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
+from pipesplit.bench.load import usable_cores
+
 
 def cpu_model() -> str:
     """The CPU's marketing name (``/proc/cpuinfo`` on Linux, else ``platform``)."""
@@ -23,13 +25,6 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine() or "unknown CPU"
-
-
-def usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
 
 
 def machine() -> dict[str, Any]:
