@@ -43,6 +43,7 @@ class InputInfo:
     # per dynamic dimension: the sizes torch.export assumed it can take, (low, high or None)
     ranges: dict[int, tuple[int, int | None]] = field(default_factory=dict)
     unbatched: bool = False  # marked by the user: the same whole tensor goes to every microbatch
+    batched: bool = False  # cut into microbatches: its batch dimension is dynamic, or captured at the example's batch
 
     def has_batch_dim(self, d: int) -> bool:
         """A tensor input with a dimension ``d`` that the user did not mark unbatched."""
@@ -77,6 +78,14 @@ class Captured:
         return {self.state[self.target_to_entry[t]].name for t in self.mutated_targets if t in self.target_to_entry}
 
     batch_dim: int = 0
+    dynamic: bool = True  # the batch dimension was captured dynamic (False: at the example's size)
+
+    @property
+    def static_batch(self) -> int | None:
+        """The one batch size the graph takes when captured statically (None: any, or no batch)."""
+        if self.dynamic:
+            return None
+        return next((int(x.shape[self.batch_dim]) for x, i in zip(self.example_flat, self.inputs) if i.batched), None)
 
     @property
     def batch_dynamic(self) -> bool:
@@ -206,14 +215,20 @@ def static_dim(d: Any) -> int | None:
     return int(d) if is_concrete_int(d) else None
 
 
-def _input_infos(gm: fx.GraphModule, example_flat: list[Any], ep: Any, unbatched: list[bool]) -> list[InputInfo]:
+def _input_infos(
+    gm: fx.GraphModule, example_flat: list[Any], ep: Any, unbatched: list[bool], batch_dim: int, dynamic: bool
+) -> list[InputInfo]:
+    """One InputInfo per flat input. An input is batched where export kept its batch dimension
+    dynamic, or (``dynamic=False``) wherever it has one and the user did not mark it unbatched."""
     infos = []
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for node, example, fixed in zip(placeholders, example_flat, unbatched):
         val = node.meta.get("val")
         if isinstance(val, torch.Tensor):
             shape = tuple(static_dim(d) for d in val.shape)
-            infos.append(InputInfo(node.name, True, shape, val.dtype, None, _ranges(ep, val), fixed))
+            info = InputInfo(node.name, True, shape, val.dtype, None, _ranges(ep, val), fixed)
+            info.batched = info.has_batch_dim(batch_dim) and (not dynamic or shape[batch_dim] is None)
+            infos.append(info)
         else:
             infos.append(InputInfo(node.name, False, None, None, example))
     return infos
@@ -225,8 +240,15 @@ def capture(
     kwargs: dict[str, Any] | None = None,
     batch_dim: int = 0,
     unbatched: Collection[str] = (),
+    dynamic: bool = True,
+    copy_state: bool = True,
 ) -> Captured:
-    """Export ``model`` on the example inputs; the batch dimension is made dynamic where possible.
+    """Export ``model`` on the example inputs; the batch dimension is made dynamic where possible
+    (``dynamic=False``: captured at the example's shapes, a faster export whose graph takes only
+    the example's batch size; see :mod:`pipesplit.generalise`).
+
+    ``copy_state=False`` leaves the model's own tensors in the graph instead of the program's
+    copies (a capture only read for its structure).
 
     ``unbatched`` names forward() arguments that have no batch dimension (a lookup table):
     they stay static and every microbatch gets them whole. A model whose ``forward`` takes
@@ -257,7 +279,7 @@ def capture(
             f"unbatched names {unknown}, which the example call does not pass; the arguments passed are "
             f"{sorted(set(owners))}."
         )
-    ep, export_seconds = export_quietly(model, args, kwargs, dyn)
+    ep, export_seconds = export_quietly(model, args, kwargs, dyn if dynamic else None)
     gm = ep.module(check_guards=False)
     info = gm.graph._codegen.pytree_info
     gm.graph._codegen = fx.graph.CodeGen()  # flat in, flat out; specs are kept here
@@ -278,13 +300,14 @@ def capture(
             idx = len(entries) - 1
         target_to_entry[node.target] = idx
     state_keys = {key: by_id[id(t)] for key, t in model.state_dict(keep_vars=True).items() if id(t) in by_id}
-    for e in entries:  # the program's own copies: the user's tensors are never touched
-        e.tensor = _own_copy(e.tensor, e.is_param)
-    for target, idx in target_to_entry.items():
-        rebind(gm, target, entries[idx].tensor)
+    if copy_state:
+        for e in entries:  # the program's own copies: the user's tensors are never touched
+            e.tensor = _own_copy(e.tensor, e.is_param)
+        for target, idx in target_to_entry.items():
+            rebind(gm, target, entries[idx].tensor)
 
     flat, _ = pytree.tree_flatten((args, kwargs))
-    infos = _input_infos(gm, flat, ep, [o in unbatched for o in owners])
+    infos = _input_infos(gm, flat, ep, [o in unbatched for o in owners], batch_dim, dynamic)
     captured = Captured(
         gm=gm,
         in_spec=info.in_spec,
@@ -301,9 +324,10 @@ def capture(
         notes=notes,
         defaults={k: v for k, v in kwargs.items() if k not in given},
         batch_dim=batch_dim,
+        dynamic=dynamic,
     )
     d = batch_dim
-    if any(i.has_batch_dim(d) for i in infos) and not captured.batch_dynamic:
+    if dynamic and any(i.has_batch_dim(d) for i in infos) and not captured.batch_dynamic:
         pinned = [f"{i.name}[{d}]={x.shape[d]}" for i, x in zip(infos, flat)
                   if i.has_batch_dim(d) and i.shape[d] is not None]  # type: ignore[index]
         why = " (an example batch of size 1 always pins it: use a batch of 2 or more)" if any(

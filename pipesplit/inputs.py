@@ -26,7 +26,8 @@ def describe_structure(tree: tuple[Any, Any]) -> str:
     return f"args={args!r}, kwargs={kwargs!r}"
 
 
-def check_input(value: Any, info: InputInfo) -> None:
+def check_input(value: Any, info: InputInfo, free_dim: int | None = None) -> None:
+    """``value`` fits the captured input ``info``; a batched input's ``free_dim`` may take any size."""
     if not info.is_tensor:
         if isinstance(value, torch.Tensor):
             raise InputError(f"input {info.name!r} was compiled as a constant {info.example!r}, got a tensor.")
@@ -46,7 +47,7 @@ def check_input(value: Any, info: InputInfo) -> None:
             f"the program takes {expected} ({len(info.shape)} dimensions)."
         )
     for dim, (got, want) in enumerate(zip(value.shape, info.shape)):
-        if want is not None and got != want:
+        if want is not None and got != want and not (dim == free_dim and info.batched):
             if dim != 0:
                 hint = " The model fixes this dimension at compile time."
             elif want == 1:

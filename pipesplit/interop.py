@@ -96,8 +96,7 @@ class ChainStage(nn.Module):
 
 
 def _input_batch_axis(prog: SplitProgram, where: int) -> int | None:
-    shape, d = prog.inputs[where].shape, prog.batch_dim
-    return d if shape is not None and d < len(shape) and shape[d] is None else None
+    return prog.batch_dim if prog.inputs[where].batched else None
 
 
 def _batch_axis(prog: SplitProgram, boundary: Any) -> int | None:
@@ -105,13 +104,19 @@ def _batch_axis(prog: SplitProgram, boundary: Any) -> int | None:
     if boundary.kind != "tensor" or boundary.sizes is None:
         return None
     for i, expr in enumerate(boundary.sizes):
-        if not isinstance(expr, int) and expr.is_Symbol and expr in prog._batch_symbols:
+        if not isinstance(expr, int) and expr.is_Symbol and expr in prog.batch_symbols:
             return i
     return None
 
 
 def chain_modules(prog: SplitProgram) -> list[ChainStage]:
-    """One chain-shaped module per stage; stage 0 takes the program's flat tensor inputs."""
+    """One chain-shaped module per stage; stage 0 takes the program's flat tensor inputs.
+
+    torch's schedules feed microbatches of any size, so a program captured at the example's
+    batch is generalised first (:mod:`pipesplit.generalise`).
+    """
+    if prog.static_batch is not None:
+        prog.ensure_batch(prog.static_batch + 1)
     live = _live_sets(prog)
     first = [(i.name, "input", n) for n, i in enumerate(prog.inputs) if i.is_tensor]
     modules = []

@@ -39,6 +39,10 @@ class Plan:
     checkpoint: bool = False  # planned for activation checkpointing: Pipeline checkpoints every stage by default
     order: str = "program"  # the node order the chain was solved in: "program" or "late" (passes/orders.py)
     measured_s: float | None = None  # compile(refine=...): measured bottleneck (or step with a schedule), seconds
+    # the capture whose node names ``stages`` lists: "static" (at the example's batch, compile's default) or
+    # "dynamic" (a dynamic batch: dynamic_batch=True, or a program generalised); a saved plan without
+    # the field predates static capture, so it loads as "dynamic"
+    capture: str = "static"
 
     @property
     def num_stages(self) -> int:
@@ -97,6 +101,9 @@ class Plan:
         unknown = sorted(set(data) - known)
         if unknown:
             raise PlanError(f"unknown plan fields {unknown}; known fields are {sorted(known)}.")
+        data.setdefault("capture", "dynamic")
+        if data["capture"] not in ("static", "dynamic"):
+            raise PlanError(f"plan capture must be 'static' or 'dynamic', got {data['capture']!r}.")
         plan = cls(**data)
         plan.source = "loaded"
         return plan

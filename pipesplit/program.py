@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 import torch.fx as fx
@@ -13,9 +13,10 @@ from torch import nn
 
 from pipesplit.capture import Captured, InputInfo, static_dim
 from pipesplit.errors import InputError, PipesplitError, PlanError
+from pipesplit.generalise import batched_outputs
 from pipesplit.inputs import Shown, shown, describe_structure, check_input
 from pipesplit.passes.modes import eval_graph
-from pipesplit.passes.split import Boundary, SplitGraph
+from pipesplit.passes.split import Boundary, SplitGraph, StagePiece
 from pipesplit.plan import Plan
 from pipesplit.rng import seeded
 from pipesplit.state import Placement, Tied, attach, zero_grads
@@ -59,81 +60,43 @@ class SplitProgram:
     """
 
     def __init__(self, captured: Captured, split: SplitGraph, plan: Plan, devices: list[str]):
-        self.plan = plan
-        self.boundaries: list[Boundary] = split.boundaries
-        self.inputs: list[InputInfo] = captured.inputs
         self.in_spec = captured.in_spec
         self.out_spec = captured.out_spec
         self.notes = list(captured.notes)
         self.defaults = dict(captured.defaults)  # keyword arguments every call gets (use_cache=False)
         self.training = captured.training  # the mode the stages run in; see train() / eval()
         self.captured_training = captured.training
-        self.mutated_targets = set(captured.mutated_targets)
         self.export_seconds = captured.export_seconds
-        self.batch_dim = d = captured.batch_dim  # the dimension microbatches are cut along
-        # the example's batch size (the first input with a dynamic batch dimension), None if none has one
-        self.example_batch: int | None = next(
-            (int(x.shape[d]) for x, i in zip(captured.example_flat, captured.inputs)
-             if i.is_tensor and i.shape and len(i.shape) > d and i.shape[d] is None and isinstance(x, torch.Tensor)),
-            None,
-        )
-        self._captured_gm = captured.gm
+        self.batch_dim = captured.batch_dim  # the dimension microbatches are cut along
+        # captures the model again with a dynamic batch (set by compile() for a static capture)
+        self.recapture: Callable[[], Captured] | None = None
         self._state = captured.state
         self._state_keys = captured.state_keys
-        self._outputs = split.outputs
-        self._batch_symbols = {
-            v.meta["val"].shape[d].node.expr
-            for v in captured.gm.graph.nodes
-            if v.op == "placeholder"
-            and isinstance(v.meta.get("val"), torch.Tensor)
-            and v.meta["val"].dim() > d
-            and static_dim(v.meta["val"].shape[d]) is None
-        }
-        out_node = next(n for n in captured.gm.graph.nodes if n.op == "output")
-        self.output_batched = [
-            isinstance(v, fx.Node)
-            and isinstance(v.meta.get("val"), torch.Tensor)
-            and v.meta["val"].dim() > d
-            and static_dim(v.meta["val"].shape[d]) is None
-            for v in out_node.args[0]
-        ]
-        self.random_ops = sum(n.target is seeded for p in split.stages for n in p.graph.nodes)  # dropout & co.
+        self.target_to_entry = dict(captured.target_to_entry)
+        self._set_graph(captured, split, plan)
         self._tied: list[Tied] = []
         placement = Placement(len(captured.state))
         self.stages: list[Stage] = []
         self.stage_entries: list[dict[int, torch.Tensor]] = []  # per stage: state index -> its tensor
         for piece, device_name in zip(split.stages, devices):
             device = torch.device(device_name)
-            holder = nn.Module()
             entries: dict[int, torch.Tensor] = {}
             self.stage_entries.append(entries)
-            for target, obj in piece.attrs.items():
-                idx = captured.target_to_entry.get(target)
-                if idx is None:  # a submodule, e.g. the body of a higher-order op
-                    attach(holder, target, obj)
-                    continue
+
+            def take(idx: int, device: torch.device = device, entries: dict[int, torch.Tensor] = entries) -> Any:
                 if idx not in entries:  # a model built on "meta" stays there until materialize()
-                    where = captured.state[idx].tensor.device if captured.state[idx].tensor.is_meta else device
-                    entries[idx] = placement.take(idx, captured.state[idx].tensor, where)
-                attach(holder, target, entries[idx], captured.state[idx].persistent)
-            if piece.index == 0:
-                used = set(captured.target_to_entry.values())
-                for idx, entry in enumerate(captured.state):
-                    if idx not in used and entry.aliases:  # unused state stays with stage 0
-                        entries[idx] = placement.take(idx, entry.tensor, entry.tensor.device if entry.tensor.is_meta
-                                                      else device)
-                        attach(holder, entry.name, entries[idx], entry.persistent)
-            module = fx.GraphModule(holder, piece.graph, class_name=f"Stage{piece.index}")
+                    t = captured.state[idx].tensor
+                    entries[idx] = placement.take(idx, t, t.device if t.is_meta else device)
+                return entries[idx]
+
+            module = fx.GraphModule(self._holder(piece, take), piece.graph, class_name=f"Stage{piece.index}")
             cost = plan.stage_costs[piece.index] if plan.stage_costs else 0.0
             self.stages.append(
                 Stage(piece.index, module, device, piece.inputs, piece.outputs, piece.nodes, cost, tuple(piece.attrs),
                       piece.mutated_inputs, {captured.training: module})
             )
         self._owner: list[torch.Tensor | None] = [placement.owner(idx) for idx in range(len(captured.state))]
-        self.target_to_entry = dict(captured.target_to_entry)
         self.uninitialised: set[int] = set()  # state entries given storage by materialize() and no values yet
-        self._mutated_entries = {captured.target_to_entry[t] for t in captured.mutated_targets
-                                 if t in captured.target_to_entry}
         for idx, copies in enumerate(placement.copies):
             if len(copies) > 1 and captured.state[idx].name in captured.mutated_names:
                 raise PlanError(
@@ -141,10 +104,83 @@ class SplitProgram:
                     f"({', '.join(map(str, copies))}); put those stages on one device."
                 )
         self._tie(placement.ties())
+        self._build_root(split)
+
+    def _set_graph(self, captured: Captured, split: SplitGraph, plan: Plan) -> None:
+        """What the program knows of its captured graph and split (set again by ``respecialise``)."""
+        d = self.batch_dim
+        self.plan = plan
+        self.boundaries: list[Boundary] = split.boundaries
+        self.inputs: list[InputInfo] = captured.inputs
+        self.mutated_targets = set(captured.mutated_targets)
+        self._mutated_entries = {captured.target_to_entry[t] for t in captured.mutated_targets
+                                 if t in captured.target_to_entry}
+        # the only batch size the stage graphs take (captured at the example's shapes); None: any
+        self.static_batch: int | None = captured.static_batch
+        # the example's batch size (the first batched input's), None if no input has a batch dimension
+        self.example_batch: int | None = next(
+            (int(x.shape[d]) for x, i in zip(captured.example_flat, captured.inputs) if i.batched), None
+        )
+        self.captured_gm = captured.gm
+        self._outputs = split.outputs
+        self.batch_symbols = {
+            v.meta["val"].shape[d].node.expr
+            for v in captured.gm.graph.nodes
+            if v.op == "placeholder"
+            and isinstance(v.meta.get("val"), torch.Tensor)
+            and v.meta["val"].dim() > d
+            and static_dim(v.meta["val"].shape[d]) is None
+        }
+        self.output_batched = batched_outputs(captured)
+        self.random_ops = sum(n.target is seeded for p in split.stages for n in p.graph.nodes)  # dropout & co.
+
+    def _holder(self, piece: StagePiece, take: Callable[[int], torch.Tensor]) -> nn.Module:
+        """A module holding what stage ``piece``'s graph reads: state tensors (``take(idx)``) under
+        their targets, and submodules (the bodies of higher-order ops)."""
+        holder = nn.Module()
+        for target, obj in piece.attrs.items():
+            idx = self.target_to_entry.get(target)
+            if idx is None:  # a submodule, e.g. the body of a higher-order op
+                attach(holder, target, obj)
+            else:
+                attach(holder, target, take(idx), self._state[idx].persistent)
+        if piece.index == 0:
+            used = set(self.target_to_entry.values())
+            for idx, entry in enumerate(self._state):
+                if idx not in used and entry.aliases:  # unused state stays with stage 0
+                    attach(holder, entry.name, take(idx), entry.persistent)
+        return holder
+
+    def _build_root(self, split: SplitGraph) -> None:
         root = nn.Module()
         for stage in self.stages:
             root.add_module(f"stage_{stage.index}", stage.module)
         self.root = fx.GraphModule(root, split.root, class_name="SplitRoot")
+
+    def respecialise(self, captured: Captured, split: SplitGraph, plan: Plan) -> None:
+        """Swap in the stage graphs of another capture of the same model (a dynamic batch, see
+        :mod:`pipesplit.generalise`); the parameters and buffers stay the very same tensors."""
+        if captured.target_to_entry != self.target_to_entry:
+            raise PlanError("capturing the model again gave other parameters and buffers than the first capture; "
+                            "was the model changed after compiling? Compile it again.")
+        for piece, stage in zip(split.stages, self.stages):
+            if stage.module is not None:  # another rank's stage stays dropped
+                entries = self.stage_entries[stage.index]
+
+                def take(idx: int, entries: dict[int, torch.Tensor] = entries, s: int = stage.index) -> torch.Tensor:
+                    if idx not in entries:
+                        raise PlanError(f"the new capture puts {self._state[idx].name!r} in stage {s}, which does "
+                                        "not hold it; compile with dynamic_batch=True.")
+                    return entries[idx]
+
+                module = fx.GraphModule(self._holder(piece, take), piece.graph, class_name=f"Stage{piece.index}")
+                stage.modes = {self.captured_training: module}
+                stage.module = stage.module_for(self.training)
+            stage.inputs, stage.outputs, stage.nodes = piece.inputs, piece.outputs, piece.nodes
+            stage.attr_targets, stage.mutated_inputs = tuple(piece.attrs), piece.mutated_inputs
+        self._set_graph(captured, split, plan)
+        if self.root is not None:
+            self._build_root(split)
 
     def train(self, mode: bool = True) -> "SplitProgram":
         """Run every stage in training (``True``) or eval mode, as ``model.train(mode)`` would.
@@ -237,8 +273,13 @@ class SplitProgram:
     def num_stages(self) -> int:
         return len(self.stages)
 
-    def flatten_inputs(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> list[Any]:
-        """Flatten (args, kwargs) like the example, checking structure and shapes."""
+    def flatten_inputs(self, args: tuple[Any, ...], kwargs: Mapping[str, Any], *, whole_batch: bool = False) -> list[Any]:
+        """Flatten (args, kwargs) like the example, checking structure and shapes.
+
+        A program captured at the example's batch size is generalised (once) when the inputs
+        bring another; with ``whole_batch`` the caller cuts them into microbatches first and
+        calls :meth:`ensure_batch` with the microbatch size itself.
+        """
         kwargs = {**kwargs, **{k: v for k, v in self.defaults.items() if k not in kwargs}}
         flat, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
         if spec != self.in_spec:
@@ -248,9 +289,28 @@ class SplitProgram:
                 f"  expected: {self._expected_structure()}\n  got:      {got}\n"
                 "Pass the same positional arguments and keyword names as the example."
             )
+        free: int | None = None
+        if self.static_batch is not None and whole_batch:
+            free = self.batch_dim
+        elif self.static_batch is not None:
+            batch = next((v.shape[self.batch_dim] for v, i in zip(flat, self.inputs)
+                          if i.batched and isinstance(v, torch.Tensor) and v.dim() > self.batch_dim), None)
+            if batch is not None:
+                self.ensure_batch(int(batch))
         for value, info in zip(flat, self.inputs):
-            check_input(value, info)
+            check_input(value, info, free)
         return flat
+
+    def ensure_batch(self, size: int) -> bool:
+        """Make the stage graphs take batches of ``size``: a program captured at the example's batch
+        size captures the model again with a dynamic batch, once (:mod:`pipesplit.generalise`).
+        True if the graphs changed (a runtime built on the old ones must rebuild)."""
+        if self.static_batch is None or size == self.static_batch:
+            return False
+        from pipesplit.generalise import generalise
+
+        generalise(self, f"a batch of {size} (captured at {self.static_batch})")
+        return True
 
     def _expected_structure(self) -> str:
         if len(self.inputs) != self.in_spec.num_leaves:
@@ -275,6 +335,7 @@ class SplitProgram:
     def resolve_value(self, boundary: Boundary, batch: int) -> Any:
         """The value of a non-tensor that crosses a boundary (a size, or a float or bool derived
         from sizes, such as ``x.shape[0] ** -0.5``) for a given (micro)batch size."""
+        self._check_batch(batch)
         if boundary.sizes is None:
             raise PlanError(
                 f"boundary {boundary.name!r} (stage {boundary.src} -> {boundary.dst}) carries a {boundary.kind} that "
@@ -285,9 +346,9 @@ class SplitProgram:
         if isinstance(expr, (bool, int, float)):
             return expr
         free = expr.free_symbols
-        if not free <= self._batch_symbols:
+        if not free <= self.batch_symbols:
             raise InputError(
-                f"a boundary value {expr} depends on {sorted(map(str, free - self._batch_symbols))}, not only on the "
+                f"a boundary value {expr} depends on {sorted(map(str, free - self.batch_symbols))}, not only on the "
                 "batch size; only the batch dimension may vary between calls."
             )
         value = expr.subs({sym: batch for sym in free})
@@ -299,16 +360,24 @@ class SplitProgram:
 
     def resolve_shape(self, boundary: Boundary, batch: int) -> tuple[int, ...]:
         """A boundary tensor's concrete shape for a given (micro)batch size."""
+        self._check_batch(batch)
         assert boundary.sizes is not None
         return tuple(self._eval_size(d, batch) for d in boundary.sizes)
+
+    def _check_batch(self, batch: int) -> None:
+        if self.static_batch is not None and batch != self.static_batch:
+            raise PipesplitError(
+                f"the boundaries were captured at a batch of {self.static_batch}, not {batch}: call "
+                f"prog.ensure_batch({batch}) first (it captures the model again with a dynamic batch)."
+            )
 
     def _eval_size(self, expr: Any, batch: int) -> int:
         if isinstance(expr, int):
             return expr
         free = expr.free_symbols
-        if not free <= self._batch_symbols:
+        if not free <= self.batch_symbols:
             raise InputError(
-                f"a boundary size {expr} depends on {sorted(map(str, free - self._batch_symbols))}, not only on the "
+                f"a boundary size {expr} depends on {sorted(map(str, free - self.batch_symbols))}, not only on the "
                 "batch size; only the batch dimension may vary between calls."
             )
         return int(expr.subs({sym: batch for sym in free}))

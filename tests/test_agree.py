@@ -18,7 +18,7 @@ from pipesplit.agree import graph_fingerprint
 from pipesplit.models import gpt
 prog = pipesplit.compile(gpt(layers=2, dim=32, vocab=64, seq=16, heads=2), torch.randint(0, 64, (2, 16)),
                          num_stages=2, progress=False)
-print(graph_fingerprint(prog._captured_gm))
+print(graph_fingerprint(prog.captured_gm))
 """
 
 
@@ -28,12 +28,12 @@ def _prog(layers: int):
 
 
 def test_the_fingerprint_names_the_graph_alike_in_every_process():
-    here = graph_fingerprint(_prog(2)._captured_gm)
+    here = graph_fingerprint(_prog(2).captured_gm)
     other = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, check=True)
     assert other.stdout.strip() == here
-    assert graph_fingerprint(_prog(3)._captured_gm) != here
+    assert graph_fingerprint(_prog(3).captured_gm) != here
 
 
 def test_without_a_process_group_the_plan_is_kept():
     prog = _prog(2)
-    assert agree_on_plan(prog._captured_gm, prog.plan) is prog.plan
+    assert agree_on_plan(prog.captured_gm, prog.plan) is prog.plan

@@ -277,7 +277,7 @@ def test_model_that_pins_the_batch():
     torch.manual_seed(0)
     model = PinsBatch()
     with unchanged(model):
-        prog = pipesplit.compile(model, torch.randn(4, 8), num_stages=2)
+        prog = pipesplit.compile(model, torch.randn(4, 8), num_stages=2, dynamic_batch=True)
     assert any("pins the batch" in note and "=4" in note for note in prog.notes), prog.notes
     assert "pins the batch" in prog.report()
     assert [i.shape for i in prog.inputs] == [(4, 8)]
@@ -293,7 +293,7 @@ def test_model_that_pins_the_batch():
 def test_example_batch_of_one_pins_and_says_so():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
-    prog = pipesplit.compile(model, torch.randn(1, 4), num_stages=2)
+    prog = pipesplit.compile(model, torch.randn(1, 4), num_stages=2, dynamic_batch=True)
     assert any("batch of 2 or more" in note for note in prog.notes), prog.notes
     x = torch.randn(1, 4)
     assert_close(prog(x), model(x), name="output")
@@ -301,8 +301,10 @@ def test_example_batch_of_one_pins_and_says_so():
         prog(torch.randn(2, 4))
 
 
-def test_batch_stays_dynamic_without_a_note(two):
-    _, prog = two
+def test_batch_stays_dynamic_without_a_note():
+    torch.manual_seed(0)
+    model = TwoInputs()
+    prog = pipesplit.compile(model, (torch.randn(4, 8), torch.randn(4, 8)), num_stages=2, dynamic_batch=True)
     assert prog.notes == []
     assert [i.shape for i in prog.inputs] == [(None, 8), (None, 8)]
 

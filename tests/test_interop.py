@@ -42,6 +42,6 @@ def test_chain_reads_the_microbatch_size_from_the_batch_dimension():
     torch.manual_seed(0)
     model = TimeMajor()
     prog = pipesplit.compile(model, torch.randn(5, 4, 8), split_points=["b", "c"], batch_dim=1, progress=False)
-    assert any(b.kind != "tensor" for b in prog.boundaries), "the test needs a size that crosses a cut"
     x = torch.randn(5, 3, 8)  # another batch size, and another than the time length
     assert_close(_run_chain(prog, x), model(x), name="output of the chain")
+    assert any(b.kind != "tensor" for b in prog.boundaries), "the test needs a size that crosses a cut"

@@ -115,7 +115,7 @@ def test_refuses_bad_arguments():
 
 def test_cpu_clock_leaves_out_time_spent_waiting():
     """A stage that waits 50 ms (a sleeping hook, as if preempted) costs that in wall time, not CPU time."""
-    _, prog = compile_three()
+    _, prog = compile_three(batch=16)  # the stage graphs stay those captured (another batch would re-capture)
     x = torch.randn(16, 256)
     prog.stages[1].module.register_forward_hook(lambda *_: time.sleep(0.05))
     wall = measure_stage_costs(prog, x, repeats=2, warmup=0, reduce="min")

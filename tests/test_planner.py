@@ -227,7 +227,7 @@ def llama():
     model = case.build()
     args, kwargs = case.inputs(4)
     prog = pipesplit.compile(model, args, example_kwargs=kwargs, num_stages=3, recompute="auto", progress=False)
-    gm = annotate_costs(capture(model, args, kwargs).gm)  # the same graph, node for node
+    gm = annotate_costs(capture(model, args, kwargs, dynamic=False).gm)  # the same graph, node for node
     return case, model, args, kwargs, prog, gm
 
 

@@ -282,12 +282,13 @@ def test_batch_dimension_is_configurable():
     torch.manual_seed(0)
     model = SeqFirst()
     prog = pipesplit.compile(model, torch.randn(5, 2, 8), num_stages=3, batch_dim=1)
-    assert prog.inputs[0].shape == (5, None, 8)
+    assert prog.inputs[0].shape == (5, 2, 8) and prog.inputs[0].batched  # captured at the example's batch
     pipe = pipesplit.Pipeline(prog, "1f1b", n_microbatches=2, loss_fn=dot_loss, loss_reduction="sum")
     x, t = torch.randn(5, 6, 8), torch.randn(5, 6, 3)
     ref, want = reference(model, (x,), {}, t)
     assert_close(pipe.step(x, target=t), want, name="loss")
     assert_grads(pipe, ref)
+    assert prog.inputs[0].shape == (5, None, 8)  # microbatches of 3: captured again with a dynamic batch
     assert_close(pipe.eval(x), model(x), name="eval output")
     with pytest.raises(pipesplit.PipesplitError, match="batch_dim=0"):
         pipesplit.Pipeline(prog, "1f1b", n_microbatches=2, loss_fn=dot_loss, batch_dim=0)

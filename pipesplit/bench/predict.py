@@ -71,15 +71,25 @@ def boundary_bytes_per_step(prog: SplitProgram, batch: int, n_microbatches: int,
     mb = batch // n_microbatches
     total = 0
     for b in prog.boundaries:
-        if b.kind != "tensor":
-            continue
-        try:
-            numel = int(np.prod(prog.resolve_shape(b, mb), dtype=np.int64))
-            nbytes = numel * (torch.empty((), dtype=b.dtype).element_size() if b.dtype else 4)
-        except InputError:  # a size that is not a function of the batch: fall back to the example's bytes
-            nbytes = b.nbytes // max(n_microbatches, 1)
-        total += nbytes * n_microbatches * (2 if training and b.requires_grad else 1)
+        if b.kind == "tensor":
+            total += int(microbatch_bytes(prog, b, mb, n_microbatches)) * n_microbatches * (
+                2 if training and b.requires_grad else 1)
     return total
+
+
+def microbatch_bytes(prog: SplitProgram, b: Any, mb: int, n_microbatches: int) -> float:
+    """Bytes boundary tensor ``b`` carries for one microbatch of ``mb``.
+
+    A program still captured at the example's batch knows its boundaries at that batch only:
+    they are taken to grow in proportion to the batch (as activations do).
+    """
+    if prog.static_batch is not None:
+        return b.nbytes * mb / prog.static_batch
+    try:
+        numel = float(np.prod(prog.resolve_shape(b, mb)))
+        return numel * (torch.empty((), dtype=b.dtype).element_size() if b.dtype else 4)
+    except InputError:  # a size that is not a function of the batch: fall back to the example's bytes
+        return b.nbytes / max(n_microbatches, 1)
 
 
 def cut_seconds(prog: SplitProgram, batch: int, n_microbatches: int, comm: CommModel) -> list[float]:
@@ -94,14 +104,8 @@ def cut_seconds(prog: SplitProgram, batch: int, n_microbatches: int, comm: CommM
         if src == dst:
             out.append(0.0)
             continue
-        nbytes = 0.0
-        for b in prog.boundaries:
-            if b.kind == "tensor" and b.src <= s < b.dst:
-                try:
-                    numel = float(np.prod(prog.resolve_shape(b, mb)))
-                    nbytes += numel * torch.empty((), dtype=b.dtype).element_size()
-                except InputError:
-                    nbytes += b.nbytes / max(n_microbatches, 1)
+        nbytes = sum(microbatch_bytes(prog, b, mb, n_microbatches) for b in prog.boundaries
+                     if b.kind == "tensor" and b.src <= s < b.dst)
         out.append(comm.seconds(nbytes, str(src), str(dst)))
     return out
 

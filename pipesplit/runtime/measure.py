@@ -132,8 +132,11 @@ def measure_stage_costs(
             "measure_stage_costs needs every stage of the program; this one was cut down to one rank's stages "
             "by a distributed Pipeline. Measure before building the Pipeline, or on a fresh compile."
         )
-    flat = prog.flatten_inputs(tuple(example_args), example_kwargs)
+    flat = prog.flatten_inputs(tuple(example_args), example_kwargs, whole_batch=True)
     mb_inputs = split_microbatches(flat, prog.inputs, n_microbatches, batch_dim)[0]
+    batched = [x for x, i in zip(mb_inputs, prog.inputs) if i.batched and isinstance(x, torch.Tensor)]
+    if batched:
+        prog.ensure_batch(int(batched[0].shape[batch_dim]))
     mb_target = split_target(target, n_microbatches, batch_dim)[0] if target is not None else None
     prog.sync_tied()
 

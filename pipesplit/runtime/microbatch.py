@@ -12,7 +12,7 @@ from pipesplit.inputs import check_range
 
 
 def batch_size(flat: Sequence[Any], infos: Sequence[InputInfo], batch_dim: int = 0) -> int:
-    """The batch size shared by the inputs that carry the (dynamic) batch dimension."""
+    """The batch size shared by the inputs that carry the batch dimension."""
     sizes = {
         info.name: value.shape[batch_dim]
         for value, info in zip(flat, infos)
@@ -34,12 +34,7 @@ def batch_size(flat: Sequence[Any], infos: Sequence[InputInfo], batch_dim: int =
 
 
 def _is_batched(value: Any, info: InputInfo, batch_dim: int) -> bool:
-    return (
-        isinstance(value, torch.Tensor)
-        and info.shape is not None
-        and len(info.shape) > batch_dim
-        and info.shape[batch_dim] is None
-    )
+    return isinstance(value, torch.Tensor) and info.batched and len(value.shape) > batch_dim
 
 
 def split_microbatches(

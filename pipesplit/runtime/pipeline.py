@@ -121,6 +121,8 @@ class Pipeline:
             raise PipesplitError("transport='rendezvous' imposes NCCL's semantics on the local executor; under "
                                  "torchrun the process group's own backend moves the tensors. Leave transport='auto'.")
         self.prog, self.loss_fn = prog, loss_fn
+        self._threads: RankThreads | None = None  # the local executor's rank threads, started on first use
+        self._tracer: Trace | None = None  # set inside `with self.trace():`
         self.batch_dim = prog.batch_dim if batch_dim is None else batch_dim
         if self.batch_dim != prog.batch_dim:
             raise PipesplitError(
@@ -176,13 +178,7 @@ class Pipeline:
                            "hold), or use eval-mode normalisation." if planned
                            else "Disable checkpoint or use eval-mode normalisation.")
                     )
-        edges = program_edges(prog)
-        # What every rank issues, with receives posted ahead; proven for NCCL's semantics where they apply
-        prove = proven if executor == "distributed" or transport == "rendezvous" else (lambda schedule, plan: issue(plan))
-        self._plans: dict[str, Program] = {
-            "train": prove(self.schedule, comm_plan(self.schedule, edges)),
-            "forward": prove(_forward_only(self.schedule), comm_plan(_forward_only(self.schedule), edges)),
-        }
+        self._prove = executor == "distributed" or transport == "rendezvous"
         streams = {}
         if executor == "distributed":
             assert self.layout is not None
@@ -201,15 +197,28 @@ class Pipeline:
             for s in local:  # a stream per stage, so ranks sharing a GPU overlap
                 if s.device.type == "cuda":
                     streams[s.index] = torch.cuda.Stream(device=s.device)
-        self._threads: RankThreads | None = None  # the local executor's rank threads, started on first use
-        self._tracer: Trace | None = None  # set inside `with self.trace():`
+        self._local, self._ckpt, self._streams = [s.index for s in local], ckpt, streams
+        self._build()
+
+    def _build(self) -> None:
+        """The communication plans and stage workers, from the program's current stage graphs."""
+        prog, rank_of = self.prog, self.schedule.stage_to_rank
+        edges = program_edges(prog)
+        # What every rank issues, with receives posted ahead; proven for NCCL's semantics where they apply
+        prove = proven if self._prove else (lambda schedule, plan: issue(plan))
+        self._plans: dict[str, Program] = {
+            "train": prove(self.schedule, comm_plan(self.schedule, edges)),
+            "forward": prove(_forward_only(self.schedule), comm_plan(_forward_only(self.schedule), edges)),
+        }
         done = self.collectives.stage_done if self.collectives is not None and self.dp_size > 1 else None
         split = {a.stage for actions in self.schedule.actions for a in actions if a.kind is ActionKind.BACKWARD_WEIGHT}
         self.workers = {
-            s.index: StageWorker(prog, s, rank_of, checkpointing=s.index in ckpt, stream=streams.get(s.index),
-                                 on_gradients=done, split_backward=s.index in split)
-            for s in local
+            i: StageWorker(prog, prog.stages[i], rank_of, checkpointing=i in self._ckpt, stream=self._streams.get(i),
+                           on_gradients=done, split_backward=i in split)
+            for i in self._local
         }
+        for w in self.workers.values():
+            w.tracer = self._tracer
 
     @contextmanager
     def trace(self) -> Iterator[Trace]:
@@ -255,12 +264,14 @@ class Pipeline:
     def _prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any], target: Any, training: bool) -> StepData:
         if self.prog.uninitialised:
             check_initialised(self.prog)
-        flat = self.prog.flatten_inputs(args, kwargs)
+        flat = self.prog.flatten_inputs(args, kwargs, whole_batch=True)
         m, first = self.n_microbatches, self.dp_rank * self.n_microbatches  # this replica's share
         total = m * self.dp_size
         inputs = split_microbatches(flat, self.prog.inputs, total, self.batch_dim)[first:first + m]
         mb = next(x.shape[self.batch_dim] for x, i in zip(inputs[0], self.prog.inputs)
-                  if isinstance(x, torch.Tensor) and i.shape and i.shape[self.batch_dim] is None)
+                  if isinstance(x, torch.Tensor) and i.batched)
+        if self.prog.ensure_batch(int(mb)):  # captured at the example's batch: generalised once, rebuild on it
+            self._build()
         if training and self.loss_fn is None:
             raise PipesplitError("step() needs a loss_fn: Pipeline(prog, ..., loss_fn=lambda out, target: ...).")
         targets = None

@@ -1,0 +1,183 @@
+"""A program captured at the example's batch size, generalised to every batch size once.
+
+``compile`` exports at the example's shapes by default: a static ``torch.export`` costs
+0.4-0.7x one with a dynamic batch dimension (benchmarks/RESULTS.md, compile speed), but
+its graph takes that batch size only. The first time the program meets another (``prog(x)``
+with another batch, a ``Pipeline`` whose microbatches differ from the example) it captures
+the model once more with a dynamic batch, carries the plan over to the new graph and swaps
+in the new stage graphs. The parameters, buffers, their gradients and any optimizer over
+them stay the same tensors. ``torch.compile`` does alike: static first, dynamic at the first
+new shape. ``compile(..., dynamic_batch=True)`` captures dynamically from the start.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import difflib
+import logging
+import operator
+import time
+from typing import TYPE_CHECKING, Any, Callable, Collection
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from pipesplit.capture import Captured, capture, rebind
+from pipesplit.errors import InputError, PlanError
+from pipesplit.passes.chain import COMPUTE_OPS
+from pipesplit.passes.costs import annotate_costs
+from pipesplit.passes.recompute import recomputable
+from pipesplit.passes.split import split_graph
+
+if TYPE_CHECKING:
+    from pipesplit.program import SplitProgram
+
+log = logging.getLogger(__name__)
+
+
+def recapture_fn(
+    model: nn.Module, args: Any, kwargs: dict[str, Any] | None, batch_dim: int, unbatched: Collection[str],
+    training: bool,
+) -> Callable[[], Captured]:
+    """Captures ``model`` again with a dynamic batch, as it was compiled: in the same training
+    mode (the model's own flags are put back after) and grad mode, outside any autocast or
+    inference mode the call that needs it runs in, and without copying the model's state."""
+    grad_enabled = torch.is_grad_enabled()
+
+    def recapture() -> Captured:
+        modes = [(m, m.training) for m in model.modules()]
+        model.train(training)
+        try:
+            with contextlib.ExitStack() as scope:
+                scope.enter_context(torch.inference_mode(False))
+                scope.enter_context(torch.set_grad_enabled(grad_enabled))
+                for device_type in ("cpu", "cuda"):
+                    if torch.is_autocast_enabled(device_type):
+                        scope.enter_context(torch.autocast(device_type, enabled=False))
+                return capture(model, args, kwargs, batch_dim=batch_dim, unbatched=unbatched, copy_state=False)
+        finally:
+            for m, mode in modes:
+                m.training = mode
+
+    return recapture
+
+
+def batched_outputs(captured: Captured) -> list[bool]:
+    """Per flat output: whether it carries the batch dimension (merged by concatenation).
+
+    Dynamic capture: its size there is the batch symbol. Static capture: its size there is the
+    example's batch and it depends on a batched input (a table the size of the batch does not).
+    """
+    d, static = captured.batch_dim, captured.static_batch
+    placeholders = [n for n in captured.gm.graph.nodes if n.op == "placeholder"]
+    batched_in = {n for n, info in zip(placeholders, captured.inputs) if info.batched}
+    out_node = next(n for n in captured.gm.graph.nodes if n.op == "output")
+    result = []
+    for v in out_node.args[0]:
+        val = v.meta.get("val") if isinstance(v, fx.Node) else None
+        if not isinstance(val, torch.Tensor) or val.dim() <= d:
+            result.append(False)
+        elif static is None:
+            result.append(not isinstance(val.shape[d], int))
+        else:
+            result.append(int(val.shape[d]) == static and _depends_on(v, batched_in))
+    return result
+
+
+def _depends_on(node: fx.Node, sources: set[fx.Node]) -> bool:
+    seen, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        if n in sources:
+            return True
+        if n not in seen:
+            seen.add(n)
+            todo.extend(n.all_input_nodes)
+    return False
+
+
+def carry_stages(
+    old_gm: fx.GraphModule, old_stages: list[list[str]], new_gm: fx.GraphModule
+) -> tuple[list[list[str]], dict[str, str]]:
+    """The plan's stages on another capture of the same model, and the old name of each matched
+    node -> its new name (export numbers each graph's nodes on its own).
+
+    Nodes are matched by aligning the two graphs' operation sequences (export numbers nodes
+    per graph, and a graph with a dynamic batch has size reads, and in Hugging Face models
+    masks built another way, that the static one lacks); an operation on a parameter is
+    named by it, so every parameter's users anchor the alignment. A matched node keeps its
+    stage; a tensor only the new graph has goes as late as its users allow, never before its
+    inputs, and a size (read from an input, sent for free) right after its inputs. Raises PlanError if the matched nodes themselves leave no consistent order.
+    """
+    where = {name: s for s, names in enumerate(old_stages) for name in names}
+    old = [n for n in old_gm.graph.nodes if n.op in COMPUTE_OPS]
+    compute = [n for n in new_gm.graph.nodes if n.op in COMPUTE_OPS]
+    matcher = difflib.SequenceMatcher(None, [_signature(n, old_gm) for n in old],
+                                      [_signature(n, new_gm) for n in compute], autojunk=False)
+    stage: dict[fx.Node, int] = {}
+    renamed: dict[str, str] = {}
+    for block in matcher.get_matching_blocks():
+        for i in range(block.size):
+            before, after = old[block.a + i], compute[block.b + i]
+            renamed[before.name] = after.name
+            if before.name in where:
+                stage[after] = where[before.name]
+    for n in reversed(compute):  # unmatched tensors: as late as the users allow
+        if n not in stage and isinstance(n.meta.get("val"), torch.Tensor):
+            users = [stage[u] for u in n.users if u in stage]
+            if users:
+                stage[n] = min(users)
+    for n in compute:  # ... and never before an input
+        low = max((stage[a] for a in n.all_input_nodes if a in stage), default=0)
+        if n not in stage:
+            stage[n] = low
+        elif stage[n] < low:
+            raise PlanError(
+                f"the model's graph with a dynamic batch differs from the one captured at the example's batch: "
+                f"{n.name!r} lands in stage {stage[n]} before its input in stage {low}. Compile with "
+                "dynamic_batch=True so the plan is made on the dynamic graph."
+            )
+    return [[n.name for n in compute if stage[n] == s] for s in range(len(old_stages))], renamed
+
+
+def _signature(n: fx.Node, gm: fx.GraphModule) -> str:
+    """An operation and the parameters and buffers it reads (not the submodules export numbers)."""
+    attrs = ",".join(str(a.target) for a in n.all_input_nodes
+                     if a.op == "get_attr" and isinstance(operator.attrgetter(str(a.target))(gm), torch.Tensor))
+    return f"{n.target}({attrs})" if attrs else str(n.target)
+
+
+def generalise(prog: "SplitProgram", why: str) -> None:
+    """Capture the model again with a dynamic batch and swap the program's stage graphs for it."""
+    static = prog.static_batch
+    if prog.recapture is None:
+        raise InputError(
+            f"{why}: this program's graphs were captured at the example's batch size {static} and it holds no "
+            f"model to capture again. Use batches of {static}, or compile with dynamic_batch=True."
+        )
+    start = time.perf_counter()
+    log.info("pipesplit: %s: capturing the model again with a dynamic batch dimension (once)", why)
+    captured = prog.recapture()
+    if not captured.batch_dynamic:
+        raise InputError(
+            f"{why}: the model pins the batch dimension to {static} (e.g. a reshape with a literal batch size; "
+            f"{'; '.join(captured.notes)}). Call it with that batch, or make the model read the batch size from "
+            "its input."
+        )
+    for target, idx in captured.target_to_entry.items():  # the program's tensors, never the model's
+        rebind(captured.gm, target, prog.state_entry(idx).tensor)
+    requires = [isinstance(x, torch.Tensor) and x.requires_grad for x in captured.example_flat]
+    gm = annotate_costs(captured.gm, requires)
+    stages, renamed = carry_stages(prog.captured_gm, prog.plan.stages, gm)
+    keep = recomputable(gm, captured.mutated_targets)
+    recompute = [renamed[r] for r in prog.plan.recompute if renamed.get(r) in keep]
+    plan = dataclasses.replace(prog.plan, stages=stages, recompute=recompute, capture="dynamic")
+    split = split_graph(gm, stages, [str(s.device) for s in prog.stages], recompute=recompute)
+    prog.respecialise(captured, split, plan)
+    prog.recapture = None  # the model is no longer needed
+    seconds = time.perf_counter() - start
+    prog.notes.append(f"{why}: captured again with a dynamic batch dimension ({seconds:.2f} s, once)")
+    if getattr(prog, "timings", None) is not None:
+        prog.timings["generalise"] = seconds

@@ -1,0 +1,195 @@
+"""A program captured at the example's batch size meets other batch sizes (pipesplit.generalise).
+
+compile() exports at the example's shapes by default. These tests hold the promise that
+costs nothing visible: another batch size still works (once re-captured with a dynamic
+batch, never per step), training carries on through the switch with the same parameter
+tensors, and a model that really pins its batch gets a clear error.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import pipesplit
+from pipesplit.errors import InputError
+from tests.training import check_training, dot_loss
+from tests.zoo import CASE_BY_NAME
+
+
+def _count_exports(monkeypatch) -> list[dict]:
+    calls: list[dict] = []
+    real = torch.export.export
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch.export, "export", counted)
+    return calls
+
+
+def test_default_capture_is_static_and_keeps_the_model_until_needed():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+    prog = pipesplit.compile(model, torch.randn(3, 8), num_stages=2, progress=False)
+    assert prog.static_batch == 3 and prog.recapture is not None
+    assert all(None not in b.shape for b in prog.boundaries if b.kind == "tensor")
+    x = torch.randn(5, 8)
+    torch.testing.assert_close(prog(x), model(x))
+    assert prog.static_batch is None and prog.recapture is None, "generalised once, the model reference dropped"
+    assert any("captured again with a dynamic batch" in n for n in prog.notes)
+    assert [b.shape for b in prog.boundaries if b.kind == "tensor"] == [(None, 8)]
+
+
+def test_dynamic_batch_captures_dynamic_from_the_start(monkeypatch):
+    calls = _count_exports(monkeypatch)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+    prog = pipesplit.compile(model, torch.randn(3, 8), num_stages=2, dynamic_batch=True, progress=False)
+    assert prog.static_batch is None and prog.recapture is None
+    prog(torch.randn(5, 8))
+    assert len(calls) == 1 and calls[0]["dynamic_shapes"] is not None
+
+
+@pytest.mark.parametrize("name", ["hf_gpt2", "hf_llama", "conv_bn", "dict_tuple_out"])
+def test_training_continues_through_the_switch_to_a_dynamic_batch(name, monkeypatch):
+    """A step at microbatches of the example's size (static graphs), then one at another
+    microbatch size: the program is captured again, mid-training, and both steps equal gradient
+    accumulation on the original model, with the optimizer built at the start. Later steps, at
+    any microbatch size, never capture again."""
+    case = CASE_BY_NAME[name]
+    torch.manual_seed(0)
+    model = case.build()
+    args, kwargs = case.inputs(2)
+    prog = pipesplit.compile(model, args, example_kwargs=kwargs, num_stages=2, progress=False)
+    params = {n: p for n, p in prog.named_parameters()}
+    pipe = pipesplit.Pipeline(prog, "1f1b", n_microbatches=4, loss_fn=dot_loss, loss_reduction="sum")
+    calls = _count_exports(monkeypatch)
+    check_training(model, pipe, [case.inputs(8), case.inputs(12)], m=4, steps=2)
+    for b in (12, 16, 8):
+        args, kwargs = case.inputs(b)
+        pipe.forward(*args, **kwargs)
+    assert len(calls) == 1, f"captured {len(calls)} times over 5 steps; once, at the first new microbatch size"
+    assert prog.static_batch is None
+    assert all(p is params[n] for n, p in prog.named_parameters()), "the same parameter tensors throughout"
+
+
+def test_every_stage_keeps_its_parameters_when_generalised():
+    torch.manual_seed(0)
+    case = CASE_BY_NAME["hf_llama"]
+    model = case.build()
+    args, kwargs = case.inputs(2)
+    prog = pipesplit.compile(model, args, example_kwargs=kwargs, num_stages=4, progress=False)
+    before = [sorted(prog.state_entry(i).name for i in entries) for entries in prog.stage_entries]
+    nodes = [len(s.nodes) for s in prog.stages]
+    run_args, run_kwargs = case.inputs(3)
+    out = prog(*run_args, **run_kwargs)
+    torch.testing.assert_close(out, model(*run_args, **run_kwargs, use_cache=False))
+    assert [sorted(prog.state_entry(i).name for i in entries) for entries in prog.stage_entries] == before
+    assert all(abs(len(s.nodes) - n) <= max(8, n // 10) for s, n in zip(prog.stages, nodes)), \
+        f"the stages moved: {nodes} nodes before, {[len(s.nodes) for s in prog.stages]} after"
+
+
+def test_the_users_model_keeps_its_mode():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.Linear(8, 4))
+    prog = pipesplit.compile(model, torch.randn(3, 8), num_stages=2, progress=False)
+    model.eval()  # the user evaluates their own model meanwhile
+    prog.eval()
+    x = torch.randn(5, 8)
+    torch.testing.assert_close(prog(x), model(x))
+    assert not model.training and not any(m.training for m in model.modules())
+    assert prog.captured_training, "captured again in the mode it was compiled in"
+    prog.train()  # the training graph (dropout on) still exists
+    assert prog.training
+
+
+class PinnedBatch(nn.Module):
+    """Reshapes with a literal batch size: the graph holds for that batch only."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.b(self.a(x).reshape(4, 8))
+
+
+def test_a_model_that_pins_its_batch_gets_a_clear_error():
+    model = PinnedBatch()
+    prog = pipesplit.compile(model, torch.randn(4, 8), num_stages=2, progress=False)
+    x = torch.randn(4, 8)
+    torch.testing.assert_close(prog(x), model(x))
+    with pytest.raises(InputError, match="pins the batch dimension to 4"):
+        prog(torch.randn(6, 8))
+
+
+def test_an_unbatched_output_the_size_of_the_batch_is_not_concatenated():
+    class WithTable(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+            self.table = nn.Parameter(torch.randn(2, 3))  # its first size equals the microbatch's
+
+        def forward(self, x):
+            return self.lin(x), self.table * 2
+
+    torch.manual_seed(0)
+    model = WithTable()
+    prog = pipesplit.compile(model, torch.randn(2, 8), num_stages=2, progress=False)
+    assert prog.static_batch == 2 and prog.output_batched == [True, False]
+    pipe = pipesplit.Pipeline(prog, "gpipe", n_microbatches=2)
+    x = torch.randn(4, 8)
+    out, table = pipe.forward(x)
+    torch.testing.assert_close(out, model(x)[0])
+    torch.testing.assert_close(table, model.table.detach() * 2)
+
+
+def test_captured_again_as_compiled_whatever_mode_the_call_runs_in():
+    """The first new batch may arrive under no_grad or autocast: the graph captured again is still
+    the one compiled (training, full precision), so a later training step stays exact."""
+    case = CASE_BY_NAME["hf_gpt2"]
+    torch.manual_seed(0)
+    model = case.build()
+    args, kwargs = case.inputs(2)
+    prog = pipesplit.compile(model, args, example_kwargs=kwargs, num_stages=2, progress=False)
+    run_args, run_kwargs = case.inputs(3)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        low = prog(*run_args, **run_kwargs)
+    assert low.logits.dtype == torch.bfloat16  # autocast applies to the call, not to the capture
+    assert not any(n.target is torch.ops.higher_order.wrap_with_autocast for n in prog.captured_gm.graph.nodes)
+    out = prog(*run_args, **run_kwargs)
+    ref = model(*run_args, **run_kwargs, use_cache=False)
+    torch.testing.assert_close(out.logits, ref.logits)
+    out.logits.square().sum().backward()
+    ref.logits.square().sum().backward()
+    grads = dict(model.named_parameters())
+    for name, p in prog.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name].grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_a_plan_saved_before_or_after_the_switch_loads_into_a_new_compile(tmp_path):
+    import json
+
+    case = CASE_BY_NAME["hf_llama"]
+    torch.manual_seed(0)
+    model = case.build()
+    args, kwargs = case.inputs(2)
+    prog = pipesplit.compile(model, args, example_kwargs=kwargs, num_stages=3, progress=False)
+    prog.plan.save(tmp_path / "static.json")
+    prog(*case.inputs(3)[0])  # generalised: the plan now names the dynamic graph's nodes
+    assert prog.plan.capture == "dynamic"
+    prog.plan.save(tmp_path / "dynamic.json")
+    legacy = json.loads((tmp_path / "dynamic.json").read_text())
+    del legacy["capture"]  # saved before plans said which capture they name
+    (tmp_path / "legacy.json").write_text(json.dumps(legacy))
+    key = lambda b: (b.src, b.dst, b.kind, b.shape)  # noqa: E731
+    for name, static in [("static", True), ("dynamic", False), ("legacy", False)]:
+        again = pipesplit.compile(model, args, example_kwargs=kwargs, plan=tmp_path / f"{name}.json", progress=False)
+        assert (again.static_batch is not None) == static, name
+        if not static:
+            assert sorted(map(key, again.boundaries)) == sorted(map(key, prog.boundaries)), name
+        run_args, run_kwargs = case.inputs(3)
+        out = again(*run_args, **run_kwargs)
+        torch.testing.assert_close(out.logits, model(*run_args, **run_kwargs, use_cache=False).logits)
