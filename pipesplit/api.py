@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import numbers
 import os
 import time
 from contextlib import contextmanager
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -16,6 +17,7 @@ from tqdm.auto import tqdm
 from pipesplit.agree import agree_on_plan
 from pipesplit.capture import capture
 from pipesplit.errors import PlanError
+from pipesplit.export import paused_gc
 from pipesplit.generalise import recapture_fn
 from pipesplit.passes.costs import annotate_costs
 from pipesplit.passes.calibrate import calibrate
@@ -96,6 +98,16 @@ def _check_devices_exist(devices: Any, num_stages: int | None) -> None:
             )
 
 
+def _gc_paused(fn: Callable[..., SplitProgram]) -> Callable[..., SplitProgram]:
+    @functools.wraps(fn)
+    def paused(*args: Any, **kwargs: Any) -> SplitProgram:
+        with paused_gc():
+            return fn(*args, **kwargs)
+
+    return paused
+
+
+@_gc_paused
 def compile(
     model: nn.Module,
     example_input: Any = (),

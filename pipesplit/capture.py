@@ -16,7 +16,7 @@ from torch.export import Dim
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from pipesplit.errors import CaptureError
-from pipesplit.export import export_quietly
+from pipesplit.export import export_quietly, unlift
 
 log = logging.getLogger(__name__)
 
@@ -280,10 +280,7 @@ def capture(
             f"{sorted(set(owners))}."
         )
     ep, export_seconds = export_quietly(model, args, kwargs, dyn if dynamic else None)
-    gm = ep.module(check_guards=False)
-    info = gm.graph._codegen.pytree_info
-    gm.graph._codegen = fx.graph.CodeGen()  # flat in, flat out; specs are kept here
-    gm.recompile()
+    gm, in_spec, out_spec = unlift(ep)  # flat in, flat out; the specs are kept here
 
     entries, by_id = _state_entries(model)
     target_to_entry: dict[str, int] = {}
@@ -310,8 +307,8 @@ def capture(
     infos = _input_infos(gm, flat, ep, [o in unbatched for o in owners], batch_dim, dynamic)
     captured = Captured(
         gm=gm,
-        in_spec=info.in_spec,
-        out_spec=info.out_spec,
+        in_spec=in_spec,
+        out_spec=out_spec,
         inputs=infos,
         example_flat=flat,
         state=entries,

@@ -26,6 +26,7 @@ from torch import nn
 
 from pipesplit.capture import Captured, capture, rebind
 from pipesplit.errors import InputError, PlanError
+from pipesplit.export import paused_gc
 from pipesplit.passes.chain import COMPUTE_OPS
 from pipesplit.passes.costs import annotate_costs
 from pipesplit.passes.recompute import recomputable
@@ -159,6 +160,17 @@ def generalise(prog: "SplitProgram", why: str) -> None:
         )
     start = time.perf_counter()
     log.info("pipesplit: %s: capturing the model again with a dynamic batch dimension (once)", why)
+    with paused_gc():
+        _swap_in_dynamic_capture(prog, why)
+    seconds = time.perf_counter() - start
+    prog.notes.append(f"{why}: captured again with a dynamic batch dimension ({seconds:.2f} s, once)")
+    if getattr(prog, "timings", None) is not None:
+        prog.timings["generalise"] = seconds
+
+
+def _swap_in_dynamic_capture(prog: "SplitProgram", why: str) -> None:
+    static = prog.static_batch
+    assert prog.recapture is not None
     captured = prog.recapture()
     if not captured.batch_dynamic:
         raise InputError(
@@ -177,7 +189,3 @@ def generalise(prog: "SplitProgram", why: str) -> None:
     split = split_graph(gm, stages, [str(s.device) for s in prog.stages], recompute=recompute)
     prog.respecialise(captured, split, plan)
     prog.recapture = None  # the model is no longer needed
-    seconds = time.perf_counter() - start
-    prog.notes.append(f"{why}: captured again with a dynamic batch dimension ({seconds:.2f} s, once)")
-    if getattr(prog, "timings", None) is not None:
-        prog.timings["generalise"] = seconds

@@ -193,3 +193,21 @@ def test_a_plan_saved_before_or_after_the_switch_loads_into_a_new_compile(tmp_pa
         run_args, run_kwargs = case.inputs(3)
         out = again(*run_args, **run_kwargs)
         torch.testing.assert_close(out.logits, model(*run_args, **run_kwargs, use_cache=False).logits)
+
+
+def test_compile_leaves_the_garbage_collector_as_it_found_it():
+    import gc
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+    assert gc.isenabled()
+    pipesplit.compile(model, torch.randn(3, 8), num_stages=2, progress=False)
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        pipesplit.compile(model, torch.randn(3, 8), num_stages=2, progress=False)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+    with pytest.raises(pipesplit.PlanError):
+        pipesplit.compile(model, torch.randn(3, 8), num_stages=0)
+    assert gc.isenabled(), "a failed compile turns the collector back on too"
