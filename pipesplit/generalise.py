@@ -153,6 +153,8 @@ def _signature(n: fx.Node, gm: fx.GraphModule) -> str:
 def generalise(prog: "SplitProgram", why: str) -> None:
     """Capture the model again with a dynamic batch and swap the program's stage graphs for it."""
     static = prog.static_batch
+    if prog.batch_pinned is not None:  # found by an earlier attempt: not worth another export
+        raise InputError(f"{why}: {prog.batch_pinned}")
     if prog.recapture is None:
         raise InputError(
             f"{why}: this program's graphs were captured at the example's batch size {static} and it holds no "
@@ -164,8 +166,7 @@ def generalise(prog: "SplitProgram", why: str) -> None:
         _swap_in_dynamic_capture(prog, why)
     seconds = time.perf_counter() - start
     prog.notes.append(f"{why}: captured again with a dynamic batch dimension ({seconds:.2f} s, once)")
-    if getattr(prog, "timings", None) is not None:
-        prog.timings["generalise"] = seconds
+    prog.timings["generalise"] = seconds
 
 
 def _swap_in_dynamic_capture(prog: "SplitProgram", why: str) -> None:
@@ -173,11 +174,13 @@ def _swap_in_dynamic_capture(prog: "SplitProgram", why: str) -> None:
     assert prog.recapture is not None
     captured = prog.recapture()
     if not captured.batch_dynamic:
-        raise InputError(
-            f"{why}: the model pins the batch dimension to {static} (e.g. a reshape with a literal batch size; "
+        prog.batch_pinned = (
+            f"the model pins the batch dimension to {static} (e.g. a reshape with a literal batch size; "
             f"{'; '.join(captured.notes)}). Call it with that batch, or make the model read the batch size from "
             "its input."
         )
+        prog.recapture = None
+        raise InputError(f"{why}: {prog.batch_pinned}")
     for target, idx in captured.target_to_entry.items():  # the program's tensors, never the model's
         rebind(captured.gm, target, prog.state_entry(idx).tensor)
     requires = [isinstance(x, torch.Tensor) and x.requires_grad for x in captured.example_flat]

@@ -70,6 +70,8 @@ class SplitProgram:
         self.batch_dim = captured.batch_dim  # the dimension microbatches are cut along
         # captures the model again with a dynamic batch (set by compile() for a static capture)
         self.recapture: Callable[[], Captured] | None = None
+        self.batch_pinned: str | None = None  # why the batch cannot change, once a re-capture found out
+        self.timings: dict[str, float] = {}  # seconds per compile phase (set by compile)
         self._state = captured.state
         self._state_keys = captured.state_keys
         self.target_to_entry = dict(captured.target_to_entry)

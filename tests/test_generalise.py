@@ -116,13 +116,18 @@ class PinnedBatch(nn.Module):
         return self.b(self.a(x).reshape(4, 8))
 
 
-def test_a_model_that_pins_its_batch_gets_a_clear_error():
+def test_a_model_that_pins_its_batch_gets_a_clear_error(monkeypatch):
     model = PinnedBatch()
     prog = pipesplit.compile(model, torch.randn(4, 8), num_stages=2, progress=False)
     x = torch.randn(4, 8)
     torch.testing.assert_close(prog(x), model(x))
     with pytest.raises(InputError, match="pins the batch dimension to 4"):
         prog(torch.randn(6, 8))
+    calls = _count_exports(monkeypatch)
+    with pytest.raises(InputError, match="pins the batch dimension to 4"):
+        prog(torch.randn(5, 8))
+    assert calls == [], "found out once; no export on every later call"
+    torch.testing.assert_close(prog(x), model(x))  # the example's batch still works
 
 
 def test_an_unbatched_output_the_size_of_the_batch_is_not_concatenated():
