@@ -7,8 +7,9 @@ operation as the time it really takes, to first order::
     seconds = per-op overhead + FLOPs / FLOP rate + bytes moved / bandwidth
 
 with the three rates measured here, once per device, thread count and process, by three
-micro-benchmarks (tiny linear / layer-norm / GELU / add blocks through autograd, a matrix
-multiply, a large add) that take
+micro-benchmarks (tiny linear / layer-norm / GELU / add blocks through autograd, matrix
+multiplies of four sizes, since a small one runs at a fraction of a large one's rate, and
+a large add) that take
 well under a second together. The backward of an op costs its own overhead (autograd's per
 node), its input-gradient or weight-gradient FLOPs at the same rate, and the bytes it moves.
 """
@@ -16,6 +17,7 @@ node), its input-gradient or weight-gradient FLOPs at the same rate, and the byt
 from __future__ import annotations
 
 import functools
+import math
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -33,25 +35,56 @@ class DeviceRates:
     device: str
     forward_op_s: float
     backward_op_s: float
-    flops_per_s: float
+    flops_per_s: float  # on the largest matrix multiply measured
     bytes_per_s: float
+    # (FLOPs of one op, FLOP/s at that size), ascending: small matrix multiplies run far below the peak
+    flop_curve: tuple[tuple[float, float], ...] = ()
+    # seconds per element (forward, backward) of the ops a FLOP count misses: transcendental
+    # activations and softmax (GELU measured), and normalisations (layer norm measured)
+    activation_s: tuple[float, float] = (0.0, 0.0)
+    norm_s: tuple[float, float] = (0.0, 0.0)
 
-    def forward(self, c: NodeCost, moved: float) -> float:
-        return self.forward_op_s + c.fwd_flops / self.flops_per_s + moved / self.bytes_per_s
+    def flop_seconds(self, flops: float) -> float:
+        """Seconds for one op of ``flops`` FLOPs, at the rate measured for ops of that size
+        (interpolated in log FLOPs between the sizes measured; the ends held flat)."""
+        if flops <= 0:
+            return 0.0
+        return flops / self.rate_at(flops)
 
-    def input_grad(self, c: NodeCost, moved: float) -> float:
+    def rate_at(self, flops: float) -> float:
+        curve = self.flop_curve
+        if not curve:
+            return self.flops_per_s
+        if flops <= curve[0][0]:
+            return curve[0][1]
+        for (f0, r0), (f1, r1) in zip(curve, curve[1:]):
+            if flops <= f1:
+                t = (math.log(flops) - math.log(f0)) / (math.log(f1) - math.log(f0))
+                return math.exp(math.log(r0) + t * (math.log(r1) - math.log(r0)))
+        return curve[-1][1]
+
+    def forward(self, c: NodeCost, moved: float, elements: tuple[float, float] = (0.0, 0.0)) -> float:
+        """``elements``: the op's activation and normalisation elements (see :func:`heavy_elements`)."""
+        per = elements[0] * self.activation_s[0] + elements[1] * self.norm_s[0]
+        return self.forward_op_s + self.flop_seconds(c.fwd_flops) + max(moved / self.bytes_per_s, per)
+
+    def input_grad(self, c: NodeCost, moved: float, elements: tuple[float, float] = (0.0, 0.0)) -> float:
         if not c.requires_grad:
             return 0.0
-        return self.backward_op_s + c.igrad_flops / self.flops_per_s + moved / self.bytes_per_s
+        per = elements[0] * self.activation_s[1] + elements[1] * self.norm_s[1]
+        return self.backward_op_s + self.flop_seconds(c.igrad_flops) + max(moved / self.bytes_per_s, per)
 
     def weight_grad(self, c: NodeCost, weight_bytes: float) -> float:
         if not c.wgrad_flops:
             return 0.0
-        return c.wgrad_flops / self.flops_per_s + 2 * weight_bytes / self.bytes_per_s
+        return self.flop_seconds(c.wgrad_flops) + 2 * weight_bytes / self.bytes_per_s
 
     def describe(self) -> str:
         return (f"{self.device}: {self.forward_op_s * 1e6:.1f} µs per op forward, {self.backward_op_s * 1e6:.1f} µs "
-                f"backward, {self.flops_per_s / 1e9:.1f} GFLOP/s, {self.bytes_per_s / 1e9:.1f} GB/s")
+                f"backward, {self.flops_per_s / 1e9:.1f} GFLOP/s"
+                + (f" ({self.flop_curve[0][1] / 1e9:.1f} on a {self.flop_curve[0][0] / 1e6:.2g} MFLOP multiply)"
+                   if len(self.flop_curve) > 1 else "")
+                + f", {self.bytes_per_s / 1e9:.1f} GB/s")
 
 
 def moved_bytes(node: fx.Node) -> int:
@@ -63,13 +96,43 @@ def moved_bytes(node: fx.Node) -> int:
     return total
 
 
+_ACTIVATIONS = {"gelu", "silu", "tanh", "sigmoid", "exp", "erf", "softmax", "_softmax", "log_softmax",
+                "_log_softmax", "elu", "mish", "softplus", "logsigmoid"}
+_NORMS = {"layer_norm", "native_layer_norm", "rms_norm", "group_norm", "native_group_norm", "batch_norm",
+          "native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_no_training", "instance_norm"}
+_ATTENTION = {"scaled_dot_product_attention", "_scaled_dot_product_flash_attention_for_cpu",
+              "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention"}
+
+
+def heavy_elements(node: fx.Node) -> tuple[float, float]:
+    """Elements an op runs through a transcendental function (activations, attention's softmax)
+    and through a normalisation: work a FLOP count prices near zero."""
+    name = getattr(node.target, "__name__", str(node.target)).split(".")[0]
+    out = node.meta.get("val")
+    numel = float(out.numel()) if isinstance(out, torch.Tensor) and not _symbolic(out) else 0.0
+    if name in _ACTIVATIONS:
+        return numel, 0.0
+    if name in _NORMS:
+        return 0.0, numel
+    if name in _ATTENTION and len(node.args) >= 2:  # the softmax over the (..., T, S) scores
+        q, k = (a.meta.get("val") if isinstance(a, fx.Node) else None for a in node.args[:2])
+        if isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and not (_symbolic(q) or _symbolic(k)):
+            return float(q.numel() // q.shape[-1] * k.shape[-2]), 0.0
+    return 0.0, 0.0
+
+
+def _symbolic(t: torch.Tensor) -> bool:
+    return not all(isinstance(d, int) for d in t.shape)
+
+
 def priced(node: fx.Node, rates: DeviceRates) -> tuple[float, float, float]:
     """Seconds of ``node``'s forward, input gradient and weight gradient at ``rates``."""
     c = node_cost(node)
     moved = moved_bytes(node)
     weights = sum(node_cost(a).param_bytes for a in node.all_input_nodes
                   if a.op == "get_attr" and node_cost(a).trainable)
-    return rates.forward(c, moved), rates.input_grad(c, moved), rates.weight_grad(c, weights)
+    elements = heavy_elements(node)
+    return rates.forward(c, moved, elements), rates.input_grad(c, moved, elements), rates.weight_grad(c, weights)
 
 
 def _quartile(fn: Callable[[], object], repeats: int, sync: Callable[[], None]) -> float:
@@ -84,6 +147,10 @@ def _quartile(fn: Callable[[], object], repeats: int, sync: Callable[[], None]) 
         sync()
         times.append(time.perf_counter() - start)
     return sorted(times)[len(times) // 4]
+
+
+# (m, k, n) of the matrix multiplies timed: from a small transformer's to past the caches' sweet spot
+MATMUL_SIZES = ((64, 64, 64), (128, 128, 256), (256, 256, 256), (256, 512, 512))
 
 
 @functools.lru_cache(maxsize=None)
@@ -107,9 +174,12 @@ def _measure(device: str, threads: int) -> DeviceRates:
 
     forward_op = _quartile(forward, 9, sync) / ops
     backward_op = max(_quartile(lambda: forward().backward(), 9, sync) / ops - forward_op, forward_op)
-    a, b = torch.randn(256, 512, device=dev), torch.randn(512, 512, device=dev)
-    flops = 2 * 256 * 512 * 512
-    matmul = _quartile(lambda: torch.mm(a, b), 5, sync)
+    curve = []
+    for m, k, n in MATMUL_SIZES:  # the rate grows with the size of the multiply
+        a, b = torch.randn(m, k, device=dev), torch.randn(k, n, device=dev)
+        seconds = _quartile(lambda: torch.mm(a, b), 5, sync)
+        curve.append((2.0 * m * k * n, 2.0 * m * k * n / max(seconds - forward_op, seconds / 2)))
+    activation, norm = _per_element(dev, sync, forward_op, backward_op)
     u, v = torch.randn(1 << 22, device=dev), torch.empty(1 << 22, device=dev)  # 48 MB: past the caches
     moved = 3 * u.numel() * u.element_size()
     add = _quartile(lambda: torch.add(u, u, out=v), 5, sync)  # into the same buffer: no page faults timed
@@ -117,9 +187,70 @@ def _measure(device: str, threads: int) -> DeviceRates:
         device=str(dev),
         forward_op_s=forward_op,
         backward_op_s=backward_op,
-        flops_per_s=flops / max(matmul - forward_op, matmul / 2),
+        flops_per_s=curve[-1][1],
         bytes_per_s=moved / max(add - forward_op, add / 2),
+        flop_curve=tuple(curve),
+        activation_s=activation,
+        norm_s=norm,
     )
+
+
+def _per_element(
+    dev: torch.device, sync: Callable[[], None], forward_op: float, backward_op: float
+) -> tuple[tuple[float, float], tuple[float, float]]:
+    """Seconds per element, forward and backward, of GELU and of an affine layer norm on a 256 x 128
+    input (a small transformer's activations)."""
+    x = torch.randn(256, 128, device=dev, requires_grad=True)
+    grad = torch.ones(256, 128, device=dev)
+    gamma, beta = torch.ones(128, device=dev, requires_grad=True), torch.zeros(128, device=dev, requires_grad=True)
+    out = []
+    for op in (torch.nn.functional.gelu, lambda t: torch.nn.functional.layer_norm(t, (128,), gamma, beta)):
+        fwd = _quartile(lambda: op(x), 5, sync)
+        y = op(x)
+        both = _quartile(lambda: torch.autograd.grad(op(x), x, grad), 5, sync)
+        out.append((max(fwd - forward_op, 0.0) / x.numel(), max(both - fwd - backward_op, 0.0) / x.numel()))
+        del y
+    return out[0], out[1]
+
+
+@functools.lru_cache(maxsize=None)
+def concurrent_slowdown(threads: int) -> float:
+    """How much longer CPU work takes when ``threads`` Python threads of this process run it at
+    once (as the local executor's ranks do) than when one runs it alone: >= 1, measured once.
+
+    The work is matrix multiplies, which release the interpreter lock: what shows up is cores
+    shared with other ranks (or other processes) and the memory bus; a core per thread and
+    nothing else running gives about 1. (Tiny ops serialise on the interpreter lock as well;
+    that part is not modelled.)
+    """
+    if threads <= 1:
+        return 1.0
+    import threading
+
+    a, b = torch.randn(256, 256), torch.randn(256, 512)
+
+    def work() -> None:
+        for _ in range(100):
+            torch.mm(a, b)
+
+    work()
+    alone = min(_timed(work) for _ in range(3))
+    together = []
+    for _ in range(3):
+        pool = [threading.Thread(target=work) for _ in range(threads)]
+        start = time.perf_counter()
+        for t in pool:
+            t.start()
+        for t in pool:
+            t.join()
+        together.append(time.perf_counter() - start)
+    return max(1.0, min(together) / alone)
+
+
+def _timed(fn: Callable[[], None]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
 
 
 def device_rates(device: str | torch.device = "cpu") -> DeviceRates:

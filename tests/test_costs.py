@@ -678,3 +678,65 @@ def test_small_ops_are_no_longer_priced_near_zero():
         assert cost.forward >= ops * rates.forward_op_s
         flops_only = sum(node_cost(n).fwd_flops for n in compute_nodes(stage.module)) / 5e10
         assert cost.forward > 10 * flops_only
+
+
+def test_activations_norms_and_attention_are_priced_per_element():
+    """GELU, layer norm and attention's softmax do work a FLOP count misses: priced per element."""
+    from pipesplit.passes.rates import DeviceRates, heavy_elements, priced
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.ln = nn.Linear(16, 16), nn.LayerNorm(16)
+
+        def forward(self, x):
+            q = self.ln(torch.nn.functional.gelu(self.lin(x))).view(4, 2, 8, 8)
+            return torch.nn.functional.scaled_dot_product_attention(q, q, q)
+
+    cap = capture(Block(), torch.randn(4, 8, 16), dynamic=False)
+    gm = annotate_costs(cap.gm)
+    by = {str(n.target).split(".")[1] if "." in str(n.target) else str(n.target): n
+          for n in gm.graph.nodes if n.op == "call_function"}
+    assert heavy_elements(by["gelu"]) == (4 * 8 * 16, 0.0)
+    assert heavy_elements(by["layer_norm"]) == (0.0, 4 * 8 * 16)
+    assert heavy_elements(by["scaled_dot_product_attention"]) == (4 * 2 * 8 * 8, 0.0)  # the (T x S) scores
+    assert heavy_elements(by["linear"]) == (0.0, 0.0)
+    plain = DeviceRates("cpu", forward_op_s=1e-6, backward_op_s=1e-6, flops_per_s=1e12, bytes_per_s=1e12)
+    slow = DeviceRates("cpu", forward_op_s=1e-6, backward_op_s=1e-6, flops_per_s=1e12, bytes_per_s=1e12,
+                       activation_s=(1e-6, 2e-6), norm_s=(3e-6, 4e-6))
+    assert priced(by["gelu"], slow)[0] == pytest.approx(1e-6 + 512 * 1e-6)
+    assert priced(by["gelu"], slow)[1] == pytest.approx(1e-6 + 512 * 2e-6)
+    assert priced(by["layer_norm"], slow)[0] == pytest.approx(1e-6 + 512 * 3e-6, rel=1e-3)
+    assert priced(by["linear"], slow) == priced(by["linear"], plain)
+
+
+def test_the_flop_rate_follows_the_size_of_the_op():
+    from pipesplit.passes.rates import DeviceRates
+
+    r = DeviceRates("cpu", 1e-6, 1e-6, flops_per_s=4e10, bytes_per_s=1e10,
+                    flop_curve=((1e6, 1e10), (1e8, 4e10)))
+    assert r.rate_at(1e5) == 1e10 and r.rate_at(1e9) == 4e10  # held flat past the ends
+    assert r.rate_at(1e7) == pytest.approx(2e10)  # halfway in log FLOPs: the geometric mean
+    assert r.flop_seconds(1e6) == pytest.approx(1e-4) and r.flop_seconds(0) == 0.0
+    assert DeviceRates("cpu", 1e-6, 1e-6, 4e10, 1e10).rate_at(1e3) == 4e10  # no curve: the one rate
+
+
+def test_ranks_sharing_the_cpu_are_predicted_slower_by_the_measured_factor(monkeypatch):
+    import importlib
+
+    from pipesplit.passes import rates
+
+    predict_mod = importlib.import_module("pipesplit.bench.predict")
+    from pipesplit.schedules import get_schedule
+
+    assert rates.concurrent_slowdown(1) == 1.0
+    assert rates.concurrent_slowdown(2) >= 1.0
+    model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(4)])
+    prog = pipesplit.compile(model, torch.randn(8, 16), num_stages=2, progress=False)
+    sched = get_schedule("1f1b", n_stages=2, n_ranks=2, n_microbatches=4)
+    monkeypatch.setattr(predict_mod, "concurrent_slowdown", lambda k: 1.5 if k == 2 else 1.0)
+    alone = predict_mod.predict(prog, sched, "flops", 8, local=False)
+    shared = predict_mod.predict(prog, sched, "flops", 8)
+    for a, s in zip(alone.costs, shared.costs):
+        assert s.forward == pytest.approx(1.5 * a.forward) and s.backward == pytest.approx(1.5 * a.backward)
+    assert shared.timeline.step_time == pytest.approx(1.5 * alone.timeline.step_time)

@@ -15,7 +15,7 @@ from pipesplit.passes.objective import (
     DEFAULT_FLOPS_PER_S, CommModel, MemoryModel, activation_units_per_stage, in_flight_per_stage,
 )
 from pipesplit.passes.planner import cost_function
-from pipesplit.passes.rates import device_rates
+from pipesplit.passes.rates import concurrent_slowdown, device_rates
 from pipesplit.passes.step_planner import node_seconds
 from pipesplit.program import SplitProgram
 from pipesplit.schedules import Schedule, StageCost, Timeline, simulate
@@ -124,15 +124,30 @@ def memory_estimate(prog: SplitProgram, schedule: Schedule, scale: float, memory
     return out
 
 
+def shared_host(prog: SplitProgram, schedule: Schedule, costs: list[StageCost]) -> list[StageCost]:
+    """Stage times as ranks that share this host's CPU run them: each CPU stage's slowed by
+    :func:`~pipesplit.passes.rates.concurrent_slowdown` of the ranks holding CPU stages."""
+    cpu_ranks = {schedule.stage_to_rank[s.index] for s in prog.stages if s.device.type == "cpu"}
+    factor = concurrent_slowdown(len(cpu_ranks))
+    if factor == 1.0:
+        return costs
+    return [StageCost(c.forward * factor, c.backward_input * factor, c.backward_weight * factor)
+            if s.device.type == "cpu" else c for c, s in zip(costs, prog.stages)]
+
+
 def predict(
     prog: SplitProgram, schedule: Schedule, cost: Any, batch: int, *, comm: CommModel | None = None,
-    memory: MemoryModel | None = None,
+    memory: MemoryModel | None = None, local: bool = True,
 ) -> Prediction:
-    """The cost model's prediction for running ``prog`` under ``schedule`` on batches of ``batch``."""
+    """The cost model's prediction for running ``prog`` under ``schedule`` on batches of ``batch``.
+
+    ``local``: the ranks are threads of this process (the local executor), so CPU stages of
+    different ranks share this host's cores (:func:`shared_host`)."""
     m = schedule.n_microbatches
     example = prog.example_batch or batch
     scale = (batch / m) / example
     costs = stage_seconds(prog, cost, scale)
+    costs = shared_host(prog, schedule, costs) if local else costs
     comm_s = cut_seconds(prog, batch, m, comm or CommModel())
     timeline = simulate(schedule, costs, comm_cost=comm_s if comm_s else 0.0)
     mem = memory_estimate(prog, schedule, scale, memory or MemoryModel(optimizer_factor=0.0))
