@@ -140,6 +140,7 @@ class BenchmarkResult:
         """What makes these figures unfit to rank configurations: a busy machine, rows whose
         repeats spread more than 10% around their median, fastest rows that overlap."""
         from pipesplit.bench.load import load_warning
+        from pipesplit.passes.rates import concurrent_slowdown
 
         out = []
         if "load" in self.meta:
@@ -154,9 +155,10 @@ class BenchmarkResult:
             over = r.n_ranks * threads > cores > 0
             out.append(f"up to {r.n_ranks} ranks run as threads of one process on the CPU"
                        + (f", {r.n_ranks} x {threads} torch thread(s) on {cores} core(s)" if over else "")
-                       + ": the prediction gives every rank a device of its own, but these ranks contend for the "
-                       "cores and for Python's GIL between ops, so measured / predicted grows with the ranks; read "
-                       "those rows for balance and bubbles, not for the step time a device per stage would give.")
+                       + ": they contend for the cores and for Python's GIL between ops. The prediction slows "
+                       "their stages by what that many threads running matrix multiplies at once measured here "
+                       f"(x{concurrent_slowdown(r.n_ranks):.2f} for {r.n_ranks}), not for the GIL, so read those "
+                       "rows for balance and bubbles, not for the step time a device per stage would give.")
         wide = [r for r in self.rows if r.measured_step_spread_s > 0.1 * r.measured_step_s]
         if wide:
             out.append(f"{len(wide)} of {len(self.rows)} rows spread more than ±10% over their repeats ("
