@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.fx as fx
@@ -19,7 +19,8 @@ from pipesplit.passes.modes import eval_graph
 from pipesplit.passes.split import Boundary, SplitGraph, StagePiece
 from pipesplit.plan import Plan
 from pipesplit.rng import seeded
-from pipesplit.state import Placement, Tied, attach, zero_grads
+from pipesplit.program_state import ProgramState
+from pipesplit.state import Placement, Tied, attach
 
 
 @dataclass
@@ -52,7 +53,7 @@ class Stage:
         return self.module(*args)
 
 
-class SplitProgram:
+class SplitProgram(ProgramState):
     """Stage modules with explicit send/recv boundaries, exact against the original model.
 
     Calling it runs the stages in order on their devices (the reference semantics
@@ -233,43 +234,6 @@ class SplitProgram:
         self.rebuild_holders(stages)
         self.root = None  # type: ignore[assignment]
 
-    def rebuild_holders(self, stages: set[int]) -> None:
-        """Owners and ties from what ``stages`` hold now (after dropping stages or materializing)."""
-        kept: dict[int, list[torch.Tensor]] = {}
-        for s in sorted(stages):
-            for idx, t in self.stage_entries[s].items():
-                if all(t is not u for u in kept.setdefault(idx, [])):
-                    kept[idx].append(t)
-        self._owner = [kept[idx][0] if idx in kept else None for idx in range(len(self._owner))]
-        for tied in self._tied:
-            tied.unhook()
-        self._tie([(idx, held[0], held[1:]) for idx, held in kept.items() if len(held) > 1])
-
-    def _tie(self, ties: list[tuple[int, torch.Tensor, list[torch.Tensor]]]) -> None:
-        """Keep each tensor held by several stages one tensor: replica gradients go to its owner."""
-        self._tied = []
-        for _idx, owner, replicas in ties:
-            tied = Tied(owner, replicas)
-            tied.hook()
-            self._tied.append(tied)
-
-    def state_entry(self, idx: int) -> Any:
-        """The original-model description (names, kind) of state tensor ``idx``."""
-        return self._state[idx]
-
-    def defer_tied_gradients(self, defer: bool) -> None:
-        """While deferred, replica gradients of tied tensors stay put until flush (thread safety)."""
-        for tied in self._tied:
-            if defer:
-                tied.begin_step()
-            else:
-                tied.end_step()
-
-    def sync_tied(self) -> None:
-        """Copy each tied tensor's owner into its replicas if the owner changed."""
-        for tied in self._tied:
-            tied.sync()
-
     # ----------------------------------------------------------------- running
     @property
     def num_stages(self) -> int:
@@ -387,103 +351,6 @@ class SplitProgram:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         flat = self.flatten_inputs(args, kwargs)
         return pytree.tree_unflatten(self.run_flat(flat), self.out_spec)
-
-    # ------------------------------------------------------------------- state
-    def held_items(self) -> Iterator[tuple[int, torch.Tensor]]:
-        """(state index, tensor) for everything this process holds (its owner here)."""
-        for idx, owner in enumerate(self._owner):
-            if owner is not None:
-                yield idx, owner
-
-    def shared_mutated_state(self) -> dict[str, list[int]]:
-        """Buffers written in place that several stages use: name -> those stages."""
-        out = {}
-        for idx in sorted(self._mutated_entries):
-            stages = [s for s, entries in enumerate(self.stage_entries) if idx in entries]
-            if len(stages) > 1:
-                out[self._state[idx].name] = stages
-        return out
-
-    @property
-    def n_state_entries(self) -> int:
-        return len(self._state)
-
-    def held_state(self) -> Iterator[tuple[Any, torch.Tensor]]:
-        """(state entry, the tensor this process holds for it) for every entry with a holder here."""
-        for idx, owner in self.held_items():
-            if self._state[idx].aliases:  # not a constant export lifted
-                yield self._state[idx], owner
-
-    def held_tensor(self, idx: int) -> torch.Tensor:
-        """The tensor this process holds for state entry ``idx`` (its owner here)."""
-        owner = self._owner[idx]
-        assert owner is not None, f"state entry {idx} is not held by this process"
-        return owner
-
-    def held_params(self) -> Iterator[tuple[int, torch.Tensor]]:
-        """(state index, parameter) for every parameter this process holds, once."""
-        for idx, owner in self.held_items():
-            if self._state[idx].is_param:
-                yield idx, owner
-
-    def refresh_tied(self) -> None:
-        """Copy owners into their replicas after they were written outside autograd (a load)."""
-        for tied in self._tied:
-            tied.version = -1
-            tied.sync()
-
-    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        """Every parameter once (a tied weight once), under the original model's name."""
-        for idx, owner in self.held_items():
-            if self._state[idx].is_param:
-                yield self._state[idx].name, owner  # type: ignore[misc]
-
-    def parameters(self) -> Iterator[nn.Parameter]:
-        return (p for _, p in self.named_parameters())
-
-    def named_buffers(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for idx, owner in self.held_items():
-            entry = self._state[idx]
-            if not entry.is_param and entry.aliases:
-                yield entry.name, owner
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """The original model's state_dict keys (aliases of tied tensors included)."""
-        for tied in self._tied:
-            tied.sync()
-        out = {}
-        for key, idx in self._state_keys.items():
-            owner = self._owner[idx]
-            out[key] = (owner if owner is not None else self._state[idx].tensor).detach()
-        return out
-
-    def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True) -> None:
-        """Copy an original-model state_dict into every stage (and every replica)."""
-        missing = [k for k in self._state_keys if k not in state_dict]
-        unexpected = [k for k in state_dict if k not in self._state_keys]
-        if strict and (missing or unexpected):
-            raise InputError(
-                f"state_dict does not match the model: {len(missing)} missing key(s) {missing[:5]}, "
-                f"{len(unexpected)} unexpected key(s) {unexpected[:5]}. Pass strict=False to load a subset."
-            )
-        wrong = [
-            f"{k}: {tuple(state_dict[k].shape)} for {tuple(self._state[i].tensor.shape)}"
-            for k, i in self._state_keys.items()
-            if k in state_dict and tuple(state_dict[k].shape) != tuple(self._state[i].tensor.shape)
-        ]
-        if wrong:  # copy_ would broadcast a (1, d) tensor into (n, d) without a word
-            raise InputError(
-                f"state_dict has {len(wrong)} tensor(s) of the wrong shape (given for expected): {wrong[:5]}. "
-                "Load a state_dict of the model this program was compiled from."
-            )
-        with torch.no_grad():
-            for key, idx in self._state_keys.items():
-                if key in state_dict and self._owner[idx] is not None:
-                    self._owner[idx].copy_(state_dict[key])  # type: ignore[union-attr]
-        self.refresh_tied()
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        zero_grads(self.parameters(), set_to_none)
 
     # -------------------------------------------------------------- inspection
     def report(self) -> str:
