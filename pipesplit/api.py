@@ -40,8 +40,7 @@ from pipesplit.passes.refine import correct_node_times
 from pipesplit.passes.split import check_devices, split_graph
 from pipesplit.plan import Plan
 from pipesplit.program import SplitProgram
-from pipesplit.runtime.pipeline import resolve_schedule
-from pipesplit.schedules import Schedule, simulate
+from pipesplit.schedules import Schedule, resolve_schedule, simulate
 
 log = logging.getLogger(__name__)
 

@@ -157,7 +157,7 @@ def add_bench(sub: Any, debug: Callable[[argparse.ArgumentParser], None]) -> Non
 
 # ------------------------------------------------------------------------- schedule
 def run_schedule(args: argparse.Namespace) -> int:
-    from pipesplit.runtime.pipeline import resolve_schedule
+    from pipesplit.schedules import resolve_schedule
     from pipesplit.schedules import StageCost, list_schedules, schedule_info, simulate
 
     if args.name is None:

@@ -14,38 +14,22 @@ from torch import nn
 from pipesplit.errors import PipesplitError, ScheduleError
 from pipesplit.materialize import check_initialised, init_weights
 from pipesplit.program import SplitProgram
-from pipesplit.state import add_back_grads, set_aside_grads, zero_grads
+from pipesplit.state import zero_grads
 from pipesplit.runtime.microbatch import merge_outputs, split_microbatches, split_target
 from pipesplit.runtime.collectives import Layout, StepCollectives
 from pipesplit.runtime.distributed import place_rank, start_communicator
-from pipesplit.runtime.exchange import RankComm, program_edges, run_rank
+from pipesplit.runtime.exchange import RankComm, program_edges
 from pipesplit.runtime.rendezvous import RendezvousTransport
-from pipesplit.runtime.threads import RankThreads, autocast_scope, autocast_state
+from pipesplit.runtime.steps import run_distributed_step, run_local_step
+from pipesplit.runtime.threads import RankThreads
 from pipesplit.runtime.trace import Trace
-from pipesplit.runtime.transport import Aborted, DistTransport, LocalTransport
+from pipesplit.runtime.transport import DistTransport, LocalTransport
 from pipesplit.runtime.worker import StageWorker, StepData
-from pipesplit.schedules import ActionKind, Schedule, get_schedule, schedule_info, validate
+from pipesplit.schedules import ActionKind, Schedule, resolve_schedule
 from pipesplit.schedules.issue import Program, issue, proven
 from pipesplit.schedules.rendezvous import comm_plan, receiver_stage
 
 LossFn = Callable[[Any, Any], torch.Tensor]
-
-
-def resolve_schedule(schedule: str | Schedule, n_stages: int, n_ranks: int | None, n_microbatches: int) -> Schedule:
-    if isinstance(schedule, Schedule):
-        if schedule.n_stages != n_stages:
-            raise ScheduleError(
-                f"schedule {schedule.name!r} is for {schedule.n_stages} stages but the program has {n_stages}."
-            )
-        if schedule.n_microbatches != n_microbatches:
-            raise ScheduleError(
-                f"schedule {schedule.name!r} runs {schedule.n_microbatches} microbatches but n_microbatches="
-                f"{n_microbatches}; make them agree."
-            )
-        return validate(schedule)
-    if n_ranks is None and schedule_info(schedule).constraints.stages_per_rank is None:
-        n_ranks = max(1, n_stages // 2)
-    return get_schedule(schedule, n_stages=n_stages, n_ranks=n_ranks, n_microbatches=n_microbatches)
 
 
 def _forward_only(schedule: Schedule) -> Schedule:
@@ -395,59 +379,16 @@ class Pipeline:
             return workers[receiver_stage(msg)].like(msg, data)
 
         if self.collectives is not None:
-            coll = self.collectives
-            params = coll.summed_params() if data.training else []
-            earlier = set_aside_grads(params)  # the collectives sum this step's gradients only
-            for w in workers.values():
-                w.backwards_done = 0
-            self.prog.defer_tied_gradients(True)  # stages of this rank sharing a weight: summed in stage order
-            try:
-                run_rank(plan[self.rank], workers, RankComm(self.rank, self.transport, like), data)
-                coll.finish_data_parallel(self.timeout)
-            finally:
-                self.prog.defer_tied_gradients(False)
-                self.transport.reset()
-            if data.training:
-                coll.reduce_tied()
-                add_back_grads(params, earlier)
+            comm = RankComm(self.rank, self.transport, like)
+            run_distributed_step(self.prog, self.collectives, plan[self.rank], comm, workers, data, self.timeout)
             return
         self.prog.defer_tied_gradients(True)
-        errors: list[BaseException] = []
-        transport = self.transport
-        autocast = autocast_state()  # thread-local in torch: carry the caller's into the rank threads
-
-        def check() -> None:
-            if transport.failed is not None:  # another rank failed (or the caller was interrupted)
-                raise Aborted()
-
-        def work(rank: int) -> None:
-            try:
-                with autocast_scope(autocast):
-                    run_rank(plan[rank], workers, RankComm(rank, transport, like), data, check)
-            except Aborted:
-                pass
-            except BaseException as e:  # re-raised in the caller's thread
-                errors.append(e)
-                transport.abort(e)
-
         if self._threads is None:
             self._threads = RankThreads(len(plan))
         try:
-            try:
-                self._threads.run([lambda r=r: work(r) for r in range(len(plan))])
-            except BaseException as e:  # e.g. KeyboardInterrupt while waiting: stop the ranks, then re-raise
-                transport.abort(e)
-                self._threads.wait()
-                raise
+            run_local_step(plan, workers, self.transport, self._threads, like, data)
         finally:
             self.prog.defer_tied_gradients(False)
-            transport.reset()
-            for w in workers.values():
-                w.saved.clear()
-        for s in (w.stream for w in workers.values() if w.stream is not None):
-            s.synchronize()
-        if errors:
-            raise errors[0]
 
     def _share_loss(self, loss: Any) -> torch.Tensor | None:
         if self.collectives is None:

@@ -17,6 +17,7 @@ from pipesplit.schedules.registry import (
     get_schedule,
     list_schedules,
     register_schedule,
+    resolve_schedule,
     schedule_info,
     unregister_schedule,
 )
@@ -40,6 +41,7 @@ __all__ = [
     "list_schedules",
     "load_schedule",
     "register_schedule",
+    "resolve_schedule",
     "save_schedule",
     "schedule_from_csv",
     "schedule_from_text",

@@ -208,3 +208,23 @@ def get_schedule(
             f"{(n_stages, n_ranks, n_microbatches)} were requested. Fix the function to honour its arguments."
         )
     return validate(dataclasses.replace(schedule, name=name))
+
+
+def resolve_schedule(schedule: str | Schedule, n_stages: int, n_ranks: int | None, n_microbatches: int) -> Schedule:
+    """``schedule`` (a name or a built Schedule) for ``n_stages`` stages and ``n_microbatches``: a name is
+    built (``n_ranks`` defaulting to half the stages where the schedule leaves it free); a Schedule is
+    checked against the stage and microbatch counts and validated."""
+    if isinstance(schedule, Schedule):
+        if schedule.n_stages != n_stages:
+            raise ScheduleError(
+                f"schedule {schedule.name!r} is for {schedule.n_stages} stages but the program has {n_stages}."
+            )
+        if schedule.n_microbatches != n_microbatches:
+            raise ScheduleError(
+                f"schedule {schedule.name!r} runs {schedule.n_microbatches} microbatches but n_microbatches="
+                f"{n_microbatches}; make them agree."
+            )
+        return validate(schedule)
+    if n_ranks is None and schedule_info(schedule).constraints.stages_per_rank is None:
+        n_ranks = max(1, n_stages // 2)
+    return get_schedule(schedule, n_stages=n_stages, n_ranks=n_ranks, n_microbatches=n_microbatches)

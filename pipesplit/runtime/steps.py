@@ -1,0 +1,77 @@
+"""One step under each executor: every rank as a thread of this process (local), or this
+process's rank with its data-parallel and tied-weight collectives (distributed)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+from pipesplit.program import SplitProgram
+from pipesplit.runtime.collectives import StepCollectives
+from pipesplit.runtime.exchange import RankComm, run_rank
+from pipesplit.runtime.threads import RankThreads, autocast_scope, autocast_state
+from pipesplit.runtime.transport import Aborted
+from pipesplit.runtime.worker import StageWorker, StepData
+from pipesplit.schedules.issue import Program, Turn
+from pipesplit.state import add_back_grads, set_aside_grads
+
+
+def run_local_step(plan: Program, workers: dict[int, StageWorker], transport: Any, threads: RankThreads,
+                   like: Callable[[Any], Any], data: StepData) -> None:
+    """Run each rank's part of ``plan`` in its thread of ``threads`` and wait for all of them.
+
+    A rank that fails aborts the transport, which stops the others, and its error is raised
+    here once every rank has stopped. So is an interrupt of the caller's wait. The caller's
+    autocast state (thread-local in torch) applies in every rank.
+    """
+    errors: list[BaseException] = []
+    autocast = autocast_state()
+
+    def check() -> None:
+        if transport.failed is not None:  # another rank failed (or the caller was interrupted)
+            raise Aborted()
+
+    def work(rank: int) -> None:
+        try:
+            with autocast_scope(autocast):
+                run_rank(plan[rank], workers, RankComm(rank, transport, like), data, check)
+        except Aborted:
+            pass
+        except BaseException as e:  # re-raised in the caller's thread
+            errors.append(e)
+            transport.abort(e)
+
+    try:
+        try:
+            threads.run([lambda r=r: work(r) for r in range(len(plan))])
+        except BaseException as e:  # e.g. KeyboardInterrupt while waiting: stop the ranks, then re-raise
+            transport.abort(e)
+            threads.wait()
+            raise
+    finally:
+        transport.reset()
+        for w in workers.values():
+            w.saved.clear()
+    for s in (w.stream for w in workers.values() if w.stream is not None):
+        s.synchronize()
+    if errors:
+        raise errors[0]
+
+
+def run_distributed_step(prog: SplitProgram, coll: StepCollectives, turns: Sequence[Turn], comm: RankComm,
+                         workers: dict[int, StageWorker], data: StepData, timeout: float) -> None:
+    """Run this rank's part of a step, then the collectives: the data-parallel gradient sum of this
+    step's gradients only (earlier ones are set aside and added back), and the tied weights'."""
+    params = coll.summed_params() if data.training else []
+    earlier = set_aside_grads(params)  # the collectives sum this step's gradients only
+    for w in workers.values():
+        w.backwards_done = 0
+    prog.defer_tied_gradients(True)  # stages of this rank sharing a weight: summed in stage order
+    try:
+        run_rank(turns, workers, comm, data)
+        coll.finish_data_parallel(timeout)
+    finally:
+        prog.defer_tied_gradients(False)
+        comm.transport.reset()
+    if data.training:
+        coll.reduce_tied()
+        add_back_grads(params, earlier)
