@@ -268,7 +268,7 @@ def compile(
         split = split_graph(gm, chosen.stages, devs, recompute=chosen.recompute)
         program = SplitProgram(captured, split, chosen, devs)
         if captured.static_batch is not None:
-            program.recapture = recapture_fn(model, example_input, example_kwargs, batch_dim, unbatched, model.training)
+            program.recapture = recapture_fn(model, example_input, example_kwargs, batch_dim, unbatched)
     timings["export"] = captured.export_seconds
     program.timings = timings
     return program

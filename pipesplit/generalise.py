@@ -40,16 +40,17 @@ log = logging.getLogger(__name__)
 
 def recapture_fn(
     model: nn.Module, args: Any, kwargs: dict[str, Any] | None, batch_dim: int, unbatched: Collection[str],
-    training: bool,
 ) -> Callable[[], Captured]:
-    """Captures ``model`` again with a dynamic batch, as it was compiled: in the same training
-    mode (the model's own flags are put back after) and grad mode, outside any autocast or
-    inference mode the call that needs it runs in, and without copying the model's state."""
+    """Captures ``model`` again with a dynamic batch, as it is compiled now: every submodule in the
+    training mode it has now (their flags are put back after), the same grad mode, outside any
+    autocast or inference mode the call that needs it runs in, without copying the model's state."""
     grad_enabled = torch.is_grad_enabled()
+    compiled = [(m, m.training) for m in model.modules()]
 
     def recapture() -> Captured:
         modes = [(m, m.training) for m in model.modules()]
-        model.train(training)
+        for m, mode in compiled:
+            m.training = mode
         try:
             with contextlib.ExitStack() as scope:
                 scope.enter_context(torch.inference_mode(False))

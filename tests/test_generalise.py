@@ -91,6 +91,20 @@ def test_every_stage_keeps_its_parameters_when_generalised():
         f"the stages moved: {nodes} nodes before, {[len(s.nodes) for s in prog.stages]} after"
 
 
+def test_a_submodule_in_eval_mode_is_captured_again_in_eval_mode():
+    """A frozen BatchNorm in eval mode inside a model in training: the graph captured again keeps
+    it on its running statistics, as the first capture did."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 4))
+    model[0].weight.data.mul_(3)  # the batch statistics differ from the running ones
+    model[1].eval()
+    prog = pipesplit.compile(model, torch.randn(4, 8), num_stages=2, progress=False)
+    x = torch.randn(6, 8)
+    torch.testing.assert_close(prog(x), model(x))
+    assert prog.static_batch is None and not model[1].training and model.training
+    torch.testing.assert_close(model[1].running_mean, torch.zeros(8))  # nothing moved the user's stats
+
+
 def test_the_users_model_keeps_its_mode():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.Linear(8, 4))
