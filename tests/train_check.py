@@ -42,16 +42,22 @@ def accumulation(schedule: str, rank: int, world: int) -> None:
     prog = pipesplit.compile(model, torch.randint(0, 64, (2, 16)), num_stages=_stages(schedule, world), progress=False)
     pipe = pipesplit.Pipeline(prog, schedule, n_microbatches=4, loss_fn=dot_loss, loss_reduction="sum", timeout=60)
     ref = copy.deepcopy(model)
-    for step in range(2):  # no zero_grad in between: the gradients of both steps add up
+    before = dict(pipe.named_parameters())
+    # no zero_grad in between: the gradients of both steps add up. The second step's microbatches
+    # (3) are not the example's batch (2): every rank captures its model again mid-training.
+    for step, batch in enumerate((8, 12)):
         torch.manual_seed(10 + step)
-        x, t = torch.randint(0, 64, (8, 16)), torch.randn(8, 16, 64)
+        x, t = torch.randint(0, 64, (batch, 16)), torch.randn(batch, 16, 64)
         pipe.step(x, target=t)
         dot_loss(ref(x), t).backward()
+    assert prog.static_batch is None, f"rank {rank}: the program was not generalised"
     ref_params = dict(ref.named_parameters())
     held = dict(pipe.named_parameters())
+    assert all(p is before[name] for name, p in held.items()), f"rank {rank}: parameters replaced"
     for name, p in held.items():
         assert_close(p.grad, ref_params[name].grad, name=f"rank {rank}: accumulated gradient of {name}")
-    print(f"rank {rank}: ok (accumulation over 2 steps, tied, {schedule}, {len(held)} parameters)", flush=True)
+    print(f"rank {rank}: ok (accumulation over 2 steps, tied, {schedule}, {len(held)} parameters, "
+          "the second at a new microbatch size)", flush=True)
 
 
 def dropout_matches_local(schedule: str, rank: int, world: int) -> None:
