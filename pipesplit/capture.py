@@ -81,11 +81,14 @@ class Captured:
     dynamic: bool = True  # the batch dimension was captured dynamic (False: at the example's size)
 
     @property
+    def example_batch(self) -> int | None:
+        """The example's batch size (its first batched input's), None if no input has a batch dimension."""
+        return next((int(x.shape[self.batch_dim]) for x, i in zip(self.example_flat, self.inputs) if i.batched), None)
+
+    @property
     def static_batch(self) -> int | None:
         """The one batch size the graph takes when captured statically (None: any, or no batch)."""
-        if self.dynamic:
-            return None
-        return next((int(x.shape[self.batch_dim]) for x, i in zip(self.example_flat, self.inputs) if i.batched), None)
+        return None if self.dynamic else self.example_batch
 
     @property
     def batch_dynamic(self) -> bool:

@@ -24,7 +24,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from pipesplit.capture import Captured, capture, rebind
+from pipesplit.capture import Captured, capture, rebind, static_dim
 from pipesplit.errors import InputError, PlanError
 from pipesplit.export import paused_gc
 from pipesplit.passes.chain import COMPUTE_OPS
@@ -82,7 +82,7 @@ def batched_outputs(captured: Captured) -> list[bool]:
         if not isinstance(val, torch.Tensor) or val.dim() <= d:
             result.append(False)
         elif static is None:
-            result.append(not isinstance(val.shape[d], int))
+            result.append(static_dim(val.shape[d]) is None)
         else:
             result.append(int(val.shape[d]) == static and _depends_on(v, batched_in))
     return result

@@ -120,10 +120,7 @@ class SplitProgram(ProgramState):
                                  if t in captured.target_to_entry}
         # the only batch size the stage graphs take (captured at the example's shapes); None: any
         self.static_batch: int | None = captured.static_batch
-        # the example's batch size (the first batched input's), None if no input has a batch dimension
-        self.example_batch: int | None = next(
-            (int(x.shape[d]) for x, i in zip(captured.example_flat, captured.inputs) if i.batched), None
-        )
+        self.example_batch: int | None = captured.example_batch
         self.captured_gm = captured.gm
         self._outputs = split.outputs
         self.batch_symbols = {
