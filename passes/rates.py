@@ -26,6 +26,7 @@ import torch
 import torch.fx as fx
 
 from pipesplit.meta import NodeCost, node_cost
+from pipesplit.passes.flops import numel_of, shape_of
 
 
 @dataclass(frozen=True)
@@ -106,23 +107,18 @@ _ATTENTION = {"scaled_dot_product_attention", "_scaled_dot_product_flash_attenti
 
 def heavy_elements(node: fx.Node) -> tuple[float, float]:
     """Elements an op runs through a transcendental function (activations, attention's softmax)
-    and through a normalisation: work a FLOP count prices near zero."""
+    and through a normalisation: work a FLOP count prices near zero. Sizes are the example's
+    (a dynamic batch dimension at its hint), as the FLOP counts take them."""
     name = getattr(node.target, "__name__", str(node.target)).split(".")[0]
-    out = node.meta.get("val")
-    numel = float(out.numel()) if isinstance(out, torch.Tensor) and not _symbolic(out) else 0.0
     if name in _ACTIVATIONS:
-        return numel, 0.0
+        return float(numel_of(node)), 0.0
     if name in _NORMS:
-        return 0.0, numel
+        return 0.0, float(numel_of(node))
     if name in _ATTENTION and len(node.args) >= 2:  # the softmax over the (..., T, S) scores
-        q, k = (a.meta.get("val") if isinstance(a, fx.Node) else None for a in node.args[:2])
-        if isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and not (_symbolic(q) or _symbolic(k)):
-            return float(q.numel() // q.shape[-1] * k.shape[-2]), 0.0
+        q, k = (shape_of(a) if isinstance(a, fx.Node) else None for a in node.args[:2])
+        if q and k:
+            return float(math.prod(q[:-1]) * k[-2]), 0.0
     return 0.0, 0.0
-
-
-def _symbolic(t: torch.Tensor) -> bool:
-    return not all(isinstance(d, int) for d in t.shape)
 
 
 def priced(node: fx.Node, rates: DeviceRates) -> tuple[float, float, float]:
@@ -206,10 +202,8 @@ def _per_element(
     out = []
     for op in (torch.nn.functional.gelu, lambda t: torch.nn.functional.layer_norm(t, (128,), gamma, beta)):
         fwd = _quartile(lambda: op(x), 5, sync)
-        y = op(x)
         both = _quartile(lambda: torch.autograd.grad(op(x), x, grad), 5, sync)
         out.append((max(fwd - forward_op, 0.0) / x.numel(), max(both - fwd - backward_op, 0.0) / x.numel()))
-        del y
     return out[0], out[1]
 
 
@@ -233,8 +227,7 @@ def concurrent_slowdown(threads: int) -> float:
         for _ in range(100):
             torch.mm(a, b)
 
-    work()
-    alone = min(_timed(work) for _ in range(3))
+    alone = _quartile(work, 3, lambda: None)  # one untimed call, then the least of 3
     together = []
     for _ in range(3):
         pool = [threading.Thread(target=work) for _ in range(threads)]
@@ -245,12 +238,6 @@ def concurrent_slowdown(threads: int) -> float:
             t.join()
         together.append(time.perf_counter() - start)
     return max(1.0, min(together) / alone)
-
-
-def _timed(fn: Callable[[], None]) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 def device_rates(device: str | torch.device = "cpu") -> DeviceRates:

@@ -690,7 +690,7 @@ def test_activations_norms_and_attention_are_priced_per_element():
             self.lin, self.ln = nn.Linear(16, 16), nn.LayerNorm(16)
 
         def forward(self, x):
-            q = self.ln(torch.nn.functional.gelu(self.lin(x))).view(4, 2, 8, 8)
+            q = self.ln(torch.nn.functional.gelu(self.lin(x))).view(x.shape[0], 2, 8, 8)
             return torch.nn.functional.scaled_dot_product_attention(q, q, q)
 
     cap = capture(Block(), torch.randn(4, 8, 16), dynamic=False)
@@ -701,6 +701,10 @@ def test_activations_norms_and_attention_are_priced_per_element():
     assert heavy_elements(by["layer_norm"]) == (0.0, 4 * 8 * 16)
     assert heavy_elements(by["scaled_dot_product_attention"]) == (4 * 2 * 8 * 8, 0.0)  # the (T x S) scores
     assert heavy_elements(by["linear"]) == (0.0, 0.0)
+    dynamic = annotate_costs(capture(Block(), torch.randn(4, 8, 16)).gm)  # a dynamic batch: priced at the example's
+    gelu = next(n for n in dynamic.graph.nodes if n.op == "call_function" and "gelu" in str(n.target))
+    assert not isinstance(gelu.meta["val"].shape[0], int), "the test needs a symbolic batch"
+    assert heavy_elements(gelu) == (4 * 8 * 16, 0.0)
     plain = DeviceRates("cpu", forward_op_s=1e-6, backward_op_s=1e-6, flops_per_s=1e12, bytes_per_s=1e12)
     slow = DeviceRates("cpu", forward_op_s=1e-6, backward_op_s=1e-6, flops_per_s=1e12, bytes_per_s=1e12,
                        activation_s=(1e-6, 2e-6), norm_s=(3e-6, 4e-6))
