@@ -116,7 +116,9 @@ def chain_modules(prog: SplitProgram) -> list[ChainStage]:
     batch is generalised first (:mod:`pipesplit.generalise`).
     """
     if prog.static_batch is not None:
-        prog.ensure_batch(prog.static_batch + 1)
+        from pipesplit.generalise import generalise
+
+        generalise(prog, "torch's pipelining schedules feed microbatches of any size")
     live = _live_sets(prog)
     first = [(i.name, "input", n) for n, i in enumerate(prog.inputs) if i.is_tensor]
     modules = []

@@ -39,7 +39,7 @@ import torch.utils._pytree as pytree
 
 from pipesplit.errors import PipesplitError
 from pipesplit.program import SplitProgram
-from pipesplit.runtime.microbatch import split_microbatches, split_target
+from pipesplit.runtime.microbatch import batch_size, split_microbatches, split_target
 from pipesplit.runtime.weight_grads import input_grads, weight_backward, weight_graph
 from pipesplit.schedules import StageCost
 
@@ -134,9 +134,7 @@ def measure_stage_costs(
         )
     flat = prog.flatten_inputs(tuple(example_args), example_kwargs, whole_batch=True)
     mb_inputs = split_microbatches(flat, prog.inputs, n_microbatches, batch_dim)[0]
-    batched = [x for x, i in zip(mb_inputs, prog.inputs) if i.batched and isinstance(x, torch.Tensor)]
-    if batched:
-        prog.ensure_batch(int(batched[0].shape[batch_dim]))
+    prog.ensure_batch(int(batch_size(mb_inputs, prog.inputs, batch_dim)))
     mb_target = split_target(target, n_microbatches, batch_dim)[0] if target is not None else None
     prog.sync_tied()
 

@@ -15,7 +15,7 @@ from pipesplit.errors import PipesplitError, ScheduleError
 from pipesplit.materialize import check_initialised, init_weights
 from pipesplit.program import SplitProgram
 from pipesplit.state import zero_grads
-from pipesplit.runtime.microbatch import merge_outputs, split_microbatches, split_target
+from pipesplit.runtime.microbatch import batch_size, merge_outputs, split_microbatches, split_target
 from pipesplit.runtime.collectives import Layout, StepCollectives
 from pipesplit.runtime.distributed import place_rank, start_communicator
 from pipesplit.runtime.exchange import RankComm, program_edges
@@ -252,8 +252,7 @@ class Pipeline:
         m, first = self.n_microbatches, self.dp_rank * self.n_microbatches  # this replica's share
         total = m * self.dp_size
         inputs = split_microbatches(flat, self.prog.inputs, total, self.batch_dim)[first:first + m]
-        mb = next(x.shape[self.batch_dim] for x, i in zip(inputs[0], self.prog.inputs)
-                  if isinstance(x, torch.Tensor) and i.batched)
+        mb = batch_size(inputs[0], self.prog.inputs, self.batch_dim)
         if self.prog.ensure_batch(int(mb)):  # captured at the example's batch: generalised once, rebuild on it
             self._build()
         if training and self.loss_fn is None:
