@@ -27,6 +27,7 @@ from torch import nn
 from pipesplit.capture import Captured, capture, rebind, static_dim
 from pipesplit.errors import InputError, PlanError
 from pipesplit.export import paused_gc
+from pipesplit.meta import META_KEY, node_cost, set_node_cost
 from pipesplit.passes.chain import COMPUTE_OPS
 from pipesplit.passes.costs import annotate_costs
 from pipesplit.passes.recompute import recomputable
@@ -144,6 +145,27 @@ def carry_stages(
     return [[n.name for n in compute if stage[n] == s] for s in range(len(old_stages))], renamed
 
 
+def carry_times(old_gm: fx.GraphModule, new_gm: fx.GraphModule, renamed: dict[str, str]) -> int:
+    """Copy the profiled (or calibrated) times of ``old_gm``'s nodes onto their matches in
+    ``new_gm``, whose costs were just annotated from scratch; returns how many were carried.
+
+    The times stay those measured at the example's batch, as before: predictions scale them
+    to a microbatch. A node only the new graph has (a size read) keeps its FLOP cost.
+    """
+    new = {n.name: n for n in new_gm.graph.nodes}
+    carried = 0
+    for n in old_gm.graph.nodes:
+        if META_KEY not in n.meta or n.name not in renamed or META_KEY not in new[renamed[n.name]].meta:
+            continue
+        c = node_cost(n)
+        if c.time_s is None and c.bwd_time_s is None:
+            continue
+        target = new[renamed[n.name]]
+        set_node_cost(target, dataclasses.replace(node_cost(target), time_s=c.time_s, bwd_time_s=c.bwd_time_s))
+        carried += 1
+    return carried
+
+
 def _signature(n: fx.Node, gm: fx.GraphModule) -> str:
     """An operation and the parameters and buffers it reads (not the submodules export numbers)."""
     attrs = ",".join(str(a.target) for a in n.all_input_nodes
@@ -187,6 +209,7 @@ def _swap_in_dynamic_capture(prog: "SplitProgram", why: str) -> None:
     requires = [isinstance(x, torch.Tensor) and x.requires_grad for x in captured.example_flat]
     gm = annotate_costs(captured.gm, requires)
     stages, renamed = carry_stages(prog.captured_gm, prog.plan.stages, gm)
+    carry_times(prog.captured_gm, gm, renamed)
     keep = recomputable(gm, captured.mutated_targets)
     recompute = [renamed[r] for r in prog.plan.recompute if renamed.get(r) in keep]
     plan = dataclasses.replace(prog.plan, stages=stages, recompute=recompute, capture="dynamic")

@@ -230,3 +230,18 @@ def test_compile_leaves_the_garbage_collector_as_it_found_it():
     with pytest.raises(pipesplit.PlanError):
         pipesplit.compile(model, torch.randn(3, 8), num_stages=0)
     assert gc.isenabled(), "a failed compile turns the collector back on too"
+
+
+def test_profiled_times_survive_the_switch():
+    """cost="profile" measured every node at compile; the dynamic capture must keep those times,
+    or every later prediction (pipesplit.benchmark's rows at a new microbatch size) silently
+    prices the stages from FLOPs at a nominal rate instead."""
+    from pipesplit.bench.predict import stage_seconds
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 64), nn.LayerNorm(64), nn.Linear(64, 4))
+    prog = pipesplit.compile(model, torch.randn(8, 16), num_stages=2, cost="profile", progress=False)
+    before = stage_seconds(prog, "profile", 1.0)
+    prog(torch.randn(5, 16))
+    assert prog.static_batch is None, "generalised"
+    assert stage_seconds(prog, "profile", 1.0) == before
