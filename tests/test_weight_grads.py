@@ -1,0 +1,104 @@
+"""Zero-bubble's W action computes linear, layer-norm and embedding weight gradients with the
+kernels autograd would call, without the autograd engine (pipesplit.runtime.weight_grads).
+
+Each test runs a stage's I then W both ways, direct and through autograd one op at a time as
+before, and compares them with each other and with the plain model's backward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+import pipesplit
+from pipesplit.runtime.weight_grads import WeightGraph, input_grads, weight_backward, weight_graph
+
+aten = torch.ops.aten
+
+
+class Block(nn.Module):
+    """Embedding (with a padding index), layer norms with and without a bias, linears with and
+    without one, on 3-D activations: the ops W computes directly."""
+
+    def __init__(self, vocab: int = 50, dim: int = 16):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim, padding_idx=0)
+        self.ln = nn.LayerNorm(dim)
+        self.ln_nobias = nn.LayerNorm(dim, bias=False)
+        self.up = nn.Linear(dim, 4 * dim)
+        self.down = nn.Linear(4 * dim, dim, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids)
+        h = h + self.down(torch.nn.functional.gelu(self.up(self.ln(h))))
+        return self.ln_nobias(h)
+
+
+class WrittenFirst(nn.Module):
+    """The linear's input is a tensor that is written in place (before the linear reads it, as
+    autograd allows): W goes through autograd, which checks the tensor's version."""
+
+    def __init__(self, dim: int = 8):
+        super().__init__()
+        self.lin = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x * 2
+        h.add_(1)
+        return self.lin(h) * h
+
+
+def _stage_grads(module: torch.fx.GraphModule, weights: WeightGraph, args: tuple) -> dict[str, torch.Tensor]:
+    """One forward, I and W (into .grad) of ``module`` rewritten as ``weights``; the weights' gradients."""
+    for p in module.parameters():
+        p.grad = None
+    outs = tuple(weights.module(*args))
+    own, extras = list(outs[:weights.n_outputs]), list(outs[weights.n_outputs:])
+    roots = [o for o in own if isinstance(o, torch.Tensor) and o.requires_grad]
+    grads = [torch.full_like(r, 0.5) + torch.arange(r.numel(), dtype=r.dtype).reshape(r.shape) / r.numel()
+             for r in roots]
+    _, by_extra = input_grads(weights, roots, grads, [], extras)
+    weight_backward(weights, extras, by_extra, roots, grads)
+    return {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_direct_weight_gradients_equal_autograd_ones(dtype):
+    torch.manual_seed(0)
+    model = Block().to(dtype)
+    ids = torch.randint(0, 50, (3, 7))
+    ids[0, :2] = 0  # the padding row gets no gradient
+    prog = pipesplit.compile(model, ids, num_stages=1, progress=False)
+    module = prog.stages[0].module
+    weights = weight_graph(module)
+    assert weights is not None
+    ops = {}
+    outputs = [n for n in weights.module.graph.nodes if n.op == "output"][0].args[0][weights.n_outputs:]
+    for (outs, _), d in zip(weights.groups, weights.direct):
+        ops[outputs[outs[0]].target] = ops.get(outputs[outs[0]].target, 0) + (d is not None)
+    assert ops == {aten.embedding.default: 1, aten.layer_norm.default: 2, aten.linear.default: 2}, ops
+    direct = _stage_grads(module, weights, (ids,))
+    through_autograd = _stage_grads(module, dataclasses.replace(weights, direct=[None] * len(weights.direct)), (ids,))
+    assert direct.keys() == through_autograd.keys() and len(direct) == 7
+    for name in direct:  # the same kernels: equal up to the order of a sum
+        torch.testing.assert_close(direct[name], through_autograd[name], msg=name)
+    assert direct["emb.weight"][0].abs().max() == 0, "the padding row must get no gradient"
+
+
+def test_an_input_written_in_place_goes_through_autograd():
+    torch.manual_seed(0)
+    model = WrittenFirst()
+    x = torch.randn(4, 8)
+    prog = pipesplit.compile(model, x, num_stages=1, progress=False)
+    module = prog.stages[0].module
+    weights = weight_graph(module)
+    assert weights is not None and weights.direct == [None], "the linear's input is written in place: no direct W"
+    got = _stage_grads(module, weights, (x,))
+    y = model(x)
+    grads = torch.full_like(y, 0.5) + torch.arange(y.numel(), dtype=y.dtype).reshape(y.shape) / y.numel()
+    y.backward(grads)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(got[name], p.grad, msg=name)
