@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import pipesplit
-from pipesplit.bench.predict import predict
+from pipesplit.bench.predict import predict, shared_host, stage_seconds
 from pipesplit.schedules import schedule_info
 from tests.zoo import MLP
 
@@ -86,11 +86,18 @@ def test_boundary_bytes_count_activations_and_gradients(res):
 
 
 def test_prediction_scales_with_the_microbatch(res):
-    by = {(r.num_stages, r.cost, r.schedule, r.n_microbatches): r for r in res.rows}
+    """User units scale in proportion to the microbatch; seconds keep each op's fixed per-op
+    overhead and scale the rest (a microbatch half as large does not launch ops in half the time)."""
+    by = {(r.num_stages, r.cost, r.schedule, r.n_microbatches): (r, d) for r, d in zip(res.rows, res.details)}
     for k, c in itertools.product(STAGES, COSTS):
-        two, four = by[(k, c, "gpipe", 2)], by[(k, c, "gpipe", 4)]
-        for a, b in zip(two.predicted_fwd_s, four.predicted_fwd_s):
-            assert a == pytest.approx(2 * b)
+        (two, _), (four, detail) = by[(k, c, "gpipe", 2)], by[(k, c, "gpipe", 4)]
+        fixed = shared_host(detail.program, detail.trace.schedule, stage_seconds(detail.program, c, 0.0))
+        for a, b, f in zip(two.predicted_fwd_s, four.predicted_fwd_s, fixed):
+            if c == "uniform":
+                assert a == pytest.approx(2 * b) and f.forward == 0
+            else:
+                assert 0 < f.forward < b < a < 2 * b
+                assert 2 * b - a == pytest.approx(f.forward)
     detail = res.details[0]
     again = predict(detail.program, detail.trace.schedule, res.rows[0].cost, BATCH)
     assert again.timeline.step_time == pytest.approx(res.rows[0].predicted_step_s)

@@ -40,29 +40,36 @@ def _stage_nodes(prog: SplitProgram) -> list[list[Any]]:
 
 
 def stage_seconds(prog: SplitProgram, cost: Any, scale: float) -> list[StageCost]:
-    """Per stage (F, I, W) seconds from the nodes' cost annotations, times ``scale``.
+    """Per stage (F, I, W) seconds from the nodes' cost annotations, for a microbatch ``scale``
+    times the example batch the program was compiled with.
 
     FLOP costs become seconds at the measured rates of each stage's device (as the
     schedule-aware planner prices them); profiled costs use the profiled times; user
-    units keep their per-node weights, spread like FLOPs. ``scale`` turns the example
-    batch the program was compiled with into one microbatch.
+    units keep their per-node weights, spread like FLOPs. In seconds (FLOPs, profile), each
+    op's fixed cost, the per-op overhead its device measured, stays as it is and only the rest
+    scales with the batch: a microbatch of 2 does not launch an op in 1/8 of the time 16 do.
     """
     name, fn = cost_function(cost)
     per_stage = _stage_nodes(prog)
     everything = [n for nodes in per_stage for n in nodes]
     rates = [DEFAULT_FLOPS_PER_S.get(s.device.type, DEFAULT_FLOPS_PER_S["cpu"]) for s in prog.stages]
     if name == "flops":  # each stage priced at its own device's measured rates
-        return [StageCost(*(node_seconds(nodes, name, fn, rates[i], device_rates(prog.stages[i].device))
-                            .sum(axis=0) * scale if nodes else (0.0, 0.0, 0.0)))
-                for i, nodes in enumerate(per_stage)]
-    seconds = node_seconds(everything, name, fn, rates[0]) if everything else np.zeros((0, 3))
-    timed = name in ("profile", "hybrid")  # already seconds on each stage's own device
-    out, at = [], 0
-    for stage, nodes in enumerate(per_stage):
-        f, i, w = seconds[at:at + len(nodes)].sum(axis=0) * scale if nodes else (0.0, 0.0, 0.0)
-        at += len(nodes)
-        speed = 1.0 if timed else rates[0] / rates[stage]
-        out.append(StageCost(float(f) * speed, float(i) * speed, float(w) * speed))
+        seconds = [node_seconds(nodes, name, fn, rates[i], device_rates(prog.stages[i].device))
+                   if nodes else np.zeros((0, 3)) for i, nodes in enumerate(per_stage)]
+    else:
+        flat = node_seconds(everything, name, fn, rates[0]) if everything else np.zeros((0, 3))
+        bounds = np.cumsum([0] + [len(nodes) for nodes in per_stage])
+        seconds = [flat[a:b] for a, b in zip(bounds, bounds[1:])]
+    timed = name in ("flops", "profile", "hybrid")  # seconds on each stage's own device
+    out = []
+    for stage, secs in enumerate(seconds):
+        if timed and len(secs):
+            r = device_rates(prog.stages[stage].device)
+            fixed = np.minimum(secs, [r.forward_op_s, r.backward_op_s, 0.0])
+            f, i, w = fixed.sum(axis=0) + (secs - fixed).sum(axis=0) * scale
+        else:
+            f, i, w = secs.sum(axis=0) * scale * rates[0] / rates[stage] if len(secs) else (0.0, 0.0, 0.0)
+        out.append(StageCost(float(f), float(i), float(w)))
     return out
 
 
