@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--microbatches", type=csv_ints, default=[4, 8], help="microbatch counts (default 4,8)")
     ap.add_argument("--cost", type=csv_names, default=["flops", "profile"], help="cost models (default flops,profile)")
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--torch-threads", type=int, default=1)
     ap.add_argument("--devices", type=csv_names, default=None, help="stage devices, cycled (default cpu)")
     ap.add_argument("--plots", default=os.path.join(HERE, "plots"), help="folder for the pictures")

@@ -17,7 +17,9 @@ import torch
 import torch.nn.functional as F
 
 import pipesplit
-from pipesplit.bench.predict import predict, shared_host, stage_seconds
+from pipesplit.bench.predict import predict, shared_host, stage_seconds, weight_ops
+from pipesplit.runtime.weight_grads import split_overhead_s
+from pipesplit.schedules import StageCost
 from pipesplit.schedules import schedule_info
 from tests.zoo import MLP
 
@@ -101,6 +103,21 @@ def test_prediction_scales_with_the_microbatch(res):
     detail = res.details[0]
     again = predict(detail.program, detail.trace.schedule, res.rows[0].cost, BATCH)
     assert again.timeline.step_time == pytest.approx(res.rows[0].predicted_step_s)
+
+
+def test_split_backward_pays_its_fixed_cost_per_weight_op(res):
+    """zb_h1 runs I, then W through every weight op again: its W is priced at the fused one's plus
+    the split's measured fixed cost per weight op; 1f1b's full backward is not."""
+    by = {(r.num_stages, r.cost, r.schedule, r.n_microbatches): d for r, d in zip(res.rows, res.details)}
+    for k, c, m in itertools.product(STAGES, COSTS, MICRO):
+        fused, split = by[(k, c, "1f1b", m)].prediction.costs, by[(k, c, "zb_h1", m)].prediction.costs
+        prog = by[(k, c, "zb_h1", m)].program
+        factor = shared_host(prog, by[(k, c, "zb_h1", m)].trace.schedule, [StageCost(1.0, 1.0, 1.0)] * k)
+        for stage, f, s, slow in zip(prog.stages, fused, split, factor):
+            extra = weight_ops(stage.module) * split_overhead_s(stage.device) * slow.forward
+            assert weight_ops(stage.module) > 0 and extra > 0
+            assert s.forward == f.forward and s.backward_input == f.backward_input
+            assert s.backward_weight == pytest.approx(f.backward_weight + extra)
 
 
 def test_text_markdown_and_csv(res, tmp_path):

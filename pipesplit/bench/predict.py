@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +20,8 @@ from pipesplit.passes.planner import cost_function
 from pipesplit.passes.rates import concurrent_slowdown, device_rates
 from pipesplit.passes.step_planner import node_seconds
 from pipesplit.program import SplitProgram
-from pipesplit.schedules import Schedule, StageCost, Timeline, simulate
+from pipesplit.runtime.weight_grads import split_overhead_s, weight_graph
+from pipesplit.schedules import ActionKind, Schedule, StageCost, Timeline, simulate
 
 
 @dataclass(frozen=True)
@@ -142,6 +145,25 @@ def shared_host(prog: SplitProgram, schedule: Schedule, costs: list[StageCost]) 
             if s.device.type == "cpu" else c for c, s in zip(costs, prog.stages)]
 
 
+_WEIGHT_OPS: "weakref.WeakKeyDictionary[torch.nn.Module, int]" = weakref.WeakKeyDictionary()
+
+
+def weight_ops(module: torch.nn.Module) -> int:
+    """How many ops of a stage's graph consume weights: the W action's units of fixed cost."""
+    if module not in _WEIGHT_OPS:
+        graph = weight_graph(module)  # type: ignore[arg-type]
+        _WEIGHT_OPS[module] = len(graph.groups) if graph is not None else 0
+    return _WEIGHT_OPS[module]
+
+
+def split_backward(prog: SplitProgram, schedule: Schedule, costs: list[StageCost]) -> list[StageCost]:
+    """Stage times with the W of every stage the schedule splits (I, then W) charged the split's
+    fixed cost per weight op (:func:`~pipesplit.runtime.weight_grads.split_overhead_s`)."""
+    split = {a.stage for actions in schedule.actions for a in actions if a.kind is ActionKind.BACKWARD_WEIGHT}
+    return [dataclasses.replace(c, backward_weight=c.backward_weight + weight_ops(s.module) * split_overhead_s(s.device))
+            if s.index in split else c for c, s in zip(costs, prog.stages)]
+
+
 def predict(
     prog: SplitProgram, schedule: Schedule, cost: Any, batch: int, *, comm: CommModel | None = None,
     memory: MemoryModel | None = None, local: bool = True,
@@ -153,7 +175,7 @@ def predict(
     m = schedule.n_microbatches
     example = prog.example_batch or batch
     scale = (batch / m) / example
-    costs = stage_seconds(prog, cost, scale)
+    costs = split_backward(prog, schedule, stage_seconds(prog, cost, scale))
     costs = shared_host(prog, schedule, costs) if local else costs
     comm_s = cut_seconds(prog, batch, m, comm or CommModel())
     timeline = simulate(schedule, costs, comm_cost=comm_s if comm_s else 0.0)

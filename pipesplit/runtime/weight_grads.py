@@ -18,7 +18,9 @@ and an op whose input is written in place after it, go through autograd as befor
 
 from __future__ import annotations
 
+import functools
 import operator
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,11 +59,12 @@ _DIRECT_WEIGHTS = {aten.linear.default: {1, 2}, aten.layer_norm.default: {2, 3},
 
 def _direct_grads(d: Direct, g: torch.Tensor, extras: list[torch.Tensor]) -> list[torch.Tensor | None]:
     """Per aliased position of ``d``, the gradient of the weight there given the op's output gradient ``g``:
-    the kernels autograd's own backward of the op calls."""
+    the kernels autograd's own backward of the op calls, a linear's product taken in the order that
+    lays it out as the weight (adding a transposed gradient into ``.grad`` cost 9x a contiguous one)."""
     if d.op is aten.linear.default:
         x = d.arg(0, extras)
         g2, x2 = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
-        by = {1: lambda: x2.t().mm(g2).t(), 2: lambda: g2.sum(0)}
+        by = {1: lambda: g2.t().mm(x2), 2: lambda: g2.sum(0)}  # laid out as the weight: adds fast
     elif d.op is aten.layer_norm.default:
         x, shape, w, b = d.arg(0, extras), d.arg(1, extras), d.arg(2, extras), d.arg(3, extras)
         _, mean, rstd = aten.native_layer_norm.default(x, shape, None, None, d.arg(4, extras, 1e-5))
@@ -246,11 +249,37 @@ def input_grads(weights: WeightGraph | None, outputs: list[torch.Tensor], output
     return list(got[:len(leaves)]), by_extra
 
 
+def _plain_leaf(alias: torch.Tensor, grad: torch.Tensor) -> torch.Tensor | None:
+    """The parameter ``alias`` is a plain alias of, if W may add ``grad`` into its ``.grad`` itself as
+    autograd's AccumulateGrad would: a dense tensor of the same shape, dtype and device, with no
+    hooks that AccumulateGrad would run. None otherwise (a view, a cast, a DTensor, hooks)."""
+    fn = alias.grad_fn
+    if fn is None or len(fn.next_functions) != 1:
+        return None
+    p = getattr(fn.next_functions[0][0], "variable", None)  # an AccumulateGrad node holds its leaf
+    if (p is None or type(p) not in (torch.Tensor, torch.nn.Parameter) or p._backward_hooks
+            or getattr(p, "_post_accumulate_grad_hooks", None) is not None or p.layout != torch.strided
+            or grad.shape != p.shape or grad.dtype != p.dtype or grad.device != p.device
+            or (p.grad is not None and p.grad.layout != torch.strided)):
+        return None
+    return p
+
+
+def _accumulate(p: torch.Tensor, grad: torch.Tensor) -> None:
+    """``p.grad += grad``, or ``p.grad = grad`` laid out like ``p`` (autograd's layout contract)."""
+    with torch.no_grad():
+        if p.grad is None:
+            p.grad = grad if grad.stride() == p.stride() else torch.empty_like(p).copy_(grad)
+        else:
+            p.grad.add_(grad)
+
+
 def weight_backward(weights: WeightGraph, extras: list[torch.Tensor], grads: list[torch.Tensor | None],
                     outputs: list[torch.Tensor], output_grads: list[torch.Tensor | None],
                     accumulate: bool = True) -> None:
     """Accumulate the weights' gradients: each op's output gradient through that op to its weight
-    aliases, then through the aliases (views and casts of weights only) into the weights; ``rest``
+    aliases, then through the aliases (views and casts of weights only) into the weights (an
+    alias of a plain parameter is added into its ``.grad`` here, without the engine); ``rest``
     (weights no op covers) from the stage outputs, as before. ``accumulate=False`` computes the
     same and drops it (timing without touching ``.grad``)."""
 
@@ -273,9 +302,90 @@ def weight_backward(weights: WeightGraph, extras: list[torch.Tensor], grads: lis
         else:
             alias_grads = torch.autograd.grad([t for t, _ in pairs], via, [g for _, g in pairs], retain_graph=True,
                                               allow_unused=True)
-        back += [(t, g) for t, g in zip(via, alias_grads) if g is not None]
+        for t, g in zip(via, alias_grads):
+            if g is None:
+                continue
+            p = _plain_leaf(t, g)
+            if p is None:
+                back.append((t, g))
+            elif accumulate:
+                _accumulate(p, g)
         wanted.update((id(p), p) for p in ps)
     if back:  # one pass from every alias to the weights: those paths hold weights only, never activations
         into([t for t, _ in back], [g for _, g in back], list(wanted.values()))
     if weights.rest and outputs:
         into(outputs, output_grads, weights.rest)  # type: ignore[arg-type]
+
+
+class _TinyBlocks(torch.nn.Module):
+    """Linear + layer norm blocks on tiny tensors: the split backward's fixed cost per weight op."""
+
+    def __init__(self, blocks: int, width: int):
+        super().__init__()
+        self.w = torch.nn.ParameterList(torch.nn.Parameter(torch.randn(width, width) / width) for _ in range(blocks))
+        self.g = torch.nn.ParameterList(torch.nn.Parameter(torch.ones(width)) for _ in range(blocks))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for w, g in zip(self.w, self.g):
+            x = aten.layer_norm.default(aten.linear.default(x, w), [x.shape[-1]], g)
+        return x
+
+
+@functools.lru_cache(maxsize=None)
+def _split_overhead(device: str, threads: int) -> float:
+    from torch.fx import symbolic_trace
+
+    dev = torch.device(device)
+    blocks, width = 16, 8
+    gm = symbolic_trace(_TinyBlocks(blocks, width).to(dev))
+    for n in gm.graph.nodes:  # what weight_graph reads: tensor values
+        if n.op in ("placeholder", "call_function", "get_attr"):
+            n.meta["val"] = torch.empty(2, width, device="meta")
+    weights = weight_graph(gm)
+    assert weights is not None
+    x = torch.randn(2, width, device=dev, requires_grad=True)
+    params = list(gm.parameters())
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+
+    def fused() -> None:
+        with torch.enable_grad():
+            y = gm(x)
+            torch.autograd.grad(y, [x, *params], torch.ones_like(y))
+
+    def split() -> None:
+        with torch.enable_grad():
+            outs = tuple(weights.module(x))
+            y, extras = outs[0], list(outs[1:])
+            g = [torch.ones_like(y)]
+            _, by_extra = input_grads(weights, [y], g, [x], extras)
+            weight_backward(weights, extras, by_extra, [y], g, accumulate=False)
+
+    def least(fn: Any) -> float:
+        fn()
+        best = float("inf")
+        for _ in range(9):
+            sync()
+            start = time.perf_counter()
+            fn()
+            sync()
+            best = min(best, time.perf_counter() - start)
+        return best
+
+    return max(least(split) - least(fused), 0.0) / len(weights.groups)
+
+
+def split_overhead_s(device: str | torch.device = "cpu") -> float:
+    """Seconds a split backward (I, then W as :func:`weight_backward` runs it) costs per weight op
+    over one fused backward, on tiny tensors: its fixed cost, which a FLOP count or a profile of the
+    fused ops does not see. Measured once per device and thread count (~20 ms on a CPU core).
+
+    >>> 0 <= split_overhead_s("cpu") < 1e-3
+    True
+    """
+    dev = torch.device(device)
+    if dev.type == "meta":
+        dev = torch.device("cpu")
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
+        return _split_overhead(str(dev), torch.get_num_threads())
