@@ -14,8 +14,8 @@ for every stage, the actions the runtime executes (see ``runtime/worker.py``):
 The simulator charges a full backward ``B`` (a ``FULL_BACKWARD`` action) ``I + W``. I also
 keeps the gradients at the outputs of the ops that consume weights, and W turns them into
 weight gradients through those ops alone (``runtime/weight_grads.py``), so I + W is close
-to one fused pass (1.08x and 1.15x on a GPT and an MLP; a W that walked the graph
-again from the stage's outputs cost 1.5x). Two cost models:
+to one fused pass (1.06-1.11x on a small GPT at microbatches of 2-16; a W that walked the
+graph again from the stage's outputs cost 1.5x). Two cost models:
 
 - ``backward="split"`` (default): I and W as the runtime runs them; right for schedules
   that split the backward (``zb_h1``, ``zb_v``), an overestimate of B for the others;
