@@ -12,7 +12,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from pipesplit.passes.chain import Chain
-from pipesplit.passes.partition import _largest_stage
+from pipesplit.passes.partition import largest_stage
 
 Solve = Callable[[Chain, int, int, int], Sequence[int]]
 
@@ -63,7 +63,7 @@ def rebalance(chain: Chain, starts: Sequence[int], solve: Solve) -> tuple[int, .
             return bounds[first:last]
         sub = sub_chain(chain, a, b)
         new = list(solve(sub, last - first, first, a))
-        if _largest_stage(sub, new) > costs[t]:
+        if largest_stage(sub, new) > costs[t]:
             new = [x - a for x in bounds[first:last]]
         inner = rebalance(sub, new, lambda c, s, st, pos: solve(c, s, st + first, pos + a))
         return [a + x for x in inner]

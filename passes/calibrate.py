@@ -18,8 +18,7 @@ import numpy as np
 import torch
 import torch.fx as fx
 
-from pipesplit.meta import node_cost, set_node_cost
-from pipesplit.passes.chain import COMPUTE_OPS
+from pipesplit.meta import COMPUTE_OPS, node_cost, set_node_cost
 from pipesplit.passes.profile import profile_nodes
 from pipesplit.passes.rates import moved_bytes
 

@@ -9,9 +9,7 @@ from typing import Callable, Collection
 import numpy as np
 import torch.fx as fx
 
-from pipesplit.meta import node_cost
-
-COMPUTE_OPS = ("call_function", "call_module", "call_method")
+from pipesplit.meta import COMPUTE_OPS, node_cost
 
 
 def compute_nodes(gm: fx.GraphModule) -> list[fx.Node]:

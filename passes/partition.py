@@ -203,7 +203,7 @@ def solve_chain(chain: Chain, num_stages: int, *, mem_cap: int | None = None, sl
                 hi, starts = mid, trial[1]
             else:
                 lo = mid + 1
-    return ChainSplit(tuple(starts), _largest_stage(chain, starts), _largest_stage(chain, at_best[1]), int(bytes_))
+    return ChainSplit(tuple(starts), largest_stage(chain, starts), largest_stage(chain, at_best[1]), int(bytes_))
 
 
 def _checked_solver(chain: Chain, num_stages: int, mem_cap: int | None) -> "_Solver":
@@ -233,7 +233,8 @@ def _checked_solver(chain: Chain, num_stages: int, mem_cap: int | None) -> "_Sol
     return solver
 
 
-def _largest_stage(chain: Chain, starts: list[int]) -> float:
+def largest_stage(chain: Chain, starts: list[int]) -> float:
+    """The cost of the most expensive stage when ``chain`` is cut at ``starts``."""
     bounds = list(starts) + [chain.n]
     return max(float(chain.cost[a:b].sum()) for a, b in zip(bounds, bounds[1:]))
 
@@ -354,6 +355,6 @@ def solve_candidates(
         found = feasible(best + int(best * max(slack, 0.0)))
         if found is not None:
             bytes_, starts = found
-            out.append(ChainSplit(tuple(starts), _largest_stage(chain, starts), _largest_stage(chain, starts), int(bytes_)))
+            out.append(ChainSplit(tuple(starts), largest_stage(chain, starts), largest_stage(chain, starts), int(bytes_)))
     optimal = min(c.bottleneck for c in out)
     return [ChainSplit(c.starts, c.bottleneck, optimal, c.cut_bytes) for c in out]

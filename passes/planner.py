@@ -18,7 +18,7 @@ from pipesplit.passes.objective import DEFAULT_FLOPS_PER_S, CommModel, MemoryMod
 from pipesplit.passes.rates import DeviceRates, device_rates
 from pipesplit.passes.orders import candidate_orders
 from pipesplit.passes.balance import rebalance
-from pipesplit.passes.partition import StageLimits, _largest_stage, solve_candidates, solve_chain
+from pipesplit.passes.partition import StageLimits, largest_stage, solve_candidates, solve_chain
 from pipesplit.passes.recompute import recomputable
 from pipesplit.passes.step_planner import TIE, best_for_schedule, node_seconds
 from pipesplit.plan import Plan
@@ -218,7 +218,7 @@ def _solve_order(
         )
         extra = dict(schedule=schedule.name, n_microbatches=schedule.n_microbatches,
                      predicted_step_s=best.step_s, ideal_step_s=ideal)
-        return _Solved(label, chain, best.starts, _largest_stage(chain, best.starts), best.cut_bytes, best.step_s,
+        return _Solved(label, chain, best.starts, largest_stage(chain, best.starts), best.cut_bytes, best.step_s,
                        [int(m) for m in best.figures.memory], extra)
     if ranges is not None:
         cands = solve_candidates(chain, num_stages, [slack], limits=limits, mem_cap=max_stage_memory)
@@ -230,7 +230,7 @@ def _solve_order(
         # the stages on each side of the bottleneck by the same rule, for their own bottleneck
         starts = rebalance(chain, starts, lambda sub, k, _s, _p: solve_chain(sub, k, mem_cap=max_stage_memory,
                                                                              slack=slack).starts)
-    return _Solved(label, chain, tuple(starts), _largest_stage(chain, starts),
+    return _Solved(label, chain, tuple(starts), largest_stage(chain, starts),
                    int(chain.cut_bytes[list(starts[1:])].sum()))
 
 

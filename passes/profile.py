@@ -22,10 +22,9 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from tqdm.auto import tqdm
 
-from pipesplit.meta import node_cost, set_node_cost
+from pipesplit.meta import COMPUTE_OPS, node_cost, set_node_cost
 from pipesplit.passes.aliasing import written_get_attrs
 
-COMPUTE_OPS = ("call_function", "call_module", "call_method")
 
 
 def _needs_grad(node: fx.Node) -> bool:

@@ -13,9 +13,8 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from pipesplit.meta import node_cost
+from pipesplit.meta import COMPUTE_OPS, node_cost
 from pipesplit.passes.aliasing import pure_op, storage_classes
-from pipesplit.passes.chain import COMPUTE_OPS
 
 
 def recomputable(gm: fx.GraphModule, mutated_targets: set[str] = frozenset()) -> dict[str, int]:  # type: ignore[assignment]

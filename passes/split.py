@@ -16,12 +16,12 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
-from pipesplit import comm
+import pipesplit.comm as comm
 from pipesplit.errors import PlanError
-from pipesplit.rng import seed_random_ops
+from pipesplit.meta import COMPUTE_OPS
 from pipesplit.passes.aliasing import inplace_inputs
-from pipesplit.passes.chain import COMPUTE_OPS
 from pipesplit.passes.flops import hint
+from pipesplit.rng import seed_random_ops
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """pipesplit: split PyTorch models into balanced pipeline stages."""
 
 from pipesplit.api import compile
-from pipesplit.bench import BenchmarkResult, BenchRow, benchmark
+from pipesplit.bench import BenchmarkResult, BenchRow
+from pipesplit.bench.run import benchmark
 from pipesplit.errors import (
     CaptureError,
     CostError,

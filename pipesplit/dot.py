@@ -12,7 +12,7 @@ import torch.fx as fx
 from pipesplit.errors import PipesplitError
 from pipesplit.meta import node_cost
 from pipesplit.passes.flops import op_name
-from pipesplit.report import format_cost, human_bytes, human_count
+from pipesplit.units import format_cost, human_bytes, human_count
 
 if TYPE_CHECKING:
     from pipesplit.program import SplitProgram

@@ -27,8 +27,7 @@ from torch import nn
 from pipesplit.capture import Captured, capture, rebind, static_dim
 from pipesplit.errors import InputError, PlanError
 from pipesplit.export import paused_gc
-from pipesplit.meta import META_KEY, node_cost, set_node_cost
-from pipesplit.passes.chain import COMPUTE_OPS
+from pipesplit.meta import COMPUTE_OPS, META_KEY, node_cost, set_node_cost
 from pipesplit.passes.costs import annotate_costs
 from pipesplit.passes.recompute import recomputable
 from pipesplit.passes.split import split_graph

@@ -9,6 +9,7 @@ import torch.fx as fx
 from pipesplit.errors import CostError
 
 META_KEY = "pipesplit_cost"
+COMPUTE_OPS = ("call_function", "call_module", "call_method")  # the nodes that run an operation
 
 
 @dataclass(frozen=True)

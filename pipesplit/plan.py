@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from pipesplit.errors import PlanError
-from pipesplit.report import format_cost
+from pipesplit.units import format_cost
 
 PLAN_VERSION = 1
 

@@ -11,7 +11,7 @@ import torch
 
 import pipesplit
 from pipesplit.models import gpt
-from pipesplit.report import format_cost, human_bytes
+from pipesplit.units import format_cost, human_bytes
 from tests.zoo import CASE_BY_NAME
 
 HAS_DOT = shutil.which("dot") is not None

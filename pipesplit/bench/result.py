@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from pipesplit.errors import PipesplitError
-from pipesplit.report import human_bytes
+from pipesplit.units import human_bytes
 
 
 @dataclass(frozen=True)

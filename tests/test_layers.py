@@ -1,0 +1,154 @@
+"""The package's imports point down its data flow, and never in a circle.
+
+Every module sits in one layer, from the bottom (errors, node metadata, small data types) up
+through the phases (capture -> annotate -> plan -> split -> schedule -> execute) to the
+drivers (``compile``, ``benchmark``, the CLI). A module may import its own layer and the
+layers below; an import inside a function counts as much as one at the top (it only hides
+the edge); ``if TYPE_CHECKING:`` imports, which never run, do not count. The module graph
+has no cycle, and no module imports another's private (``_``) names.
+
+The source is read with ``ast``, not imported, so the test sees every import, lazy ones too.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import networkx as nx
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = {"pipesplit": ROOT / "pipesplit", "pipesplit.passes": ROOT / "passes"}  # passes/ ships as pipesplit.passes
+
+# bottom to top; a module belongs to the layer of its longest matching prefix
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("base: errors, node metadata, units, small data types", (
+        "pipesplit.errors", "pipesplit.meta", "pipesplit.units", "pipesplit.rng", "pipesplit.state",
+        "pipesplit.export", "pipesplit.models", "pipesplit.passes")),  # passes/__init__ imports nothing
+    ("schedules: pure data", ("pipesplit.schedules",)),
+    ("graph analyses", ("pipesplit.passes.aliasing",)),
+    ("capture", ("pipesplit.capture", "pipesplit.inputs")),
+    ("annotate", ("pipesplit.passes.flops", "pipesplit.passes.costs", "pipesplit.passes.rates",
+                  "pipesplit.passes.profile", "pipesplit.passes.calibrate", "pipesplit.passes.modes")),
+    ("plan", ("pipesplit.passes.chain", "pipesplit.passes.orders", "pipesplit.passes.partition",
+              "pipesplit.passes.pushed", "pipesplit.passes.balance", "pipesplit.passes.constraints",
+              "pipesplit.passes.objective", "pipesplit.passes.step_planner", "pipesplit.passes.planner",
+              "pipesplit.passes.recompute", "pipesplit.passes.refine", "pipesplit.plan")),
+    ("split", ("pipesplit.passes.split", "pipesplit.comm", "pipesplit.program_state", "pipesplit.program",
+               "pipesplit.generalise", "pipesplit.materialize", "pipesplit.dot", "pipesplit.report",
+               "pipesplit.agree")),
+    ("execute", ("pipesplit.runtime",)),
+    ("measure and show", ("pipesplit.bench", "pipesplit.plots", "pipesplit.interop")),
+    ("drivers", ("pipesplit", "pipesplit.api", "pipesplit.bench.run", "pipesplit.cli", "pipesplit.__main__")),
+]
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for package, folder in PACKAGES.items():
+        for path in folder.rglob("*.py"):
+            parts = [p for p in path.relative_to(folder).with_suffix("").parts if p != "__init__"]
+            found[".".join([package, *parts])] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def _layer(module: str) -> int:
+    matches = [(len(prefix), i) for i, (_, prefixes) in enumerate(LAYERS) for prefix in prefixes
+               if module == prefix or module.startswith(prefix + ".")]
+    assert matches, f"{module} is in no layer: add it to LAYERS in {Path(__file__).name}"
+    return max(matches)[1]
+
+
+def _run_time_nodes(body: list[ast.stmt]):
+    """Every node of ``body``, less the bodies of ``if TYPE_CHECKING:``."""
+    for node in body:
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            yield from _run_time_nodes(node.orelse)
+            continue
+        yield node
+        for child in ast.iter_child_nodes(node):
+            yield from _run_time_nodes([child])  # type: ignore[list-item]
+
+
+def _imports(module: str, path: Path) -> list[tuple[str, str, int]]:
+    """(imported module, imported name or "", line) for every run-time import of the package's modules."""
+    tree = ast.parse(path.read_text())
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    out = []
+    for node in _run_time_nodes(tree.body):
+        if isinstance(node, ast.Import):
+            out += [(a.name, "", node.lineno) for a in node.names if a.name in MODULES]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[:len(parts) - node.level + 1] + ([node.module] if node.module else []))
+            for a in node.names:
+                if f"{base}.{a.name}" in MODULES:  # a submodule
+                    out.append((f"{base}.{a.name}", "", node.lineno))
+                elif base in MODULES:
+                    out.append((base, a.name, node.lineno))
+    return [(target, name, line) for target, name, line in out if target != module]
+
+
+GRAPH = nx.DiGraph()
+for _name, _path in MODULES.items():
+    GRAPH.add_node(_name)
+    for _target, _imported, _line in _imports(_name, _path):
+        GRAPH.add_edge(_name, _target, line=_line, name=_imported)
+
+
+def test_every_module_is_in_a_layer():
+    for module in MODULES:
+        _layer(module)
+    for must in ("pipesplit.passes.planner", "pipesplit.runtime.pipeline", "pipesplit.bench.run"):
+        assert must in MODULES
+
+
+def _runs(target: str) -> list[str]:
+    """``target`` and the subpackages importing it runs first (their ``__init__``), the root aside."""
+    parts = target.split(".")
+    return [".".join(parts[:i]) for i in range(2, len(parts))
+            if ".".join(parts[:i]) in MODULES] + [target]
+
+
+def test_imports_point_down_the_flow():
+    """Importing ``a.b.c`` runs ``a.b``'s ``__init__`` first: a package whose ``__init__`` pulls in a
+    driver would drag it under every module that imports one of its parts."""
+    upward = [f"{a} ({LAYERS[_layer(a)][0]}) imports {b} ({LAYERS[_layer(b)][0]}) at line {GRAPH.edges[a, t]['line']}"
+              for a, t in GRAPH.edges for b in _runs(t) if b != a and _layer(b) > _layer(a)]
+    assert not upward, "imports against the flow:\n" + "\n".join(sorted(set(upward)))
+
+
+def test_no_import_cycles():
+    cycles = list(nx.simple_cycles(GRAPH))
+    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c + c[:1]) for c in cycles[:10])
+
+
+def test_no_private_names_cross_modules():
+    private = [f"{a} imports {d['name']} from {b} (line {d['line']})" for a, b, d in GRAPH.edges(data=True)
+               if d["name"].startswith("_")]
+    assert not private, "private names used across modules:\n" + "\n".join(sorted(private))
+
+
+@pytest.mark.parametrize("source, expect", [
+    ("from pipesplit.api import compile\n", "imports against the flow"),
+    ("def f():\n    from pipesplit.runtime.pipeline import Pipeline\n", "imports against the flow"),
+])
+def test_the_check_sees_an_upward_import(source, expect, tmp_path):
+    """The check itself can fail: an import of the driver from the bottom layer, at the top of a
+    module or hidden in a function, is reported."""
+    path = tmp_path / "errors.py"
+    path.write_text(source)
+    edges = _imports("pipesplit.errors", path)
+    assert edges and all(_layer(target) > _layer("pipesplit.errors") for target, _, _ in edges), expect
+
+
+def test_the_check_sees_a_package_that_pulls_in_a_driver():
+    assert _runs("pipesplit.bench.run") == ["pipesplit.bench", "pipesplit.bench.run"]
+    assert _runs("pipesplit.passes.flops") == ["pipesplit.passes", "pipesplit.passes.flops"]
+    assert _layer("pipesplit.bench") < _layer("pipesplit.bench.run"), "bench/__init__ must not import its driver"
