@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import difflib
 import fnmatch
 from dataclasses import dataclass
 from typing import Mapping, Sequence
@@ -10,25 +9,18 @@ from typing import Mapping, Sequence
 import numpy as np
 import torch.fx as fx
 
-from pipesplit.errors import PlanError
-
-
-def module_paths_of(node: fx.Node) -> list[str]:
-    return [path for path, _ in (node.meta.get("nn_module_stack") or {}).values() if path]
+from pipesplit.errors import PlanError, did_you_mean
+from pipesplit.meta import node_module_paths
 
 
 def _positions(nodes: Sequence[fx.Node], path: str) -> list[int]:
-    return [i for i, n in enumerate(nodes) if path in module_paths_of(n)]
+    return [i for i, n in enumerate(nodes) if path in node_module_paths(n)]
 
 
 def _resolve(pattern: str, known: set[str], what: str) -> list[str]:
     matched = sorted(p for p in known if fnmatch.fnmatchcase(p, pattern))
     if not matched:
-        close = difflib.get_close_matches(pattern, sorted(known), n=3)
-        raise PlanError(
-            f"{what} {pattern!r} matches no module of the model"
-            + (f"; did you mean {', '.join(map(repr, close))}?" if close else ".")
-        )
+        raise PlanError(f"{what} {pattern!r} matches no module of the model" + (did_you_mean(pattern, known) or "."))
     return matched
 
 

@@ -9,8 +9,8 @@ from typing import Any, Callable, Mapping, Sequence, Union
 
 import torch.fx as fx
 
-from pipesplit.errors import CostError, PlanError
-from pipesplit.meta import NodeCost, node_cost
+from pipesplit.errors import CostError, PlanError, did_you_mean
+from pipesplit.meta import NodeCost, node_cost, node_module_paths
 from pipesplit.passes.chain import Chain, build_chain, compute_nodes
 from pipesplit.passes.constraints import forbid_cuts_inside, pin_ranges
 from pipesplit.passes.costs import unknown_ops
@@ -59,8 +59,7 @@ def cost_function(cost: CostSpec) -> tuple[str, CostFn]:
     """
     if isinstance(cost, str):
         if cost not in BUILTIN_COSTS:
-            close = difflib.get_close_matches(cost, BUILTIN_COSTS, n=1)
-            hint = f" Did you mean {close[0]!r}?" if close else ""
+            hint = did_you_mean(cost, BUILTIN_COSTS, n=1, sentence=True)
             raise CostError(f"unknown cost {cost!r}; choose one of {sorted(BUILTIN_COSTS)} or pass a cost object.{hint}")
         return cost, BUILTIN_COSTS[cost]
     if hasattr(cost, "node_cost"):
@@ -260,10 +259,6 @@ def cheap_to_recompute(
     return out
 
 
-def _module_path_of(node: fx.Node) -> list[str]:
-    return [path for path, _ in (node.meta.get("nn_module_stack") or {}).values()]
-
-
 def plan_from_split_points(
     gm: fx.GraphModule, split_points: Sequence[str], module_paths: set[str], cost: CostSpec = "flops"
 ) -> Plan:
@@ -272,12 +267,9 @@ def plan_from_split_points(
     starts = [0]
     for point in split_points:
         if point not in module_paths:
-            close = difflib.get_close_matches(point, sorted(module_paths), n=3)
-            raise PlanError(
-                f"split point {point!r} names no module of the model"
-                + (f"; did you mean {', '.join(map(repr, close))}?" if close else ".")
-            )
-        first = next((i for i, n in enumerate(nodes) if point in _module_path_of(n)), None)
+            raise PlanError(f"split point {point!r} names no module of the model"
+                            + (did_you_mean(point, module_paths) or "."))
+        first = next((i for i, n in enumerate(nodes) if point in node_module_paths(n)), None)
         if first is None:
             raise PlanError(f"split point {point!r} is a module that runs no operation in the captured graph.")
         if first <= starts[-1]:

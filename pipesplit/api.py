@@ -15,7 +15,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from pipesplit.agree import agree_on_plan
-from pipesplit.capture import capture
+from pipesplit.capture import as_args, capture
 from pipesplit.errors import PlanError
 from pipesplit.export import paused_gc
 from pipesplit.generalise import recapture_fn
@@ -255,7 +255,7 @@ def compile(
             chosen = replan()
             if refine:
                 devs = check_devices(list(devices) if devices is not None else [device0] * k, k)
-                args = example_input if isinstance(example_input, tuple) else (example_input,)
+                args = as_args(example_input)
                 chosen = refine_plan(
                     gm, captured, chosen, replan, devs, args, example_kwargs or {}, rounds=refine, schedule=sched,
                     comm=comm or CommModel(), progress=progress,

@@ -97,7 +97,8 @@ class Captured:
         return bool(tensors) and all(i.shape[d] is None for i in tensors if i.shape)
 
 
-def _as_args(example_input: Any) -> tuple[Any, ...]:
+def as_args(example_input: Any) -> tuple[Any, ...]:
+    """The positional arguments an example stands for: a tuple is the arguments, anything else the one argument."""
     return example_input if isinstance(example_input, tuple) else (example_input,)
 
 
@@ -264,7 +265,7 @@ def capture(
     """
     if not isinstance(model, nn.Module):
         raise CaptureError(f"compile() takes an nn.Module, got {type(model).__name__}.")
-    args = _as_args(args)
+    args = as_args(args)
     notes: list[str] = []
     given = dict(kwargs or {})
     kwargs = _default_use_cache(model, given, notes)

@@ -10,21 +10,19 @@ import graphviz
 import torch.fx as fx
 
 from pipesplit.errors import PipesplitError
-from pipesplit.meta import node_cost
+from pipesplit.meta import COMPUTE_OPS, node_cost, node_module_paths
 from pipesplit.passes.flops import op_name
 from pipesplit.units import format_cost, human_bytes, human_count
 
 if TYPE_CHECKING:
     from pipesplit.program import SplitProgram
 
-_COMPUTE = ("call_function", "call_module", "call_method")
 _MAX_GROUPS = 40
 _SHADES = ["#f7fbff", "#deebf7", "#c6dbef", "#9ecae1", "#6baed6"]
 
 
 def _module_path(node: fx.Node) -> str:
-    stack = node.meta.get("nn_module_stack") or {}
-    paths = [p for p, _ in stack.values() if p and not p.startswith("_empty_nn_module_stack")]  # torch's placeholder
+    paths = node_module_paths(node)
     return paths[-1] if paths else ""
 
 
@@ -34,7 +32,7 @@ def _group_key(node: fx.Node, depth: int) -> str:
 
 
 def _auto_depth(prog: "SplitProgram") -> int:
-    nodes = [n for s in prog.stages for n in s.module.graph.nodes if n.op in _COMPUTE]
+    nodes = [n for s in prog.stages for n in s.module.graph.nodes if n.op in COMPUTE_OPS]
     best = 1
     for depth in range(1, 8):
         groups = {(id(n.graph), _group_key(n, depth)) for n in nodes}
@@ -84,7 +82,7 @@ def build_dot(
             graph = stage.module.graph
             members: dict[str, list[fx.Node]] = {}
             for n in graph.nodes:
-                if n.op in _COMPUTE:
+                if n.op in COMPUTE_OPS:
                     key = n.name if detail == "node" else _group_key(n, depth or 1)
                     members.setdefault(key, []).append(n)
             for key, nodes in members.items():
@@ -102,22 +100,22 @@ def build_dot(
                     where[(s, n.name)] = gid
             for ph in (n for n in graph.nodes if n.op == "placeholder"):
                 where.setdefault((s, ph.name), f"s{s}_in_{ph.name}")
-                if not any(u.op in _COMPUTE for u in ph.users):  # only handed on to the outputs
+                if not any(u.op in COMPUTE_OPS for u in ph.users):  # only handed on to the outputs
                     passed[(s, ph.name)] = where[(s, ph.name)]
                     sub.node(passed[(s, ph.name)], f"{ph.name}\\n(passed through)", shape="note", fillcolor="white")
             edges = set()
             for n in graph.nodes:
-                if n.op not in _COMPUTE:
+                if n.op not in COMPUTE_OPS:
                     continue
                 for a in n.all_input_nodes:
-                    if a.op in _COMPUTE and where[(s, a.name)] != where[(s, n.name)]:
+                    if a.op in COMPUTE_OPS and where[(s, a.name)] != where[(s, n.name)]:
                         edges.add((where[(s, a.name)], where[(s, n.name)]))
             for a, b in sorted(edges):
                 sub.edge(a, b)
     firsts: dict[tuple[int, str], str] = {}
     for stage in prog.stages:
         for n in stage.module.graph.nodes:
-            if n.op in _COMPUTE:
+            if n.op in COMPUTE_OPS:
                 for a in n.all_input_nodes:
                     if a.op == "placeholder":
                         firsts.setdefault((stage.index, a.name), where[(stage.index, n.name)])

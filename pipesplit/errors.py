@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import difflib
+from typing import Iterable
+
 
 class PipesplitError(Exception):
     """Base class of every error pipesplit raises on purpose.
@@ -33,3 +36,22 @@ class ScheduleError(PipesplitError):
 
 class RuntimeCommError(PipesplitError):
     """A peer did not answer in time or died while others waited on it."""
+
+
+def did_you_mean(name: object, known: Iterable[str], *, n: int = 3, sentence: bool = False) -> str:
+    """The close matches of ``name`` among ``known`` as an error message's hint, or ``""``.
+
+    ``"; did you mean 'a', 'b'?"`` to end a clause, or ``" Did you mean 'a'?"`` (``sentence``)
+    to follow a full stop.
+
+    >>> did_you_mean("1fb1", ["gpipe", "1f1b"], n=1, sentence=True)
+    " Did you mean '1f1b'?"
+    >>> did_you_mean("layer.0", ["layers.0", "layers.1"], n=2)
+    "; did you mean 'layers.0', 'layers.1'?"
+    >>> did_you_mean("zzz", ["gpipe"])
+    ''
+    """
+    close = difflib.get_close_matches(str(name), sorted(known), n=n)
+    if not close:
+        return ""
+    return f"{' Did' if sentence else '; did'} you mean {', '.join(map(repr, close))}?"

@@ -12,6 +12,13 @@ META_KEY = "pipesplit_cost"
 COMPUTE_OPS = ("call_function", "call_module", "call_method")  # the nodes that run an operation
 
 
+def node_module_paths(node: fx.Node) -> list[str]:
+    """The submodules ``node`` ran inside, outermost first (``["layers", "layers.0", "layers.0.attn"]``),
+    from export's ``nn_module_stack``; the root and torch's placeholders left out."""
+    return [p for p, _ in (node.meta.get("nn_module_stack") or {}).values()
+            if p and not p.startswith("_empty_nn_module_stack")]
+
+
 @dataclass(frozen=True)
 class NodeCost:
     """Costs of one graph node, written by ``pipesplit.passes.costs.annotate_costs``.

@@ -18,6 +18,7 @@ from pipesplit.api import compile as compile_model
 from pipesplit.bench.load import load_summary, machine_load
 from pipesplit.bench.predict import Prediction, boundary_bytes_per_step, predict
 from pipesplit.bench.result import BenchmarkResult, BenchRow, RunDetail
+from pipesplit.capture import as_args
 from pipesplit.errors import InputError, PipesplitError, ScheduleError
 from pipesplit.passes.planner import BUILTIN_COSTS, cost_function
 from pipesplit.program import SplitProgram
@@ -204,7 +205,7 @@ def benchmark(
     """
     from tqdm.auto import tqdm
 
-    args = example_input if isinstance(example_input, tuple) else (example_input,)
+    args = as_args(example_input)
     kwargs = dict(example_kwargs or {})
     is_prog = isinstance(model, SplitProgram)
     if is_prog and (num_stages is not None or cost is not None):

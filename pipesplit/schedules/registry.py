@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-import difflib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Union
 
-from pipesplit.errors import ScheduleError
+from pipesplit.errors import ScheduleError, did_you_mean
 from pipesplit.schedules.actions import Action
 from pipesplit.schedules.schedule import Schedule
 from pipesplit.schedules.validate import validate
@@ -151,8 +150,7 @@ def schedule_info(name: str) -> RegisteredSchedule:
 def _lookup(name: str) -> RegisteredSchedule:
     if name in _REGISTRY:
         return _REGISTRY[name]
-    close = difflib.get_close_matches(str(name), list(_REGISTRY), n=1)
-    hint = f" Did you mean {close[0]!r}?" if close else ""
+    hint = did_you_mean(name, _REGISTRY, n=1, sentence=True)
     raise ScheduleError(f"Unknown schedule {name!r}.{hint} Known schedules: {', '.join(list_schedules())}.")
 
 
