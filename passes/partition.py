@@ -81,29 +81,45 @@ class _Solver:
                 lo = mid + 1
         return lo
 
-    def fewest_bytes(self, k: int, cap: int) -> tuple[float, list[int]] | None:
-        """Exactly ``k`` non-empty stages each <= cap, minimising the summed cut bytes."""
+    def fewest_bytes(self, k: int, cap: int, limits: "StageLimits | None" = None) -> tuple[float, list[int]] | None:
+        """Exactly ``k`` non-empty stages each <= cap, minimising the summed cut bytes; with
+        ``limits``, also within each stage's memory window and start range."""
+        if limits is not None and limits.end_hi is not None:
+            return pushed_bytes(self, k, cap, limits)
         n, P = self.n, self.P
         j = np.arange(n + 1)
-        lo = np.maximum(np.searchsorted(P, P - cap, side="left"), self.mem_lo)
-        hi = j - 1
-        inf = np.inf
-        dp = np.full(n + 1, inf)
-        ok0 = (lo <= 0) & (j >= 1) & self.allowed
-        dp[ok0] = 0.0
-        dp[ok0 & (j < n)] += self.cut_bytes[ok0 & (j < n)]
-        window = _RangeMin(lo, hi, n + 1)
-        open_ = self.allowed & (hi >= lo)
-        open_[:1] = False
+        base = np.maximum(np.searchsorted(P, P - cap, side="left"), self.mem_lo)
         tail = np.where(j < n, self.cut_bytes, 0.0)
+        ranged = limits is not None and limits.start_lo is not None and limits.start_hi is not None
+        per_stage = limits is not None and (limits.mem_lo is not None or ranged)
+
+        def window(s: int) -> tuple[np.ndarray, np.ndarray]:
+            if not per_stage:
+                return base, j - 1
+            lo = base if limits.mem_lo is None else np.maximum(base, limits.mem_lo[s])  # type: ignore[union-attr]
+            hi = j - 1
+            if ranged and s > 0:
+                lo = np.maximum(lo, limits.start_lo[s])  # type: ignore[union-attr,index]
+                hi = np.minimum(hi, limits.start_hi[s])  # type: ignore[union-attr,index]
+            return lo, hi
+
+        lo0, _ = window(0)
+        dp = np.full(n + 1, np.inf)
+        ok = (lo0 <= 0) & (j >= 1) & self.allowed
+        dp[ok] = tail[ok]
+        shared = None if per_stage else _RangeMin(base, j - 1, n + 1)  # one window for every stage
         history = []
-        for _ in range(k - 1):
-            history.append(dp)
-            dp = np.where(open_, window.min(dp), inf) + tail
+        for s in range(1, k):
+            lo, hi = window(s)
+            open_ = self.allowed & (hi >= lo)
+            open_[:1] = False
+            history.append((dp, lo, hi))
+            window_min = shared if shared is not None else _RangeMin(lo, hi, n + 1)
+            dp = np.where(open_, window_min.min(dp), np.inf) + tail
         if not np.isfinite(dp[n]):
             return None
         starts, pos = [n], n
-        for prev in reversed(history):  # leftmost argmin of the window that gave dp[pos]
+        for prev, lo, hi in reversed(history):  # leftmost argmin of the window that gave dp[pos]
             pos = int(lo[pos]) + int(np.argmin(prev[lo[pos] : hi[pos] + 1]))
             starts.append(pos)
         return float(dp[n]), sorted(set(starts[1:]) | {0})
@@ -268,43 +284,6 @@ def stage_memory_limits(chain: Chain, cap: int, in_flight: Sequence[int]) -> tup
     return tuple(cache[k] for k in in_flight)
 
 
-def _limited_bytes(solver: "_Solver", k: int, cap: int, limits: StageLimits) -> tuple[float, list[int]] | None:
-    """Like ``_Solver.fewest_bytes`` with per-stage memory windows and start ranges."""
-    if limits.end_hi is not None:
-        return pushed_bytes(solver, k, cap, limits)
-    n, P = solver.n, solver.P
-    j = np.arange(n + 1)
-    base = np.maximum(np.searchsorted(P, P - cap, side="left"), solver.mem_lo)
-    tail = np.where(j < n, solver.cut_bytes, 0.0)
-
-    def window(s: int) -> tuple[np.ndarray, np.ndarray]:
-        lo = base if limits.mem_lo is None else np.maximum(base, limits.mem_lo[s])
-        hi = j - 1
-        if limits.start_lo is not None and limits.start_hi is not None and s > 0:
-            lo = np.maximum(lo, limits.start_lo[s])
-            hi = np.minimum(hi, limits.start_hi[s])
-        return lo, hi
-
-    lo0, _ = window(0)
-    dp = np.full(n + 1, np.inf)
-    ok = (lo0 <= 0) & (j >= 1) & solver.allowed
-    dp[ok] = tail[ok]
-    history = []
-    for s in range(1, k):
-        lo, hi = window(s)
-        open_ = solver.allowed & (hi >= lo)
-        open_[:1] = False
-        history.append((dp, lo, hi))
-        dp = np.where(open_, _RangeMin(lo, hi, n + 1).min(dp), np.inf) + tail
-    if not np.isfinite(dp[n]):
-        return None
-    starts, pos = [n], n
-    for prev, lo, hi in reversed(history):
-        pos = int(lo[pos]) + int(np.argmin(prev[lo[pos] : hi[pos] + 1]))
-        starts.append(pos)
-    return float(dp[n]), sorted(set(starts[1:]) | {0})
-
-
 def solve_candidates(
     chain: Chain,
     num_stages: int,
@@ -328,7 +307,7 @@ def solve_candidates(
     else:
 
         def feasible(cap: int) -> tuple[float, list[int]] | None:
-            return _limited_bytes(solver, num_stages, cap, limits)
+            return solver.fewest_bytes(num_stages, cap, limits)
 
         lo = solver.min_bottleneck(num_stages)  # a bound: limits only remove splits
         total = int(solver.P[-1])

@@ -76,7 +76,7 @@ def _range_chmin(lo: np.ndarray, hi: np.ndarray, values: np.ndarray, n: int) -> 
 
 
 def pushed_bytes(solver: Any, k: int, cap: int, limits: Any) -> tuple[float, list[int]] | None:
-    """``partition._limited_bytes`` for limits given per start (``StageLimits.end_hi``): each
+    """``partition._Solver.fewest_bytes`` for limits given per start (``StageLimits.end_hi``): each
     start pushes to the ends it may reach (``solver`` is a ``partition._Solver``)."""
     n, P = solver.n, solver.P
     j = np.arange(n + 1)
