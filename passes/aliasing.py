@@ -59,10 +59,10 @@ def _subgraph(node: fx.Node) -> tuple[fx.Graph, list[fx.Node]] | None:
     subs = [i for i, m in modules.items() if isinstance(m, fx.GraphModule)]
     if len(subs) != 1:
         return None
-    graph = modules[subs[0]].graph  # type: ignore[union-attr]
-    operands = list(node.args[subs[0] + 1:])
+    graph = modules[subs[0]].graph
+    operands = [a for a in node.args[subs[0] + 1:] if isinstance(a, fx.Node)]
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    if node.kwargs or len(placeholders) != len(operands) or not all(isinstance(a, fx.Node) for a in operands):
+    if node.kwargs or len(placeholders) != len(operands) or len(operands) != len(node.args[subs[0] + 1:]):
         return None
     return graph, operands
 

@@ -43,7 +43,7 @@ class Chain:
 
     def node_memory(self) -> np.ndarray:
         """Bytes each node alone would hold as a stage."""
-        out = self.mem.copy()
+        out: np.ndarray = self.mem.copy()
         for nbytes, positions in self.shared:
             out[list(positions)] += nbytes
         return out

@@ -39,7 +39,7 @@ def forbid_cuts_inside(
 
     Patterns may use shell wildcards: ``"blocks.*"`` keeps every block whole.
     """
-    out = allowed.copy()
+    out: np.ndarray = allowed.copy()
     for pattern in no_split:
         for path in _resolve(pattern, known, "no_split entry"):
             pos = _positions(nodes, path)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import operator
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence, cast
 
 import torch
 import torch.fx as fx
@@ -80,7 +80,7 @@ def _einsum(node: fx.Node) -> OpFlops:
     first, which costs no multiply-adds; each contraction then costs 2 FLOPs per
     point of the union of its two operands' indices.
     """
-    equation, operands = str(node.args[0]).replace(" ", ""), node.args[1]
+    equation, operands = str(node.args[0]).replace(" ", ""), cast(Sequence[fx.Node], node.args[1])
     lhs, arrow, rhs = equation.partition("->")
     terms = [t.replace("...", ".") for t in lhs.split(",")]  # "." stands for the ellipsis dims
     sizes: dict[str, int] = {}

@@ -9,6 +9,8 @@ cannot be switched; compile from ``model.eval()`` for such models.
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 import torch
 import torch.fx as fx
 
@@ -24,11 +26,11 @@ _SDPA = {aten.scaled_dot_product_attention.default}
 
 def _set_arg(node: fx.Node, index: int, name: str, value: object) -> None:
     if len(node.args) > index:
-        args = list(node.args)
+        args: list[Any] = list(node.args)
         args[index] = value
         node.args = tuple(args)
     else:
-        node.kwargs = {**node.kwargs, name: value}
+        node.kwargs = {**node.kwargs, name: cast(Any, value)}
 
 
 def _counts_batches(node: fx.Node) -> bool:

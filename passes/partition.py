@@ -249,7 +249,7 @@ def _checked_solver(chain: Chain, num_stages: int, mem_cap: int | None) -> "_Sol
     return solver
 
 
-def largest_stage(chain: Chain, starts: list[int]) -> float:
+def largest_stage(chain: Chain, starts: Sequence[int]) -> float:
     """The cost of the most expensive stage when ``chain`` is cut at ``starts``."""
     bounds = list(starts) + [chain.n]
     return max(float(chain.cost[a:b].sum()) for a, b in zip(bounds, bounds[1:]))

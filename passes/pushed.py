@@ -34,7 +34,7 @@ def checkpointed_memory_ends(chain: Chain, cap: int, in_flight: Sequence[int]) -
     reads = [np.append(np.array(pos), n) for _, pos in chain.shared]
 
     def held(i: np.ndarray, j: np.ndarray, k: int) -> np.ndarray:
-        out = M[j] - M[i] + k * chain.cut_bytes[i]
+        out: np.ndarray = M[j] - M[i] + k * chain.cut_bytes[i]
         for (nbytes, _), nxt, pos in zip(chain.shared, next_read, reads):
             out = out + nbytes * (pos[nxt[i]] < j)
         return out
@@ -72,7 +72,8 @@ def _range_chmin(lo: np.ndarray, hi: np.ndarray, values: np.ndarray, n: int) -> 
         span = 1 << (lv - 1)
         np.minimum(table[lv - 1], table[lv], out=table[lv - 1])
         np.minimum(table[lv - 1, span:], table[lv, : n - span], out=table[lv - 1, span:])
-    return table[0]
+    result: np.ndarray = table[0]
+    return result
 
 
 def pushed_bytes(solver: Any, k: int, cap: int, limits: Any) -> tuple[float, list[int]] | None:

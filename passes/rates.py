@@ -20,7 +20,7 @@ import functools
 import math
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, cast
 
 import torch
 import torch.fx as fx
@@ -166,7 +166,7 @@ def _measure(device: str, threads: int) -> DeviceRates:
         for _ in range(blocks):
             h = aten.layer_norm.default(aten.linear.default(y, w, bias), [width])
             y = aten.add.Tensor(y, aten.gelu.default(h))
-        return aten.sum.default(y)
+        return cast(torch.Tensor, aten.sum.default(y))
 
     forward_op = _quartile(forward, 9, sync) / ops
     backward_op = max(_quartile(lambda: forward().backward(), 9, sync) / ops - forward_op, forward_op)

@@ -223,4 +223,4 @@ def step_lower_bound(seconds: np.ndarray, schedule: Schedule, checkpoint: bool =
     Checkpointing adds the recomputed forward to the work (before each backward)."""
     f, i, w = seconds.sum(axis=0)
     redo = f if checkpoint else 0.0
-    return max(schedule.n_microbatches * (f + redo + i + w) / schedule.n_ranks, f + redo + i)
+    return float(max(schedule.n_microbatches * (f + redo + i + w) / schedule.n_ranks, f + redo + i))

@@ -86,7 +86,7 @@ def _check_devices_exist(devices: Any, num_stages: int | None) -> None:
         except (RuntimeError, TypeError) as e:
             raise PlanError(f"devices[{s}]={d!r} is not a device ({e}); use names like 'cpu' or 'cuda:0'.") from None
         module = getattr(torch, dev.type, None)
-        if dev.type == "cpu" or not hasattr(module, "device_count"):
+        if dev.type == "cpu" or module is None or not hasattr(module, "device_count"):
             continue
         count = module.device_count()
         if (dev.index or 0) >= count:

@@ -6,7 +6,7 @@ import operator
 import inspect
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Collection
+from typing import Any, Collection, cast
 
 import torch
 import torch.fx as fx
@@ -103,7 +103,7 @@ def as_args(example_input: Any) -> tuple[Any, ...]:
 
 
 def _dynamic_shapes(
-    model: nn.Module, args: tuple, kwargs: dict, batch_dim: int, unbatched: Collection[str] = ()
+    model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], batch_dim: int, unbatched: Collection[str] = ()
 ) -> dict[str, Any]:
     """Mark the batch dim of every tensor input ``Dim.AUTO`` (dynamic wherever the model allows),
     except in the arguments named in ``unbatched``, which stay static."""
@@ -120,13 +120,13 @@ def _dynamic_shapes(
     }
 
 
-def _argument_of_each_leaf(model: nn.Module, args: tuple, kwargs: dict) -> list[str]:
+def _argument_of_each_leaf(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[str]:
     """For each flat input (in ``tree_flatten((args, kwargs))`` order), the forward() argument it belongs to."""
     params = list(inspect.signature(model.forward).parameters.values())
     leaves, _ = pytree.tree_flatten_with_path((args, kwargs))
     out = []
     for path, _leaf in leaves:
-        where, key = path[0].idx, path[1]
+        where, key = cast(Any, path[0]).idx, cast(Any, path[1])  # (args, kwargs)[where], then a position or a name
         if where == 0:
             i = key.idx
             p = params[min(i, len(params) - 1)]
@@ -159,7 +159,7 @@ def _ranges(ep: Any, val: torch.Tensor) -> dict[int, tuple[int, int | None]]:
     for dim, size in enumerate(val.shape):
         if is_concrete_int(size):
             continue
-        vr = ep.range_constraints.get(size.node.expr)
+        vr = ep.range_constraints.get(cast(torch.SymInt, size).node.expr)
         if vr is None:
             continue
         out[dim] = (_finite(vr.lower) or 0, _finite(vr.upper))
@@ -183,7 +183,8 @@ def _state_entries(model: nn.Module) -> tuple[list[StateEntry], dict[int, int]]:
         for prefix, mod in model.named_modules(remove_duplicate=False)
         for b in mod._non_persistent_buffers_set
     }
-    named = [(n, t, True) for n, t in model.named_parameters(remove_duplicate=False)]
+    named: list[tuple[str, torch.Tensor, bool]] = [
+        (n, t, True) for n, t in model.named_parameters(remove_duplicate=False)]
     named += [(n, t, False) for n, t in model.named_buffers(remove_duplicate=False)]
     for name, tensor, is_param in named:
         key = id(tensor)
@@ -302,8 +303,8 @@ def capture(
         target_to_entry[node.target] = idx
     state_keys = {key: by_id[id(t)] for key, t in model.state_dict(keep_vars=True).items() if id(t) in by_id}
     if copy_state:
-        for e in entries:  # the program's own copies: the user's tensors are never touched
-            e.tensor = _own_copy(e.tensor, e.is_param)
+        for entry in entries:  # the program's own copies: the user's tensors are never touched
+            entry.tensor = _own_copy(entry.tensor, entry.is_param)
         for target, idx in target_to_entry.items():
             rebind(gm, target, entries[idx].tensor)
 

@@ -125,29 +125,29 @@ def build_dot(
                 target = firsts.get((stage.index, name)) or passed.get((stage.index, name))
                 if target:
                     dot.edge("inputs", target, label=name, style="dashed")
-    for b in prog.boundaries:
-        head = firsts.get((b.dst, b.name)) or passed.get((b.dst, b.name))
-        tail = where.get((b.src, b.name))
-        if head and tail and b.kind != "tensor":  # a size or scalar: a few bytes, drawn lightly
-            dot.edge(tail, head, label=_edge_label(b), color="#999999", fontcolor="#777777", penwidth="1",
+    for bound in prog.boundaries:
+        head = firsts.get((bound.dst, bound.name)) or passed.get((bound.dst, bound.name))
+        tail = where.get((bound.src, bound.name))
+        if head and tail and bound.kind != "tensor":  # a size or scalar: a few bytes, drawn lightly
+            dot.edge(tail, head, label=_edge_label(bound), color="#999999", fontcolor="#777777", penwidth="1",
                      style="dashed")
         elif head and tail:
-            dot.edge(tail, head, label=_edge_label(b), color="#d62728", fontcolor="#d62728", penwidth="2")
+            dot.edge(tail, head, label=_edge_label(bound), color="#d62728", fontcolor="#d62728", penwidth="2")
     dot.node("outputs", "outputs", shape="oval", fillcolor="#eeeeee")
     last = prog.stages[-1]
     for name in last.outputs:
-        src = where.get((last.index, name))
-        if src is None:  # passed through the last stage from an earlier one
-            src = next((where[(b.src, name)] for b in prog.boundaries if b.name == name and (b.src, name) in where), None)
-        if src:
-            dot.edge(src, "outputs", style="dashed")
+        made = where.get((last.index, name))
+        if made is None:  # passed through the last stage from an earlier one
+            made = next((where[(b.src, name)] for b in prog.boundaries if b.name == name and (b.src, name) in where), None)
+        if made:
+            dot.edge(made, "outputs", style="dashed")
     return dot
 
 
 def program_dot(
     prog: "SplitProgram", detail: str = "module", depth: int | None = None, stage_times: Sequence[float] | None = None
 ) -> str:
-    return build_dot(prog, detail, depth, stage_times).source
+    return str(build_dot(prog, detail, depth, stage_times).source)
 
 
 def render(
@@ -164,7 +164,7 @@ def render(
             f.write(dot.source)
         return path
     try:
-        return dot.render(outfile=path, format=fmt, cleanup=True)
+        return str(dot.render(outfile=path, format=fmt, cleanup=True))
     except graphviz.ExecutableNotFound:
         raise PipesplitError(
             f"rendering {path} needs graphviz's `dot` program, which is not installed "

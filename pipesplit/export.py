@@ -15,7 +15,7 @@ import os
 import sys
 import time
 import traceback
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence, cast
 
 import torch
 import torch.fx as fx
@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 _TORCH_DIR = os.path.dirname(torch.__file__)
 
 
-def export_quietly(model: torch.nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any) -> tuple[Any, float]:
+def export_quietly(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], dynamic_shapes: Any) -> tuple[Any, float]:
     """``torch.export.export`` (non-strict) and the seconds it took; a failure raises CaptureError."""
     start = time.perf_counter()
     printed = io.StringIO()
@@ -107,7 +107,7 @@ def unlift(ep: Any) -> tuple[fx.GraphModule, pytree.TreeSpec, pytree.TreeSpec]:
         graph.erase_node(node)
         by_target[target] = getter
     output = graph.output_node()
-    values = list(output.args[0])
+    values = list(cast(Sequence[Any], output.args[0]))
     kept = []
     for value, spec in zip(values, sig.output_specs):
         if spec.kind in (OutputKind.BUFFER_MUTATION, OutputKind.PARAMETER_MUTATION):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import cast
 
 import torch.fx as fx
 
@@ -68,7 +69,7 @@ def node_cost(node: fx.Node) -> NodeCost:
             f"node {node.name!r} has no cost annotation: run "
             "pipesplit.passes.costs.annotate_costs(gm) before planning."
         )
-    return cost
+    return cast(NodeCost, cost)
 
 
 def set_node_cost(node: fx.Node, cost: NodeCost) -> None:

@@ -50,7 +50,8 @@ class Stage:
         return [name for name, _, _ in self.inputs]
 
     def __call__(self, *args: Any) -> tuple[Any, ...]:
-        return self.module(*args)
+        out: tuple[Any, ...] = self.module(*args)
+        return out
 
 
 class SplitProgram(ProgramState):

@@ -113,12 +113,12 @@ def _is_random(node: fx.Node) -> bool:
     name = op._schema.name.split("::")[-1]
     if name.startswith("scaled_dot_product") or name.startswith("_scaled_dot_product"):
         p = node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
-        return p != 0.0
+        return bool(p != 0.0)
     if name in _DROPOUT_TRAIN_ARG:
         i = _DROPOUT_TRAIN_ARG[name]
         train = node.args[i] if len(node.args) > i else node.kwargs.get("train", True)
         p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
-        return bool(train) and p != 0.0
+        return bool(train) and bool(p != 0.0)
     return True
 
 

@@ -94,12 +94,12 @@ def microbatch_bytes(prog: SplitProgram, b: Any, mb: int, n_microbatches: int) -
     they are taken to grow in proportion to the batch (as activations do).
     """
     if prog.static_batch is not None:
-        return b.nbytes * mb / prog.static_batch
+        return float(b.nbytes * mb / prog.static_batch)
     try:
         numel = float(np.prod(prog.resolve_shape(b, mb)))
         return numel * (torch.empty((), dtype=b.dtype).element_size() if b.dtype else 4)
     except InputError:  # a size that is not a function of the batch: fall back to the example's bytes
-        return b.nbytes / max(n_microbatches, 1)
+        return float(b.nbytes / max(n_microbatches, 1))
 
 
 def cut_seconds(prog: SplitProgram, batch: int, n_microbatches: int, comm: CommModel) -> list[float]:
@@ -160,8 +160,11 @@ def split_backward(prog: SplitProgram, schedule: Schedule, costs: list[StageCost
     """Stage times with the W of every stage the schedule splits (I, then W) charged the split's
     fixed cost per weight op (:func:`~pipesplit.runtime.weight_grads.split_overhead_s`)."""
     split = {a.stage for actions in schedule.actions for a in actions if a.kind is ActionKind.BACKWARD_WEIGHT}
-    return [dataclasses.replace(c, backward_weight=c.backward_weight + weight_ops(s.module) * split_overhead_s(s.device))
-            if s.index in split else c for c, s in zip(costs, prog.stages)]
+    out = []
+    for c, s in zip(costs, prog.stages):
+        extra = weight_ops(s.module) * split_overhead_s(s.device) if s.index in split else 0.0
+        out.append(dataclasses.replace(c, backward_weight=c.backward_weight + extra))
+    return out
 
 
 def predict(

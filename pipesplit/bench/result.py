@@ -262,4 +262,4 @@ class BenchmarkResult:
     def render_split(self, path: str | os.PathLike[str], row: BenchRow | int | None = None) -> str:
         """The split graph of one configuration, clusters shaded by measured stage time (.dot, .svg, ...)."""
         i = self._index(row)
-        return self.details[i].program.render(path, stage_times=list(self.rows[i].measured_stage_s))
+        return str(self.details[i].program.render(path, stage_times=list(self.rows[i].measured_stage_s)))

@@ -207,17 +207,19 @@ def benchmark(
 
     args = as_args(example_input)
     kwargs = dict(example_kwargs or {})
-    is_prog = isinstance(model, SplitProgram)
-    if is_prog and (num_stages is not None or cost is not None):
+    given = model if isinstance(model, SplitProgram) else None  # a compiled program: run as it is
+    is_prog = given is not None
+    if given is not None and (num_stages is not None or cost is not None):
         raise PipesplitError(
-            f"benchmark: a compiled program fixes num_stages ({model.num_stages}) and cost ({model.plan.cost_name!r}); "
+            f"benchmark: a compiled program fixes num_stages ({given.num_stages}) and cost ({given.plan.cost_name!r}); "
             "drop num_stages=/cost=, or pass the nn.Module to sweep them."
         )
-    stage_counts = [model.num_stages] if is_prog else _as_list(2 if num_stages is None else num_stages, "num_stages")
-    costs = [model.plan.cost_name] if is_prog else _as_list("flops" if cost is None else cost, "cost")
+    stage_counts = ([given.num_stages] if given is not None
+                    else _as_list(2 if num_stages is None else num_stages, "num_stages"))
+    costs = [given.plan.cost_name] if given is not None else _as_list("flops" if cost is None else cost, "cost")
     scheds = _as_list(schedules, "schedules")
     micro = _as_list(n_microbatches, "n_microbatches")
-    dim = model.batch_dim if is_prog else int(compile_options.get("batch_dim", 0))
+    dim = given.batch_dim if given is not None else int(compile_options.get("batch_dim", 0))
     _check(scheds, [] if is_prog else costs, stage_counts, micro, _example_batch(args, kwargs, dim), warmup, repeats)
     configs = list(itertools.product(stage_counts, costs, scheds, micro))
     rows, details, skipped = [], [], []
@@ -227,7 +229,7 @@ def benchmark(
         for (k, c), group in itertools.groupby(configs, key=lambda x: x[:2]):
             cost_name = cost_function(c)[0] if not is_prog else str(c)
             bar.set_postfix_str(f"compiling {k} stages ({cost_name})")
-            prog = model if is_prog else compile_model(
+            prog = given if given is not None else compile_model(
                 model, args, example_kwargs=kwargs, num_stages=k, cost=c, devices=_devices_for(devices, k),
                 progress=False, **compile_options)
             flat = prog.flatten_inputs(args, kwargs)

@@ -88,7 +88,7 @@ def save(pipe: "Pipeline", path: str | os.PathLike[str], optimizer: torch.optim.
 
         state["optim"] = get_optimizer_state_dict(held_module(pipe), optimizer, options=_flat_options())
     try:
-        dcp.save(state, checkpoint_id=staging, no_dist=dist is None)
+        dcp.save(state, checkpoint_id=staging, no_dist=dist is None)  # type: ignore[attr-defined]
     except Exception as e:
         if dist is None:
             raise
@@ -134,7 +134,7 @@ def load(pipe: "Pipeline", path: str | os.PathLike[str], optimizer: torch.optim.
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
         state["optim"] = get_optimizer_state_dict(module, optimizer, options=_flat_options())  # initialises what it loads into
-    dcp.load(state, checkpoint_id=path, no_dist=pipe.executor != "distributed")  # in place, into held tensors
+    dcp.load(state, checkpoint_id=path, no_dist=pipe.executor != "distributed")  # type: ignore[attr-defined]  # in place
     if optimizer is not None:
         from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
@@ -163,6 +163,7 @@ def clip_grad_norm_(pipe: "Pipeline", max_norm: float, norm_type: float = 2.0) -
     params = [p for _, p in pipe.prog.held_params()]
     if dist is None:
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+    assert pipe.collectives is not None and pipe.layout is not None  # a distributed pipeline
     device = pipe.collectives.device
     norm_type = float(norm_type)
     grads = [g.detach().to(device, torch.float64) for g in _grads(pipe)]

@@ -11,7 +11,7 @@ and a tied weight's gradient is summed over the pipeline ranks that hold it.
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any, Sequence
+from typing import Any, Sequence, cast
 
 import torch
 
@@ -80,7 +80,7 @@ class Layout:
         self.rank = dist.get_rank(self.pp_group)  # this process's rank in the schedule
         self.dp_size = dist.get_world_size(dp_group) if dp_group is not None else 1
         self.dp_rank = dist.get_rank(dp_group) if dp_group is not None else 0
-        self.global_ranks = [dist.get_global_rank(self.pp_group, r) for r in range(self.pp_size)]
+        self.global_ranks = [dist.get_global_rank(cast(Any, self.pp_group), r) for r in range(self.pp_size)]
 
     def replicas(self) -> list[list[int]]:
         """The global ranks of every replica's pipeline, in a fixed order (every process agrees)."""
@@ -141,6 +141,7 @@ class StepCollectives:
         """Wait for the replicas' sums and write them back into the gradients."""
         pending, self._pending = self._pending, []
         for work, flat, grads in pending:
+            error: Exception | None
             try:
                 ok = work.wait(timeout=timedelta(seconds=timeout))
             except Exception as e:  # gloo raises on timeouts and closed connections

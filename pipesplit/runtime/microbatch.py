@@ -30,7 +30,7 @@ def batch_size(flat: Sequence[Any], infos: Sequence[InputInfo], batch_dim: int =
             "dimension is cut into microbatches along it; an input without one (a lookup table, a shared mask) "
             "must be marked when compiling: pipesplit.compile(..., unbatched=['<forward argument name>'])."
         )
-    return distinct.pop()
+    return int(distinct.pop())
 
 
 def _is_batched(value: Any, info: InputInfo, batch_dim: int) -> bool:

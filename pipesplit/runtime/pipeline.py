@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence, cast
 
 import torch
 import torch.utils._pytree as pytree
@@ -113,7 +113,8 @@ class Pipeline:
                 f"batch_dim={batch_dim} but the program was compiled with batch_dim={prog.batch_dim}, so only that "
                 "dimension may change size; compile with pipesplit.compile(..., batch_dim=...) to match."
             )
-        self.target_batch_dim = self.batch_dim if target_batch_dim == "same" else target_batch_dim
+        self.target_batch_dim: int | None = (
+            self.batch_dim if target_batch_dim == "same" else cast(Optional[int], target_batch_dim))
         self.n_microbatches, self.loss_reduction, self.timeout = n_microbatches, loss_reduction, timeout
         self.executor = executor
         self.layout: Layout | None = None
@@ -126,7 +127,7 @@ class Pipeline:
             n_ranks, self.rank = world, self.layout.rank
             self.dp_size, self.dp_rank = self.layout.dp_size, self.layout.dp_rank
         else:
-            self.rank = None
+            self.rank = None  # type: ignore[assignment]  # the local executor runs every rank
         self.schedule = resolve_schedule(schedule, prog.num_stages, n_ranks, n_microbatches)
         if executor == "distributed" and self.schedule.n_ranks != n_ranks:
             raise ScheduleError(
@@ -391,5 +392,5 @@ class Pipeline:
 
     def _share_loss(self, loss: Any) -> torch.Tensor | None:
         if self.collectives is None:
-            return loss
-        return self.collectives.share_loss(loss, self.schedule.stage_to_rank[-1])
+            return cast(Optional[torch.Tensor], loss)
+        return cast(Optional[torch.Tensor], self.collectives.share_loss(loss, self.schedule.stage_to_rank[-1]))

@@ -3,6 +3,7 @@ process's rank with its data-parallel and tied-weight collectives (distributed).
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Sequence
 
 from pipesplit.program import SplitProgram
@@ -42,7 +43,7 @@ def run_local_step(plan: Program, workers: dict[int, StageWorker], transport: An
 
     try:
         try:
-            threads.run([lambda r=r: work(r) for r in range(len(plan))])
+            threads.run([functools.partial(work, r) for r in range(len(plan))])
         except BaseException as e:  # e.g. KeyboardInterrupt while waiting: stop the ranks, then re-raise
             transport.abort(e)
             threads.wait()

@@ -6,7 +6,7 @@ import queue
 import threading
 import weakref
 from contextlib import ExitStack, contextmanager
-from typing import Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -26,7 +26,7 @@ def autocast_scope(state: list[tuple[str, torch.dtype, bool]]) -> Iterator[None]
         yield
 
 
-def _serve(inbox: queue.SimpleQueue, done: queue.SimpleQueue) -> None:
+def _serve(inbox: queue.SimpleQueue[Any], done: queue.SimpleQueue[Any]) -> None:
     while True:
         job = inbox.get()
         if job is None:
@@ -38,7 +38,7 @@ def _serve(inbox: queue.SimpleQueue, done: queue.SimpleQueue) -> None:
             done.put(None)
 
 
-def _stop(inboxes: list[queue.SimpleQueue]) -> None:
+def _stop(inboxes: list[queue.SimpleQueue[Any]]) -> None:
     for box in inboxes:
         box.put(None)
 
@@ -54,8 +54,8 @@ class RankThreads:
     """
 
     def __init__(self, n: int):
-        self._inboxes: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(n)]
-        self._done: queue.SimpleQueue = queue.SimpleQueue()
+        self._inboxes: list[queue.SimpleQueue[Any]] = [queue.SimpleQueue() for _ in range(n)]
+        self._done: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._pending = 0  # jobs handed out and not finished yet
         for r, box in enumerate(self._inboxes):
             threading.Thread(target=_serve, args=(box, self._done), daemon=True, name=f"pipesplit-rank-{r}").start()

@@ -82,7 +82,7 @@ class InProcessTransport:
 
     def exchange(self, rank: int, sends: Sends, recvs: Recvs) -> list[Parcel]:
         """Post one batch and wait for it."""
-        return self.wait(self.post(rank, sends, recvs))  # type: ignore[attr-defined]
+        return self.wait(self.post(rank, sends, recvs))  # type: ignore[attr-defined,no-any-return]
 
     def _clear(self) -> None:
         """Forget what the step left behind (after a failure)."""

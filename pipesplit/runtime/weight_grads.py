@@ -22,7 +22,7 @@ import functools
 import operator
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Sequence, cast
 
 import torch
 import torch.fx as fx
@@ -230,7 +230,7 @@ def weight_graph(gm: fx.GraphModule) -> WeightGraph | None:
     get = {t: operator.attrgetter(t)(gm) for g in targets for t in g}
     weights = [list({id(get[t]): get[t] for t in g}.values()) for g in targets]
     covered = {id(p) for g in weights for p in g}
-    rest = [p for p in gm.parameters() if p.requires_grad and id(p) not in covered]
+    rest: list[torch.Tensor] = [p for p in gm.parameters() if p.requires_grad and id(p) not in covered]
     return WeightGraph(module, len(own), groups, direct, weights, rest)
 
 
@@ -262,7 +262,7 @@ def _plain_leaf(alias: torch.Tensor, grad: torch.Tensor) -> torch.Tensor | None:
             or grad.shape != p.shape or grad.dtype != p.dtype or grad.device != p.device
             or (p.grad is not None and p.grad.layout != torch.strided)):
         return None
-    return p
+    return cast(torch.Tensor, p)
 
 
 def _accumulate(p: torch.Tensor, grad: torch.Tensor) -> None:
@@ -274,8 +274,8 @@ def _accumulate(p: torch.Tensor, grad: torch.Tensor) -> None:
             p.grad.add_(grad)
 
 
-def weight_backward(weights: WeightGraph, extras: list[torch.Tensor], grads: list[torch.Tensor | None],
-                    outputs: list[torch.Tensor], output_grads: list[torch.Tensor | None],
+def weight_backward(weights: WeightGraph, extras: list[torch.Tensor], grads: Sequence[torch.Tensor | None],
+                    outputs: list[torch.Tensor], output_grads: Sequence[torch.Tensor | None],
                     accumulate: bool = True) -> None:
     """Accumulate the weights' gradients: each op's output gradient through that op to its weight
     aliases, then through the aliases (views and casts of weights only) into the weights (an
@@ -292,10 +292,11 @@ def weight_backward(weights: WeightGraph, extras: list[torch.Tensor], grads: lis
     back: list[tuple[torch.Tensor, torch.Tensor]] = []  # (weight alias, its gradient through its op alone)
     wanted: dict[int, torch.Tensor] = {}
     for (outs, aliases), d, ps in zip(weights.groups, weights.direct, weights.weights):
-        pairs = [(extras[i], grads[i]) for i in outs if grads[i] is not None]
+        pairs = [(extras[i], g) for i in outs if (g := grads[i]) is not None]
         if not pairs or not ps:
             continue
         via = [extras[i] for i in aliases]
+        alias_grads: Sequence[torch.Tensor | None]
         if d is not None:  # the op's weight-gradient kernels, on its saved input: no walk of the graph
             with torch.no_grad():
                 alias_grads = _direct_grads(d, pairs[0][1], extras)
@@ -345,7 +346,7 @@ def _split_overhead(device: str, threads: int) -> float:
     assert weights is not None
     x = torch.randn(2, width, device=dev, requires_grad=True)
     params = list(gm.parameters())
-    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+    sync: Callable[[], None] = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
 
     def fused() -> None:
         with torch.enable_grad():

@@ -241,7 +241,7 @@ class StageWorker:
             weights = self._weights() if saved.inters else None
             grads, saved.inter_grads = input_grads(weights, saved.tensors, saved.grads, leaves, saved.inters)
         else:
-            torch.autograd.backward(saved.tensors, saved.grads, inputs=leaves + self.params or None)
+            torch.autograd.backward(saved.tensors, saved.grads, inputs=[*leaves, *self.params] or None)
             grads = [x.grad for x in leaves]
             saved.tensors = []  # the weight gradients are done too
         event = self._event()

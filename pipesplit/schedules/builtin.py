@@ -28,7 +28,7 @@ def gpipe(n_stages: int, n_ranks: int, n_microbatches: int) -> Schedule:
     """
     mbs = range(n_microbatches)
     per_rank = [[fwd(r, m) for m in mbs] + [bwd(r, m) for m in mbs] for r in range(n_ranks)]
-    return Schedule("gpipe", n_stages, n_ranks, n_microbatches, tuple(range(n_stages)), per_rank)
+    return Schedule("gpipe", n_stages, n_ranks, n_microbatches, tuple(range(n_stages)), tuple(map(tuple, per_rank)))
 
 
 @register_schedule("1f1b")
@@ -45,7 +45,7 @@ def one_f_one_b(n_stages: int, n_ranks: int, n_microbatches: int) -> Schedule:
             actions += [fwd(r, warmup + k), bwd(r, k)]
         actions += [bwd(r, m) for m in range(n_microbatches - warmup, n_microbatches)]
         per_rank.append(actions)
-    return Schedule("1f1b", n_stages, n_ranks, n_microbatches, tuple(range(n_stages)), per_rank)
+    return Schedule("1f1b", n_stages, n_ranks, n_microbatches, tuple(range(n_stages)), tuple(map(tuple, per_rank)))
 
 
 @register_schedule("interleaved_1f1b", stages_per_rank=None, microbatches_multiple_of_ranks=True)
@@ -75,7 +75,7 @@ def interleaved_1f1b(n_stages: int, n_ranks: int, n_microbatches: int) -> Schedu
         actions += [slot(r, i, True) for i in range(total - warmup, total)]
         per_rank.append(actions)
     return Schedule(
-        "interleaved_1f1b", n_stages, p, m, looped_stage_to_rank(n_stages, p), per_rank
+        "interleaved_1f1b", n_stages, p, m, looped_stage_to_rank(n_stages, p), tuple(map(tuple, per_rank))
     )
 
 
@@ -92,4 +92,4 @@ def looped_bfs(n_stages: int, n_ranks: int, n_microbatches: int) -> Schedule:
         actions = [fwd(s, m) for s in local for m in mbs]
         actions += [bwd(s, m) for s in reversed(local) for m in reversed(mbs)]
         per_rank.append(actions)
-    return Schedule("looped_bfs", n_stages, n_ranks, n_microbatches, stage_to_rank, per_rank)
+    return Schedule("looped_bfs", n_stages, n_ranks, n_microbatches, stage_to_rank, tuple(map(tuple, per_rank)))

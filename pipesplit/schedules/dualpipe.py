@@ -104,4 +104,4 @@ def dualpipe_v(n_stages: int, n_ranks: int, n_microbatches: int) -> Schedule:
         actions, overlapped = dualpipe_v_rank(n_ranks, n_microbatches, r)
         per_rank.append(actions)
         pairs += overlapped
-    return Schedule("dualpipe_v", n_stages, n_ranks, n_microbatches, v_stage_to_rank(n_ranks), per_rank, pairs)
+    return Schedule("dualpipe_v", n_stages, n_ranks, n_microbatches, v_stage_to_rank(n_ranks), tuple(map(tuple, per_rank)), tuple(pairs))

@@ -150,6 +150,7 @@ def execute(
                 finish = start + duration(action)
                 timed[rank].append((action, start, finish))
             else:
+                assert paired is not None  # a partner is looked up only when pairs are priced
                 start = max(free[rank], ready)
                 first, second = duration(action), duration(partner)
                 span = paired(action, partner)

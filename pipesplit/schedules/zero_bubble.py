@@ -36,7 +36,7 @@ def zb_h1(n_stages: int, n_ranks: int, n_microbatches: int) -> Schedule:
                 actions.append(Action(r, W, pending.popleft()))
         actions += [Action(r, W, k) for k in pending]
         per_rank.append(actions)
-    return Schedule("zb_h1", n_stages, n_ranks, m, tuple(range(n_stages)), per_rank)
+    return Schedule("zb_h1", n_stages, n_ranks, m, tuple(range(n_stages)), tuple(map(tuple, per_rank)))
 
 
 def v_stage_to_rank(n_ranks: int) -> tuple[int, ...]:
@@ -98,4 +98,4 @@ def zb_v(n_stages: int, n_ranks: int, n_microbatches: int) -> Schedule:
         rank.run("W1", times=rank.left(1, W))
         rank.run("W0", times=rank.left(0, W))
         per_rank.append([a for a in rank.actions if a.microbatch < m])
-    return Schedule("zb_v", n_stages, p, m, v_stage_to_rank(p), per_rank)
+    return Schedule("zb_v", n_stages, p, m, v_stage_to_rank(p), tuple(map(tuple, per_rank)))
