@@ -45,10 +45,10 @@ from pipesplit.export import paused_gc  # noqa: E402
 from pipesplit.capture import capture  # noqa: E402
 from pipesplit.meta import NodeCost, set_node_cost  # noqa: E402
 from pipesplit.models import gpt  # noqa: E402
-from pipesplit.passes.chain import Chain, build_chain  # noqa: E402
-from pipesplit.passes.costs import annotate_costs  # noqa: E402
-from pipesplit.passes.partition import solve_chain  # noqa: E402
-from pipesplit.passes.planner import cost_function, evaluate, plan_partition  # noqa: E402
+from pipesplit.passes.plan.chain import Chain, build_chain  # noqa: E402
+from pipesplit.passes.annotate.costs import annotate_costs  # noqa: E402
+from pipesplit.passes.plan.partition import solve_chain  # noqa: E402
+from pipesplit.passes.plan.planner import cost_function, evaluate, plan_partition  # noqa: E402
 from pipesplit.passes.split import check_devices, split_graph  # noqa: E402
 from pipesplit.program import SplitProgram  # noqa: E402
 

@@ -6,7 +6,7 @@ times every stage's forward and fused backward on one microbatch
 (``pipesplit.measure_stage_costs``, median of repeats) and divides by what the default
 cost predicts (``pipesplit.bench.predict.stage_seconds(prog, "flops", 1)``): per-op
 overhead + FLOPs / FLOP rate + bytes / bandwidth at this device's measured rates
-(``pipesplit.passes.rates``). The baseline, measured in the same run, is the pricing it
+(``pipesplit.passes.annotate.rates``). The baseline, measured in the same run, is the pricing it
 replaced: FLOPs at a nominal 5e10 FLOP/s, no per-op cost. 1.0 is a perfect prediction.
 
 Prints markdown (paste into the ``## Benchmark API`` section of benchmarks/RESULTS.md).
@@ -26,8 +26,13 @@ from common import emit, header, markdown_table  # noqa: E402
 
 import pipesplit  # noqa: E402
 from pipesplit.bench.predict import stage_seconds  # noqa: E402
+from pipesplit.meta import META_KEY  # noqa: E402
+from pipesplit.passes.plan.chain import compute_nodes  # noqa: E402
+from pipesplit.passes.plan.objective import DEFAULT_FLOPS_PER_S  # noqa: E402
+from pipesplit.passes.plan.step_planner import node_seconds  # noqa: E402
+from pipesplit.schedules import StageCost  # noqa: E402
 from pipesplit.models import gpt  # noqa: E402
-from pipesplit.passes.rates import device_rates  # noqa: E402
+from pipesplit.passes.annotate.rates import device_rates  # noqa: E402
 from pipesplit.runtime.measure import measure_stage_costs  # noqa: E402
 
 
@@ -56,14 +61,14 @@ def cases() -> list[tuple[str, nn.Module, torch.Tensor]]:
 
 
 def flop_rate_only(prog: pipesplit.SplitProgram) -> list:
-    """The old pricing: FLOPs at the nominal rate (the planner's ``flops_per_s`` path)."""
-    module = sys.modules["pipesplit.bench.predict"]
-    measured = module.device_rates
-    module.device_rates = lambda device: None  # type: ignore[assignment]
-    try:
-        return stage_seconds(prog, "flops", 1.0)
-    finally:
-        module.device_rates = measured
+    """The old pricing: FLOPs at the nominal rate (the planner's ``flops_per_s`` path), no per-op cost."""
+    out = []
+    for stage in prog.stages:
+        nodes = [n for n in compute_nodes(stage.module) if META_KEY in n.meta]
+        rate = DEFAULT_FLOPS_PER_S.get(stage.device.type, DEFAULT_FLOPS_PER_S["cpu"])
+        f, i, w = node_seconds(nodes, "flops", lambda n: 0.0, rate).sum(axis=0) if nodes else (0.0, 0.0, 0.0)
+        out.append(StageCost(float(f), float(i), float(w)))
+    return out
 
 
 def main() -> None:

@@ -6,7 +6,7 @@ bottleneck stage timed: forward + fused backward of one microbatch, CPU time
 (``measure_stage_costs(..., clock="cpu")``), min of 3 per round, median over interleaved
 rounds (every candidate once per round, so a change in load hits all alike). The splits
 that ``pipesplit.compile`` chooses with the default cost, with the cost priced at measured
-device rates (``pipesplit.passes.rates``; what the default would become), and with
+device rates (``pipesplit.passes.annotate.rates``; what the default would become), and with
 ``cost="profile"`` are located among the candidates (or timed too when they cut inside a
 block). Reported: how much slower each choice's bottleneck is than the best measured split,
 against the noise floor (the best split's spread over the rounds).
@@ -28,7 +28,7 @@ from common import emit, header, markdown_table  # noqa: E402
 
 import pipesplit  # noqa: E402
 from pipesplit.models import gpt  # noqa: E402
-from pipesplit.passes.rates import device_rates, priced  # noqa: E402
+from pipesplit.passes.annotate.rates import device_rates, priced  # noqa: E402
 from pipesplit.runtime.measure import measure_stage_costs  # noqa: E402
 
 

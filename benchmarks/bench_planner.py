@@ -52,10 +52,10 @@ from planner_zoo import MODEL_BY_NAME, MODELS, BenchModel  # noqa: E402
 
 import pipesplit  # noqa: E402
 from pipesplit.capture import capture  # noqa: E402
-from pipesplit.passes.chain import build_chain, compute_nodes  # noqa: E402
-from pipesplit.passes.costs import annotate_costs  # noqa: E402
-from pipesplit.passes.objective import CommModel, MemoryModel, in_flight_per_stage  # noqa: E402
-from pipesplit.passes.step_planner import figures_for  # noqa: E402
+from pipesplit.passes.plan.chain import build_chain, compute_nodes  # noqa: E402
+from pipesplit.passes.annotate.costs import annotate_costs  # noqa: E402
+from pipesplit.passes.plan.objective import CommModel, MemoryModel, in_flight_per_stage  # noqa: E402
+from pipesplit.passes.plan.step_planner import figures_for  # noqa: E402
 from pipesplit.runtime.measure import measure_stage_costs  # noqa: E402
 from pipesplit.schedules import StageCost, get_schedule, simulate  # noqa: E402
 
@@ -253,11 +253,11 @@ def cost_accuracy(bm: BenchModel, costs: tuple[str, ...], rounds: int, clock: st
     One program with a stage per layer is measured like the splits above; the cost
     models annotate a fresh capture exactly as ``compile`` does. Returns table rows.
     """
-    from pipesplit.passes.calibrate import calibrate
-    from pipesplit.passes.objective import DEFAULT_FLOPS_PER_S
-    from pipesplit.passes.planner import cost_function
-    from pipesplit.passes.profile import profile_nodes
-    from pipesplit.passes.step_planner import node_seconds
+    from pipesplit.passes.annotate.calibrate import calibrate
+    from pipesplit.passes.plan.objective import DEFAULT_FLOPS_PER_S
+    from pipesplit.passes.plan.planner import cost_function
+    from pipesplit.passes.annotate.profile import profile_nodes
+    from pipesplit.passes.plan.step_planner import node_seconds
 
     torch.manual_seed(0)
     model = bm.build()

@@ -12,7 +12,7 @@ from pipesplit.errors import (
     RuntimeCommError,
     ScheduleError,
 )
-from pipesplit.passes.objective import CommModel, MemoryModel
+from pipesplit.passes.plan.objective import CommModel, MemoryModel
 from pipesplit.plan import Plan
 from pipesplit.program import SplitProgram, Stage
 from pipesplit.runtime import Pipeline

@@ -19,10 +19,10 @@ from pipesplit.capture import as_args, capture
 from pipesplit.errors import PlanError
 from pipesplit.export import paused_gc
 from pipesplit.generalise import recapture_fn
-from pipesplit.passes.costs import annotate_costs
-from pipesplit.passes.calibrate import calibrate
-from pipesplit.passes.objective import CommModel, MemoryModel
-from pipesplit.passes.planner import (
+from pipesplit.passes.annotate.costs import annotate_costs
+from pipesplit.passes.annotate.calibrate import calibrate
+from pipesplit.passes.plan.objective import CommModel, MemoryModel
+from pipesplit.passes.plan.planner import (
     ORDER_CHOICES,
     RECOMPUTE_CHOICES,
     CostSpec,
@@ -34,9 +34,9 @@ from pipesplit.passes.planner import (
     plan_from_split_points,
     plan_partition,
 )
-from pipesplit.passes.recompute import recomputable
-from pipesplit.passes.profile import profile_nodes
-from pipesplit.passes.refine import correct_node_times
+from pipesplit.passes.plan.recompute import recomputable
+from pipesplit.passes.annotate.profile import profile_nodes
+from pipesplit.passes.plan.refine import correct_node_times
 from pipesplit.passes.split import check_devices, split_graph
 from pipesplit.plan import Plan
 from pipesplit.program import SplitProgram
@@ -146,7 +146,7 @@ def compile(
             ``node -> float`` or an object with ``node_cost(node, costs)``. With ``"flops"``
             the stages are balanced by FLOP counts, and times (``schedule``-aware planning,
             predictions, benchmarks) price each op at the device's measured rates: per-op
-            overhead + FLOPs / FLOP rate + bytes / bandwidth (:mod:`pipesplit.passes.rates`).
+            overhead + FLOPs / FLOP rate + bytes / bandwidth (:mod:`pipesplit.passes.annotate.rates`).
             Measured costs differ between processes, so under an initialised
             ``torch.distributed`` world every rank takes global rank 0's plan
             (:mod:`pipesplit.agree`): each rank must compile the same model alike.
@@ -278,7 +278,7 @@ def refine_plan(
     gm: Any, captured: Any, plan: Plan, replan: Any, devices: list[str], args: tuple[Any, ...],
     kwargs: dict[str, Any], *, rounds: int, schedule: Schedule | None, comm: CommModel, progress: bool,
 ) -> Plan:
-    """Measure ``plan``'s stages, correct the node times (``passes/refine.py``), re-plan; keep the best measured."""
+    """Measure ``plan``'s stages, correct the node times (``passes/plan/refine.py``), re-plan; keep the best measured."""
     from pipesplit.bench.predict import cut_seconds
     from pipesplit.runtime.measure import measure_stage_costs
 

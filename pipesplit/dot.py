@@ -11,7 +11,7 @@ import torch.fx as fx
 
 from pipesplit.errors import PipesplitError
 from pipesplit.meta import COMPUTE_OPS, node_cost, node_module_paths
-from pipesplit.passes.flops import op_name
+from pipesplit.passes.annotate.flops import op_name
 from pipesplit.units import format_cost, human_bytes, human_count
 
 if TYPE_CHECKING:

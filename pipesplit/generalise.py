@@ -28,8 +28,8 @@ from pipesplit.capture import Captured, capture, rebind, static_dim
 from pipesplit.errors import InputError, PlanError
 from pipesplit.export import paused_gc
 from pipesplit.meta import COMPUTE_OPS, META_KEY, node_cost, set_node_cost
-from pipesplit.passes.costs import annotate_costs
-from pipesplit.passes.recompute import recomputable
+from pipesplit.passes.annotate.costs import annotate_costs
+from pipesplit.passes.plan.recompute import recomputable
 from pipesplit.passes.split import split_graph
 
 if TYPE_CHECKING:

@@ -22,7 +22,7 @@ def node_module_paths(node: fx.Node) -> list[str]:
 
 @dataclass(frozen=True)
 class NodeCost:
-    """Costs of one graph node, written by ``pipesplit.passes.costs.annotate_costs``.
+    """Costs of one graph node, written by ``pipesplit.passes.annotate.costs.annotate_costs``.
 
     FLOPs count multiply and add separately (a multiply-add is 2 FLOPs).
     """
@@ -67,7 +67,7 @@ def node_cost(node: fx.Node) -> NodeCost:
     if cost is None:
         raise CostError(
             f"node {node.name!r} has no cost annotation: run "
-            "pipesplit.passes.costs.annotate_costs(gm) before planning."
+            "pipesplit.passes.annotate.costs.annotate_costs(gm) before planning."
         )
     return cast(NodeCost, cost)
 

@@ -37,7 +37,7 @@ class Plan:
     predicted_step_s: float | None = None  # simulated step time of this plan under the schedule
     ideal_step_s: float | None = None  # a lower bound on the step time of any split
     checkpoint: bool = False  # planned for activation checkpointing: Pipeline checkpoints every stage by default
-    order: str = "program"  # the node order the chain was solved in: "program" or "late" (passes/orders.py)
+    order: str = "program"  # the node order the chain was solved in: "program" or "late" (passes/plan/orders.py)
     measured_s: float | None = None  # compile(refine=...): measured bottleneck (or step with a schedule), seconds
     # the capture whose node names ``stages`` lists: "static" (at the example's batch, compile's default) or
     # "dynamic" (a dynamic batch: dynamic_batch=True, or a program generalised); a saved plan without

@@ -15,7 +15,7 @@ from pipesplit.capture import Captured, InputInfo, static_dim
 from pipesplit.errors import InputError, PipesplitError, PlanError
 from pipesplit.generalise import batched_outputs
 from pipesplit.inputs import Shown, shown, describe_structure, check_input
-from pipesplit.passes.modes import eval_graph
+from pipesplit.passes.split.modes import eval_graph
 from pipesplit.passes.split import Boundary, SplitGraph, StagePiece
 from pipesplit.plan import Plan
 from pipesplit.rng import seeded

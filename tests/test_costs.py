@@ -25,7 +25,7 @@ from torch.utils.flop_counter import FlopCounterMode
 import pipesplit
 from pipesplit.capture import capture
 from pipesplit.meta import NodeCost, node_cost
-from pipesplit.passes.costs import annotate_costs, unknown_ops
+from pipesplit.passes.annotate.costs import annotate_costs, unknown_ops
 from tests.close import assert_close
 from tests.zoo import CASE_BY_NAME
 
@@ -631,7 +631,7 @@ def test_unknown_cost_name_lists_the_choices(mlp_case):
 
 # ------------------------------------------------------------------ the default cost: measured device rates
 def test_default_cost_prices_each_op_as_overhead_flops_and_bytes():
-    from pipesplit.passes.rates import DeviceRates, moved_bytes, priced
+    from pipesplit.passes.annotate.rates import DeviceRates, moved_bytes, priced
 
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU())
     cap = capture(model, torch.randn(4, 16))
@@ -651,7 +651,7 @@ def test_default_cost_prices_each_op_as_overhead_flops_and_bytes():
 
 
 def test_device_rates_are_measured_once_and_leave_the_rng_alone():
-    from pipesplit.passes import rates
+    from pipesplit.passes.annotate import rates
 
     rates._measure.cache_clear()
     torch.manual_seed(7)
@@ -667,8 +667,8 @@ def test_small_ops_are_no_longer_priced_near_zero():
     """A stage of tiny layers: FLOPs at a nominal rate priced it ~50x below its real time; the
     default now charges at least every op's measured overhead."""
     from pipesplit.bench.predict import stage_seconds
-    from pipesplit.passes.chain import compute_nodes
-    from pipesplit.passes.rates import device_rates
+    from pipesplit.passes.plan.chain import compute_nodes
+    from pipesplit.passes.annotate.rates import device_rates
 
     model = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.GELU()) for _ in range(6)])
     prog = pipesplit.compile(model, torch.randn(4, 8), num_stages=2, progress=False)
@@ -682,7 +682,7 @@ def test_small_ops_are_no_longer_priced_near_zero():
 
 def test_activations_norms_and_attention_are_priced_per_element():
     """GELU, layer norm and attention's softmax do work a FLOP count misses: priced per element."""
-    from pipesplit.passes.rates import DeviceRates, heavy_elements, priced
+    from pipesplit.passes.annotate.rates import DeviceRates, heavy_elements, priced
 
     class Block(nn.Module):
         def __init__(self):
@@ -715,7 +715,7 @@ def test_activations_norms_and_attention_are_priced_per_element():
 
 
 def test_the_flop_rate_follows_the_size_of_the_op():
-    from pipesplit.passes.rates import DeviceRates
+    from pipesplit.passes.annotate.rates import DeviceRates
 
     r = DeviceRates("cpu", 1e-6, 1e-6, flops_per_s=4e10, bytes_per_s=1e10,
                     flop_curve=((1e6, 1e10), (1e8, 4e10)))
@@ -728,7 +728,7 @@ def test_the_flop_rate_follows_the_size_of_the_op():
 def test_ranks_sharing_the_cpu_are_predicted_slower_by_the_measured_factor(monkeypatch):
     import importlib
 
-    from pipesplit.passes import rates
+    from pipesplit.passes.annotate import rates
 
     predict_mod = importlib.import_module("pipesplit.bench.predict")
     from pipesplit.schedules import get_schedule

@@ -12,8 +12,8 @@ from torch import nn
 import pipesplit
 from pipesplit.capture import capture
 from pipesplit.passes.aliasing import ordering_edges, storage_classes
-from pipesplit.passes.chain import compute_nodes
-from pipesplit.passes.orders import dependency_graph, late_order
+from pipesplit.passes.plan.chain import compute_nodes
+from pipesplit.passes.plan.orders import dependency_graph, late_order
 from tests.close import assert_close, assert_grads_close
 from tests.zoo import CASE_BY_NAME, weighted_loss
 

@@ -119,9 +119,9 @@ def test_wheel_holds_every_module_under_pipesplit(wheel):
 
 _PROBE = """
 import importlib, json
-import pipesplit, pipesplit.passes, pipesplit.passes.partition, pipesplit.schedules
+import pipesplit, pipesplit.passes, pipesplit.passes.plan.partition, pipesplit.schedules
 result = {"pipesplit": pipesplit.__file__, "passes": pipesplit.passes.__file__,
-          "partition": pipesplit.passes.partition.__file__, "schedules": pipesplit.schedules.__file__}
+          "partition": pipesplit.passes.plan.partition.__file__, "schedules": pipesplit.schedules.__file__}
 try:
     importlib.import_module("passes")
     result["top_level_passes"] = "imported"

@@ -17,11 +17,11 @@ import pipesplit
 from pipesplit.capture import capture
 from pipesplit.meta import node_cost
 from pipesplit.models import gpt
-from pipesplit.passes.chain import Chain
-from pipesplit.passes.costs import annotate_costs
-from pipesplit.passes.balance import rebalance
-from pipesplit.passes.partition import solve_chain
-from pipesplit.passes.planner import plan_partition
+from pipesplit.passes.plan.chain import Chain
+from pipesplit.passes.annotate.costs import annotate_costs
+from pipesplit.passes.plan.balance import rebalance
+from pipesplit.passes.plan.partition import solve_chain
+from pipesplit.passes.plan.planner import plan_partition
 from pipesplit.passes.split import split_graph
 from tests.close import assert_close
 from tests.zoo import CASE_BY_NAME
@@ -452,7 +452,7 @@ def test_memory_cap_counts_tied_weights_in_every_stage(gpt8):
 
 # ------------------------------------------------------------------ checkpointed memory limits
 def test_range_chmin_matches_a_loop():
-    from pipesplit.passes.pushed import _range_chmin
+    from pipesplit.passes.plan.pushed import _range_chmin
 
     rng = np.random.default_rng(0)
     for _ in range(200):
@@ -490,7 +490,7 @@ def checkpoint_problems(draw):
 def test_checkpointed_memory_limits_match_brute_force(problem):
     """With checkpointing, stage s holds state + one microbatch's activations + its inputs
     x in_flight[s]: not an interval of starts. The solver still finds the exact best."""
-    from pipesplit.passes.partition import StageLimits, checkpointed_memory_ends, solve_candidates
+    from pipesplit.passes.plan.partition import StageLimits, checkpointed_memory_ends, solve_candidates
 
     chain, k, in_flight, cap = problem
     n = chain.n

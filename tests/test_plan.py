@@ -16,8 +16,8 @@ from pipesplit import Plan, PlanError
 from pipesplit.capture import capture
 from pipesplit.meta import node_cost
 from pipesplit.models import gpt
-from pipesplit.passes.costs import annotate_costs
-from pipesplit.passes.planner import check_plan, plan_from_split_points, plan_partition
+from pipesplit.passes.annotate.costs import annotate_costs
+from pipesplit.passes.plan.planner import check_plan, plan_from_split_points, plan_partition
 from pipesplit.passes.split import split_graph
 from tests.close import assert_close, assert_grads_close
 from tests.zoo import CASE_BY_NAME, weighted_loss

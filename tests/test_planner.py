@@ -11,16 +11,16 @@ from pipesplit import Plan, PlanError
 from pipesplit.capture import capture
 from pipesplit.meta import node_cost
 from pipesplit.models import gpt
-from pipesplit.passes.calibrate import calibrate
-from pipesplit.passes.chain import build_chain, compute_nodes
-from pipesplit.passes.costs import annotate_costs
-from pipesplit.passes.rates import device_rates
-from pipesplit.passes.objective import (
+from pipesplit.passes.annotate.calibrate import calibrate
+from pipesplit.passes.plan.chain import build_chain, compute_nodes
+from pipesplit.passes.annotate.costs import annotate_costs
+from pipesplit.passes.annotate.rates import device_rates
+from pipesplit.passes.plan.objective import (
     DEFAULT_FLOPS_PER_S, CommModel, MemoryModel, activation_units_per_stage, in_flight_per_stage, step_time,
 )
-from pipesplit.passes.planner import cost_function, plan_partition
-from pipesplit.passes.recompute import recomputable
-from pipesplit.passes.step_planner import TIE, figures_for, node_seconds
+from pipesplit.passes.plan.planner import cost_function, plan_partition
+from pipesplit.passes.plan.recompute import recomputable
+from pipesplit.passes.plan.step_planner import TIE, figures_for, node_seconds
 from pipesplit.schedules import get_schedule
 from tests.close import assert_close, assert_grads_close
 from tests.test_exact import check_exact
@@ -415,7 +415,7 @@ def test_profiled_backward_sees_the_dense_embedding_gradient():
     """An embedding's backward writes a gradient as large as the table, whatever the tokens."""
     cap = capture(BigTable(), torch.randint(0, 100_000, (2, 8)))
     gm = annotate_costs(cap.gm)
-    pipesplit.passes.profile.profile_nodes(gm, cap.example_flat, "cpu", warmup=1, repeats=3, progress=False)
+    pipesplit.passes.annotate.profile.profile_nodes(gm, cap.example_flat, "cpu", warmup=1, repeats=3, progress=False)
     (emb,) = [n for n in compute_nodes(gm) if "embedding" in str(n.target)]
     c = node_cost(emb)
     assert c.bwd_time_s is not None and c.bwd_time_s > 5 * c.time_s, c
@@ -527,8 +527,8 @@ def test_bad_order_is_refused(gpt6):
 
 # ------------------------------------------------------------------ refinement from measured stages
 def test_corrected_node_times_add_up_to_the_measured_stages(wide):
-    from pipesplit.passes.profile import profile_nodes
-    from pipesplit.passes.refine import correct_node_times
+    from pipesplit.passes.annotate.profile import profile_nodes
+    from pipesplit.passes.plan.refine import correct_node_times
     from pipesplit.schedules import StageCost
 
     model, x, _, _ = wide
@@ -571,7 +571,7 @@ def test_refine_progress_ends_at_the_rounds_it_ran(monkeypatch, converges):
     from tqdm import tqdm as real_tqdm
 
     import pipesplit.api as api
-    from pipesplit.passes.profile import profile_nodes
+    from pipesplit.passes.annotate.profile import profile_nodes
 
     shown, bars = io.StringIO(), []
 

@@ -12,13 +12,13 @@ import torch
 
 from pipesplit.errors import InputError
 from pipesplit.meta import META_KEY, node_cost
-from pipesplit.passes.chain import compute_nodes
-from pipesplit.passes.objective import (
+from pipesplit.passes.plan.chain import compute_nodes
+from pipesplit.passes.plan.objective import (
     DEFAULT_FLOPS_PER_S, CommModel, MemoryModel, activation_units_per_stage, in_flight_per_stage,
 )
-from pipesplit.passes.planner import cost_function
-from pipesplit.passes.rates import concurrent_slowdown, device_rates
-from pipesplit.passes.step_planner import node_seconds
+from pipesplit.passes.plan.planner import cost_function
+from pipesplit.passes.annotate.rates import concurrent_slowdown, device_rates
+from pipesplit.passes.plan.step_planner import node_seconds
 from pipesplit.program import SplitProgram
 from pipesplit.runtime.weight_grads import split_overhead_s, weight_graph
 from pipesplit.schedules import ActionKind, Schedule, StageCost, Timeline, simulate
@@ -136,7 +136,7 @@ def memory_estimate(prog: SplitProgram, schedule: Schedule, scale: float, memory
 
 def shared_host(prog: SplitProgram, schedule: Schedule, costs: list[StageCost]) -> list[StageCost]:
     """Stage times as ranks that share this host's CPU run them: each CPU stage's slowed by
-    :func:`~pipesplit.passes.rates.concurrent_slowdown` of the ranks holding CPU stages."""
+    :func:`~pipesplit.passes.annotate.rates.concurrent_slowdown` of the ranks holding CPU stages."""
     cpu_ranks = {schedule.stage_to_rank[s.index] for s in prog.stages if s.device.type == "cpu"}
     factor = concurrent_slowdown(len(cpu_ranks))
     if factor == 1.0:

@@ -140,7 +140,7 @@ class BenchmarkResult:
         """What makes these figures unfit to rank configurations: a busy machine, rows whose
         repeats spread more than 10% around their median, fastest rows that overlap."""
         from pipesplit.bench.load import load_warning
-        from pipesplit.passes.rates import concurrent_slowdown
+        from pipesplit.passes.annotate.rates import concurrent_slowdown
 
         out = []
         if "load" in self.meta:

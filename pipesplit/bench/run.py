@@ -20,7 +20,7 @@ from pipesplit.bench.predict import Prediction, boundary_bytes_per_step, predict
 from pipesplit.bench.result import BenchmarkResult, BenchRow, RunDetail
 from pipesplit.capture import as_args
 from pipesplit.errors import InputError, PipesplitError, ScheduleError
-from pipesplit.passes.planner import BUILTIN_COSTS, cost_function
+from pipesplit.passes.plan.planner import BUILTIN_COSTS, cost_function
 from pipesplit.program import SplitProgram
 from pipesplit.runtime.microbatch import batch_size
 from pipesplit.runtime.pipeline import Pipeline

@@ -10,7 +10,7 @@ from typing import Any, Callable
 import torch
 
 from pipesplit.cli.factory import CLIError, check_fits, default_int_high, load_model, make_inputs, parse_kwargs
-from pipesplit.passes.planner import cost_function
+from pipesplit.passes.plan.planner import cost_function
 
 
 def int_list(text: str) -> list[int]:

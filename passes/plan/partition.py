@@ -15,8 +15,8 @@ from typing import Sequence
 import numpy as np
 
 from pipesplit.errors import PlanError
-from pipesplit.passes.chain import Chain
-from pipesplit.passes.pushed import checkpointed_memory_ends, pushed_bytes
+from pipesplit.passes.plan.chain import Chain
+from pipesplit.passes.plan.pushed import checkpointed_memory_ends, pushed_bytes
 
 __all__ = [
     "ChainSplit", "StageLimits", "solve_chain", "solve_candidates", "stage_memory_limits", "checkpointed_memory_ends",
@@ -193,7 +193,7 @@ def solve_chain(chain: Chain, num_stages: int, *, mem_cap: int | None = None, sl
     """Split ``chain`` into ``num_stages`` contiguous stages (see the module docstring).
 
     >>> import numpy as np
-    >>> from pipesplit.passes.chain import Chain
+    >>> from pipesplit.passes.plan.chain import Chain
     >>> c = Chain([None] * 5, np.array([1., 8, 3, 4, 7]), np.zeros(5, np.int64),
     ...           np.zeros(6, np.int64), np.ones(6, bool))
     >>> solve_chain(c, 4, slack=0).bottleneck

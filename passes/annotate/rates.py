@@ -26,7 +26,7 @@ import torch
 import torch.fx as fx
 
 from pipesplit.meta import NodeCost, node_cost
-from pipesplit.passes.flops import numel_of, shape_of
+from pipesplit.passes.annotate.flops import numel_of, shape_of
 
 
 @dataclass(frozen=True)

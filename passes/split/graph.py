@@ -20,7 +20,7 @@ import pipesplit.comm as comm
 from pipesplit.errors import PlanError
 from pipesplit.meta import COMPUTE_OPS
 from pipesplit.passes.aliasing import inplace_inputs
-from pipesplit.passes.flops import hint
+from pipesplit.passes.annotate.flops import hint
 from pipesplit.rng import seed_random_ops
 
 
@@ -89,7 +89,7 @@ def split_graph(
 ) -> SplitGraph:
     """Cut ``gm`` into ``len(stages)`` stage graphs and a root graph wiring them.
 
-    A value named in ``recompute`` (see :mod:`pipesplit.passes.recompute`) is not sent to
+    A value named in ``recompute`` (see :mod:`pipesplit.passes.plan.recompute`) is not sent to
     a later stage that uses it: that stage rebuilds it from the program inputs instead.
     """
     k = len(stages)

@@ -21,13 +21,13 @@ import torch.fx as fx
 
 from pipesplit.errors import PlanError
 from pipesplit.meta import node_cost
-from pipesplit.passes.chain import Chain
-from pipesplit.passes.objective import (
+from pipesplit.passes.plan.chain import Chain
+from pipesplit.passes.plan.objective import (
     CommModel, MemoryModel, StageFigures, activation_units_per_stage, in_flight_per_stage, step_time,
 )
-from pipesplit.passes.balance import Solve, rebalance
-from pipesplit.passes.partition import StageLimits, checkpointed_memory_ends, solve_candidates, stage_memory_limits
-from pipesplit.passes.rates import DeviceRates, priced
+from pipesplit.passes.plan.balance import Solve, rebalance
+from pipesplit.passes.plan.partition import StageLimits, checkpointed_memory_ends, solve_candidates, stage_memory_limits
+from pipesplit.passes.annotate.rates import DeviceRates, priced
 from pipesplit.schedules import Schedule, StageCost
 
 SLACKS = (0.0, 0.01, 0.02, 0.05, 0.1, 0.2, 0.35)
@@ -40,7 +40,7 @@ def node_seconds(
     """Per node (forward, input-gradient, weight-gradient) seconds, shape (n, 3).
 
     With ``rates`` (the default cost on a device whose rates were measured,
-    :mod:`pipesplit.passes.rates`) FLOP costs are priced as per-op overhead + FLOPs / FLOP
+    :mod:`pipesplit.passes.annotate.rates`) FLOP costs are priced as per-op overhead + FLOPs / FLOP
     rate + bytes / bandwidth; without, as FLOPs / ``flops_per_s``.
     """
     out = np.zeros((len(nodes), 3))

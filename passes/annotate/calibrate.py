@@ -19,8 +19,8 @@ import torch
 import torch.fx as fx
 
 from pipesplit.meta import COMPUTE_OPS, node_cost, set_node_cost
-from pipesplit.passes.profile import profile_nodes
-from pipesplit.passes.rates import moved_bytes
+from pipesplit.passes.annotate.profile import profile_nodes
+from pipesplit.passes.annotate.rates import moved_bytes
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from typing import Sequence
 import torch.fx as fx
 
 from pipesplit.meta import node_cost, set_node_cost
-from pipesplit.passes.step_planner import node_seconds
+from pipesplit.passes.plan.step_planner import node_seconds
 from pipesplit.schedules import StageCost
 
 

@@ -11,16 +11,16 @@ import torch.fx as fx
 
 from pipesplit.errors import CostError, PlanError, did_you_mean
 from pipesplit.meta import NodeCost, node_cost, node_module_paths
-from pipesplit.passes.chain import Chain, build_chain, compute_nodes
-from pipesplit.passes.constraints import forbid_cuts_inside, pin_ranges
-from pipesplit.passes.costs import unknown_ops
-from pipesplit.passes.objective import DEFAULT_FLOPS_PER_S, CommModel, MemoryModel
-from pipesplit.passes.rates import DeviceRates, device_rates
-from pipesplit.passes.orders import candidate_orders
-from pipesplit.passes.balance import rebalance
-from pipesplit.passes.partition import StageLimits, largest_stage, solve_candidates, solve_chain
-from pipesplit.passes.recompute import recomputable
-from pipesplit.passes.step_planner import TIE, best_for_schedule, node_seconds
+from pipesplit.passes.plan.chain import Chain, build_chain, compute_nodes
+from pipesplit.passes.plan.constraints import forbid_cuts_inside, pin_ranges
+from pipesplit.passes.annotate.costs import unknown_ops
+from pipesplit.passes.plan.objective import DEFAULT_FLOPS_PER_S, CommModel, MemoryModel
+from pipesplit.passes.annotate.rates import DeviceRates, device_rates
+from pipesplit.passes.plan.orders import candidate_orders
+from pipesplit.passes.plan.balance import rebalance
+from pipesplit.passes.plan.partition import StageLimits, largest_stage, solve_candidates, solve_chain
+from pipesplit.passes.plan.recompute import recomputable
+from pipesplit.passes.plan.step_planner import TIE, best_for_schedule, node_seconds
 from pipesplit.plan import Plan
 from pipesplit.schedules import Schedule
 
@@ -31,7 +31,7 @@ CostSpec = Union[str, CostFn, Any]
 def _profile_cost(node: fx.Node) -> float:
     c = node_cost(node)
     if c.time_s is None:
-        raise CostError(f"node {node.name!r} has no profiled time: run pipesplit.passes.profile.profile_nodes first.")
+        raise CostError(f"node {node.name!r} has no profiled time: run pipesplit.passes.annotate.profile.profile_nodes first.")
     if c.bwd_time_s is not None:  # profiled backward
         return c.time_s + c.bwd_time_s
     ratio = c.bwd_flops / c.fwd_flops if c.fwd_flops else (1.0 if c.bwd_flops else 0.0)
@@ -47,7 +47,7 @@ BUILTIN_COSTS: dict[str, CostFn] = {
     "params": _param_cost,
     "uniform": lambda node: 1.0,
     "profile": _profile_cost,
-    "hybrid": _profile_cost,  # times from pipesplit.passes.calibrate: FLOPs and bytes fitted to a profile
+    "hybrid": _profile_cost,  # times from pipesplit.passes.annotate.calibrate: FLOPs and bytes fitted to a profile
 }
 
 
@@ -128,12 +128,12 @@ def plan_partition(
 
     Without ``schedule``: the exact minimum bottleneck, then the fewest bytes at the cuts
     within ``slack`` of it. With ``schedule``: the split with the lowest simulated step
-    time of that schedule (see :mod:`pipesplit.passes.step_planner`), with
+    time of that schedule (see :mod:`pipesplit.passes.plan.step_planner`), with
     ``max_stage_memory`` counting parameters, gradients, optimizer state and the
     activations of every microbatch the schedule keeps in flight on each stage.
 
     ``order="auto"`` solves the chain for the program's order of the nodes and for the
-    order that runs every node as late as possible (see :mod:`pipesplit.passes.orders`),
+    order that runs every node as late as possible (see :mod:`pipesplit.passes.plan.orders`),
     and keeps the better; ``"program"`` solves the program's order only.
     """
     name, fn = cost_function(cost)

@@ -13,7 +13,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from pipesplit.meta import NodeCost, node_cost, set_node_cost
-from pipesplit.passes.flops import OpFlops, hint, op_flops, op_name
+from pipesplit.passes.annotate.flops import OpFlops, hint, op_flops, op_name
 
 log = logging.getLogger(__name__)
 

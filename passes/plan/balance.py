@@ -11,8 +11,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from pipesplit.passes.chain import Chain
-from pipesplit.passes.partition import largest_stage
+from pipesplit.passes.plan.chain import Chain
+from pipesplit.passes.plan.partition import largest_stage
 
 Solve = Callable[[Chain, int, int, int], Sequence[int]]
 

@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from pipesplit.passes.chain import Chain
+from pipesplit.passes.plan.chain import Chain
 
 
 def checkpointed_memory_ends(chain: Chain, cap: int, in_flight: Sequence[int]) -> tuple[np.ndarray, ...]:
