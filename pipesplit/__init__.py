@@ -12,6 +12,7 @@ from pipesplit.errors import (
     RuntimeCommError,
     ScheduleError,
 )
+from pipesplit.options import PlannerOptions
 from pipesplit.passes.plan.objective import CommModel, MemoryModel
 from pipesplit.plan import Plan
 from pipesplit.program import SplitProgram, Stage
@@ -24,6 +25,7 @@ __all__ = [
     "BenchRow",
     "Pipeline",
     "Plan",
+    "PlannerOptions",
     "CommModel",
     "MemoryModel",
     "SplitProgram",

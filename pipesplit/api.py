@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import numbers
 import os
 import time
 from contextlib import contextmanager
@@ -23,10 +22,7 @@ from pipesplit.passes.annotate.costs import annotate_costs
 from pipesplit.passes.annotate.calibrate import calibrate
 from pipesplit.passes.plan.objective import CommModel, MemoryModel
 from pipesplit.passes.plan.planner import (
-    ORDER_CHOICES,
-    RECOMPUTE_CHOICES,
     CostSpec,
-    check_choice,
     check_plan,
     cheap_to_recompute,
     cost_function,
@@ -38,6 +34,7 @@ from pipesplit.passes.plan.recompute import recomputable
 from pipesplit.passes.annotate.profile import profile_nodes
 from pipesplit.passes.plan.refine import correct_node_times
 from pipesplit.passes.split import check_devices, split_graph
+from pipesplit.options import Order, PlannerOptions, Recompute, planner_options
 from pipesplit.plan import Plan
 from pipesplit.program import SplitProgram
 from pipesplit.schedules import Schedule, resolve_schedule, simulate
@@ -58,18 +55,6 @@ def _default_device(model: nn.Module) -> str:
     for t in list(model.parameters()) + list(model.buffers()):
         return "cpu" if t.is_meta else str(t.device)
     return "cpu"
-
-
-def _check_num_stages(num_stages: Any) -> None:
-    if num_stages is None:
-        return
-    if isinstance(num_stages, bool) or not isinstance(num_stages, numbers.Integral):
-        raise PlanError(
-            f"num_stages must be a whole number of stages, got {num_stages!r} ({type(num_stages).__name__}); "
-            "pass an int, e.g. num_stages=2."
-        )
-    if num_stages < 1:
-        raise PlanError(f"num_stages must be at least 1, got {num_stages}.")
 
 
 def _check_devices_exist(devices: Any, num_stages: int | None) -> None:
@@ -112,6 +97,7 @@ def compile(
     example_input: Any = (),
     *,
     example_kwargs: dict[str, Any] | None = None,
+    planner: PlannerOptions | None = None,
     num_stages: int | None = None,
     cost: CostSpec = "flops",
     devices: Sequence[str | torch.device] | None = None,
@@ -126,8 +112,8 @@ def compile(
     no_split: Sequence[str] = (),
     comm: CommModel | None = None,
     memory: MemoryModel | None = None,
-    recompute: str = "auto",
-    order: str = "auto",
+    recompute: Recompute = "auto",
+    order: Order = "auto",
     refine: int = 0,
     batch_dim: int = 0,
     unbatched: Sequence[str] = (),
@@ -141,6 +127,8 @@ def compile(
             the program holds its own copy of the parameters and buffers.
         example_input: a tensor or a tuple of positional arguments.
         example_kwargs: keyword arguments of the example call.
+        planner: the planner's options (``num_stages`` to ``refine`` below) as one
+            :class:`~pipesplit.PlannerOptions`; give either it or those keywords, not both.
         num_stages: stages to cut into (default 1, or as many as ``split_points``/``plan`` give).
         cost: ``"flops"`` (default), ``"params"``, ``"profile"``, ``"uniform"``, a callable
             ``node -> float`` or an object with ``node_cost(node, costs)``. With ``"flops"``
@@ -197,15 +185,16 @@ def compile(
     >>> torch.allclose(prog(x), model(x))
     True
     """
-    _check_num_stages(num_stages)  # fail before the (slow) export
+    opts = planner_options(  # checks every option before the (slow) export
+        planner, num_stages=num_stages, cost=cost, max_stage_memory=max_stage_memory, slack=slack, schedule=schedule,
+        n_microbatches=n_microbatches, n_ranks=n_ranks, pins=pins, no_split=no_split, comm=comm, memory=memory,
+        recompute=recompute, order=order, refine=refine)
+    num_stages, cost, max_stage_memory, slack, schedule = (
+        opts.num_stages, opts.cost, opts.max_stage_memory, opts.slack, opts.schedule)
+    n_microbatches, n_ranks, pins, no_split, comm, memory = (
+        opts.n_microbatches, opts.n_ranks, opts.pins, opts.no_split, opts.comm, opts.memory)
+    recompute, order, refine = opts.recompute, opts.order, opts.refine
     _check_devices_exist(devices, num_stages)
-    if refine < 0 or (refine and not (isinstance(cost, str) and cost in ("profile", "hybrid"))):
-        raise PlanError(
-            f"refine={refine!r}: refining corrects profiled times with measured ones, so it needs a number of rounds "
-            f">= 0 and cost='profile' or 'hybrid' (got cost={cost!r})."
-        )
-    check_choice("recompute", recompute, RECOMPUTE_CHOICES)
-    check_choice("order", order, ORDER_CHOICES)
     if refine and (plan is not None or split_points is not None):
         raise PlanError("refine= re-plans from measured stage times; it cannot change a given plan= or split_points=.")
     if plan is not None or split_points is not None:

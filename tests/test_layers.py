@@ -30,7 +30,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("graph analyses", ("pipesplit.passes.aliasing",)),
     ("capture", ("pipesplit.capture", "pipesplit.inputs")),
     ("annotate", ("pipesplit.passes.annotate",)),
-    ("plan", ("pipesplit.passes.plan", "pipesplit.plan")),
+    ("plan", ("pipesplit.passes.plan", "pipesplit.plan", "pipesplit.options")),
     ("split", ("pipesplit.passes.split", "pipesplit.comm", "pipesplit.program_state", "pipesplit.program",
                "pipesplit.generalise", "pipesplit.materialize", "pipesplit.dot", "pipesplit.report",
                "pipesplit.agree")),

@@ -1,0 +1,116 @@
+"""How :func:`pipesplit.compile` plans a split, as one frozen value that checks itself.
+
+The planner's options (the stage count, the cost model, the memory cap, the schedule it
+plans for with its communication and memory models, and how it searches) travel together:
+build a :class:`PlannerOptions` once, reuse and vary it with ``dataclasses.replace``, and
+pass it as ``compile(model, x, planner=opts)``. The same options as keywords of
+``compile`` still work; the two forms cannot be mixed in one call. A bad value fails where
+the options are built, before any (slow) capture.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+from dataclasses import dataclass
+from typing import Any, Literal, Mapping
+
+from pipesplit.errors import PipesplitError, PlanError
+from pipesplit.passes.plan.objective import CommModel, MemoryModel
+from pipesplit.passes.plan.planner import ORDER_CHOICES, RECOMPUTE_CHOICES, CostSpec, check_choice
+from pipesplit.schedules import Schedule
+
+Recompute = Literal["auto", "never"]
+Order = Literal["auto", "program"]
+
+
+def check_num_stages(num_stages: Any) -> None:
+    if num_stages is None:
+        return
+    if isinstance(num_stages, bool) or not isinstance(num_stages, numbers.Integral):
+        raise PlanError(
+            f"num_stages must be a whole number of stages, got {num_stages!r} ({type(num_stages).__name__}); "
+            "pass an int, e.g. num_stages=2."
+        )
+    if num_stages < 1:
+        raise PlanError(f"num_stages must be at least 1, got {num_stages}.")
+
+
+@dataclass(frozen=True)
+class PlannerOptions:
+    """What the planner balances, under which limits, and for which schedule.
+
+    >>> import dataclasses
+    >>> opts = PlannerOptions(num_stages=4, schedule="1f1b", n_microbatches=8)
+    >>> dataclasses.replace(opts, num_stages=2).num_stages
+    2
+    >>> PlannerOptions(recompute="sometimes")
+    Traceback (most recent call last):
+    ...
+    pipesplit.errors.PlanError: recompute must be 'auto' or 'never', got 'sometimes'.
+    """
+
+    num_stages: int | None = None
+    """Stages to cut into (default 1)."""
+    cost: CostSpec = "flops"
+    """``"flops"``, ``"params"``, ``"profile"``, ``"hybrid"``, ``"uniform"``, a callable ``node -> float``
+    or an object with ``node_cost(node, costs)``; see :func:`pipesplit.compile`."""
+    max_stage_memory: int | None = None
+    """Bytes a stage may hold (with ``schedule``: optimizer state and every microbatch in flight too)."""
+    slack: float = 0.05
+    """Fraction above the optimal bottleneck the planner may spend to send fewer bytes."""
+    schedule: str | Schedule | None = None
+    """Plan for this schedule's simulated step time (``"1f1b"``, ``"zb_h1"``, ...)."""
+    n_microbatches: int | None = None
+    """Microbatches per step for ``schedule`` (default 4 x stages)."""
+    n_ranks: int | None = None
+    """Ranks for schedules with several stages per rank."""
+    pins: Mapping[str, int] | None = None
+    """``{"module.path": stage}``: keep that module whole in that stage."""
+    no_split: tuple[str, ...] = ()
+    """Module paths (wildcards allowed) no cut may enter."""
+    comm: CommModel | None = None
+    """Link latency and bandwidth that price the boundaries (defaults per device kind)."""
+    memory: MemoryModel | None = None
+    """Optimizer and gradient factors and checkpointing, for the memory estimate."""
+    recompute: Recompute = "auto"
+    """``"auto"`` rebuilds cheap input-derived values in each stage instead of sending them."""
+    order: Order = "auto"
+    """``"auto"`` also tries the as-late-as-possible order of the nodes; ``"program"`` does not."""
+    refine: int = 0
+    """Rounds of re-planning from measured stage times (``cost="profile"`` or ``"hybrid"``)."""
+
+    def __post_init__(self) -> None:
+        check_num_stages(self.num_stages)
+        object.__setattr__(self, "no_split", tuple(self.no_split))  # a list is kept as a tuple
+        if self.pins is not None:
+            object.__setattr__(self, "pins", dict(self.pins))  # the caller's dict may change later
+        if not isinstance(self.slack, (int, float)) or isinstance(self.slack, bool) or self.slack < 0:
+            raise PlanError(f"slack must be a fraction >= 0 of the optimal bottleneck, got {self.slack!r}.")
+        if self.refine < 0 or (self.refine and not (isinstance(self.cost, str) and self.cost in ("profile", "hybrid"))):
+            raise PlanError(
+                f"refine={self.refine!r}: refining corrects profiled times with measured ones, so it needs a number "
+                f"of rounds >= 0 and cost='profile' or 'hybrid' (got cost={self.cost!r})."
+            )
+        check_choice("recompute", self.recompute, RECOMPUTE_CHOICES)
+        check_choice("order", self.order, ORDER_CHOICES)
+
+    def changed(self) -> list[str]:
+        """The options set to something other than their defaults, in declaration order."""
+        return [f.name for f in dataclasses.fields(self) if getattr(self, f.name) != f.default]
+
+
+def planner_options(planner: PlannerOptions | None, **keywords: Any) -> PlannerOptions:
+    """``planner`` when given (and no planner keyword beside it), else the keywords as options."""
+    flat = PlannerOptions(**keywords)
+    if planner is None:
+        return flat
+    if not isinstance(planner, PlannerOptions):
+        raise PipesplitError(f"planner= takes a pipesplit.PlannerOptions, got {type(planner).__name__}.")
+    mixed = flat.changed()
+    if mixed:
+        raise PipesplitError(
+            f"{', '.join(f'{n}=' for n in mixed)} given beside planner=: pass the planner's options one way. Put them "
+            f"in the options (dataclasses.replace(planner, {mixed[0]}=...)) or drop planner=."
+        )
+    return planner
