@@ -80,9 +80,10 @@ def _direct_grads(d: Direct, g: torch.Tensor, extras: list[torch.Tensor]) -> lis
 
 def _direct(node: fx.Node, aliases: list[fx.Node], classes: StorageClasses,
             derived: dict[fx.Node, set[str]]) -> Direct | None:
-    """The :class:`Direct` of ``node`` (appending the activations it reads to ``extra``), or None
-    where W must go through autograd: another op, keyword arguments, a weight where an activation
-    goes, a sparse embedding, or an activation written in place after the op read it."""
+    """The :class:`Direct` of ``node``, its arguments still as graph nodes (``("alias", node)``,
+    ``("read", node)``; :func:`weight_graph` places them in the extras), or None where W must go
+    through autograd: another op, keyword arguments, a weight where an activation goes, a sparse
+    embedding, or an activation whose storage is written in place anywhere in the graph."""
     allowed = _DIRECT_WEIGHTS.get(node.target)  # type: ignore[call-overload]
     if allowed is None or node.kwargs or not _tensor_val(node):
         return None
