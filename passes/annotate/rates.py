@@ -20,7 +20,7 @@ import functools
 import math
 import time
 from dataclasses import dataclass
-from typing import Callable, cast
+from typing import Callable, TypeVar, cast
 
 import torch
 import torch.fx as fx
@@ -131,7 +131,7 @@ def priced(node: fx.Node, rates: DeviceRates) -> tuple[float, float, float]:
     return rates.forward(c, moved, elements), rates.input_grad(c, moved, elements), rates.weight_grad(c, weights)
 
 
-def _quartile(fn: Callable[[], object], repeats: int, sync: Callable[[], None]) -> float:
+def quartile_seconds(fn: Callable[[], object], repeats: int, sync: Callable[[], None]) -> float:
     """Lower-quartile seconds of ``fn`` after one untimed call: typical, but not thrown by a burst of
     load on a shared machine (a median of 9 once read a backward op at 10x its usual cost)."""
     fn()
@@ -168,17 +168,17 @@ def _measure(device: str, threads: int) -> DeviceRates:
             y = aten.add.Tensor(y, aten.gelu.default(h))
         return cast(torch.Tensor, aten.sum.default(y))
 
-    forward_op = _quartile(forward, 9, sync) / ops
-    backward_op = max(_quartile(lambda: forward().backward(), 9, sync) / ops - forward_op, forward_op)
+    forward_op = quartile_seconds(forward, 9, sync) / ops
+    backward_op = max(quartile_seconds(lambda: forward().backward(), 9, sync) / ops - forward_op, forward_op)
     curve = []
     for m, k, n in MATMUL_SIZES:  # the rate grows with the size of the multiply
         a, b = torch.randn(m, k, device=dev), torch.randn(k, n, device=dev)
-        seconds = _quartile(lambda: torch.mm(a, b), 5, sync)
+        seconds = quartile_seconds(lambda: torch.mm(a, b), 5, sync)
         curve.append((2.0 * m * k * n, 2.0 * m * k * n / max(seconds - forward_op, seconds / 2)))
     activation, norm = _per_element(dev, sync, forward_op, backward_op)
     u, v = torch.randn(1 << 22, device=dev), torch.empty(1 << 22, device=dev)  # 48 MB: past the caches
     moved = 3 * u.numel() * u.element_size()
-    add = _quartile(lambda: torch.add(u, u, out=v), 5, sync)  # into the same buffer: no page faults timed
+    add = quartile_seconds(lambda: torch.add(u, u, out=v), 5, sync)  # into the same buffer: no page faults timed
     return DeviceRates(
         device=str(dev),
         forward_op_s=forward_op,
@@ -201,8 +201,8 @@ def _per_element(
     gamma, beta = torch.ones(128, device=dev, requires_grad=True), torch.zeros(128, device=dev, requires_grad=True)
     out = []
     for op in (torch.nn.functional.gelu, lambda t: torch.nn.functional.layer_norm(t, (128,), gamma, beta)):
-        fwd = _quartile(lambda: op(x), 5, sync)
-        both = _quartile(lambda: torch.autograd.grad(op(x), x, grad), 5, sync)
+        fwd = quartile_seconds(lambda: op(x), 5, sync)
+        both = quartile_seconds(lambda: torch.autograd.grad(op(x), x, grad), 5, sync)
         out.append((max(fwd - forward_op, 0.0) / x.numel(), max(both - fwd - backward_op, 0.0) / x.numel()))
     return out[0], out[1]
 
@@ -227,7 +227,7 @@ def concurrent_slowdown(threads: int) -> float:
         for _ in range(100):
             torch.mm(a, b)
 
-    alone = _quartile(work, 3, lambda: None)  # one untimed call, then the least of 3
+    alone = quartile_seconds(work, 3, lambda: None)  # one untimed call, then the least of 3
     together = []
     for _ in range(3):
         pool = [threading.Thread(target=work) for _ in range(threads)]
@@ -251,10 +251,21 @@ def device_rates(device: str | torch.device = "cpu") -> DeviceRates:
     >>> r.flops_per_s > 1e8 and r.bytes_per_s > 1e8 and 0 < r.forward_op_s < 1e-3
     True
     """
+    return measured_once(_measure, device)
+
+
+T = TypeVar("T")
+
+
+def measured_once(measure: Callable[[str, int], T], device: str | torch.device) -> T:
+    """``measure(device, threads)`` for ``device`` as a concrete device name (``"meta"``, a model not
+    built yet, measured as the CPU; ``"cuda"`` as the current one) and torch's thread count, with the
+    user's random number generators left as they were. ``measure`` caches: once per device and process.
+    """
     dev = torch.device(device)
     if dev.type == "meta":  # a model too big to build yet: nothing runs there, so price it as the CPU would
         dev = torch.device("cpu")
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
     with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):  # the user's RNG is untouched
-        return _measure(str(dev), torch.get_num_threads())
+        return measure(str(dev), torch.get_num_threads())

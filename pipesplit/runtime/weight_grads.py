@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import functools
 import operator
-import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence, cast
 
@@ -28,6 +27,7 @@ import torch
 import torch.fx as fx
 
 from pipesplit.passes.aliasing import StorageClasses, storage_classes
+from pipesplit.passes.annotate.rates import measured_once, quartile_seconds
 
 
 # What nn.Module keeps about forward hooks: the hooks, and which of them take kwargs or always
@@ -78,36 +78,31 @@ def _direct_grads(d: Direct, g: torch.Tensor, extras: list[torch.Tensor]) -> lis
     return [by[i]() for i in d.aliased]
 
 
-def _direct(node: fx.Node, aliases: list[fx.Node], classes: StorageClasses,
-            derived: dict[fx.Node, set[str]]) -> Direct | None:
-    """The :class:`Direct` of ``node``, its arguments still as graph nodes (``("alias", node)``,
-    ``("read", node)``; :func:`weight_graph` places them in the extras), or None where W must go
-    through autograd: another op, keyword arguments, a weight where an activation goes, a sparse
-    embedding, or an activation whose storage is written in place anywhere in the graph."""
+def _direct(node: fx.Node, aliases: list[fx.Node], classes: StorageClasses, derived: dict[fx.Node, set[str]],
+            place: Callable[[fx.Node], int]) -> Direct | None:
+    """The :class:`Direct` of ``node``, each tensor argument where ``place`` puts it in the extras, or
+    None (and nothing placed) where W must go through autograd: another op, keyword arguments, a
+    weight where an activation goes, a sparse embedding, or an activation whose storage is written
+    in place anywhere in the graph."""
     allowed = _DIRECT_WEIGHTS.get(node.target)  # type: ignore[call-overload]
     if allowed is None or node.kwargs or not _tensor_val(node):
         return None
     if node.target is aten.embedding.default and len(node.args) > 4 and node.args[4]:
         return None
-    args: list[tuple[str, Any]] = []
     for i, a in enumerate(node.args):
         if isinstance(a, fx.Node) and a in aliases:
             if i not in allowed:
                 return None
-            args.append(("alias", a))
         elif isinstance(a, fx.Node):
             if i in allowed or a in derived or classes.is_written(a):
                 return None
-            args.append(("read", a))
         elif isinstance(a, (list, tuple)) and any(isinstance(v, fx.Node) for v in a):
             return None  # a symbolic size: keep to autograd
-        else:
-            args.append(("const", a))
     positions = [[i for i, a in enumerate(node.args) if a is alias] for alias in aliases]
     if not aliases or any(len(p) != 1 for p in positions):  # each alias once, as an argument of its own
         return None
-    # in the order of ``aliases``, as W lists their gradients; weight_graph places the tensors in the extras
-    return Direct(node.target, tuple(args), tuple(p[0] for p in positions))
+    args = tuple(("extra", place(a)) if isinstance(a, fx.Node) else ("const", a) for a in node.args)
+    return Direct(node.target, args, tuple(p[0] for p in positions))  # in the order W lists the aliases' gradients
 
 
 @dataclass
@@ -196,30 +191,23 @@ def weight_graph(gm: fx.GraphModule) -> WeightGraph | None:
     groups: list[tuple[list[int], list[int]]] = []
     direct: list[Direct | None] = []
     targets: list[list[str]] = []
-    position: dict[fx.Node, int] = {}  # an activation several ops read rides once
+    position: dict[fx.Node, int] = {}  # where a tensor rides in the extras (an activation read by several ops, once)
+
+    def place(n: fx.Node) -> int:
+        if n not in position:
+            position[n] = len(extra)
+            extra.append(n)
+        return position[n]
+
     for node, aliases, used in consumers:
         outs = [node] if _tensor_val(node) else [u for u in node.users if u.target is operator.getitem and _tensor_val(u)]
         first = len(extra)
         extra += outs
+        position.update((t, first + k) for k, t in enumerate(outs + aliases))
         extra += aliases
         groups.append((list(range(first, first + len(outs))), list(range(first + len(outs), len(extra)))))
         targets.append(sorted(used))
-        d = _direct(node, aliases, classes, derived)
-        if d is not None:
-            placed = []
-            for kind, value in d.args:
-                if kind == "const":
-                    placed.append((kind, value))
-                    continue
-                if kind == "alias":
-                    placed.append(("extra", first + len(outs) + aliases.index(value)))
-                    continue
-                if value not in position:
-                    position[value] = len(extra)
-                    extra.append(value)
-                placed.append(("extra", position[value]))
-            d = Direct(d.op, tuple(placed), d.aliased)
-        direct.append(d)
+        direct.append(_direct(node, aliases, classes, derived, place))
     if not extra:
         return None
     own = list(out) if isinstance(out, (tuple, list)) else [out]
@@ -362,18 +350,7 @@ def _split_overhead(device: str, threads: int) -> float:
             _, by_extra = input_grads(weights, [y], g, [x], extras)
             weight_backward(weights, extras, by_extra, [y], g, accumulate=False)
 
-    def least(fn: Any) -> float:
-        fn()
-        best = float("inf")
-        for _ in range(9):
-            sync()
-            start = time.perf_counter()
-            fn()
-            sync()
-            best = min(best, time.perf_counter() - start)
-        return best
-
-    return max(least(split) - least(fused), 0.0) / len(weights.groups)
+    return max(quartile_seconds(split, 9, sync) - quartile_seconds(fused, 9, sync), 0.0) / len(weights.groups)
 
 
 def split_overhead_s(device: str | torch.device = "cpu") -> float:
@@ -384,10 +361,4 @@ def split_overhead_s(device: str | torch.device = "cpu") -> float:
     >>> 0 <= split_overhead_s("cpu") < 1e-3
     True
     """
-    dev = torch.device(device)
-    if dev.type == "meta":
-        dev = torch.device("cpu")
-    if dev.type == "cuda" and dev.index is None:
-        dev = torch.device("cuda", torch.cuda.current_device())
-    with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
-        return _split_overhead(str(dev), torch.get_num_threads())
+    return measured_once(_split_overhead, device)
