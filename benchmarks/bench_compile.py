@@ -50,7 +50,7 @@ from pipesplit.passes.annotate.costs import annotate_costs  # noqa: E402
 from pipesplit.passes.plan.partition import solve_chain  # noqa: E402
 from pipesplit.passes.plan.planner import cost_function, evaluate, plan_partition  # noqa: E402
 from pipesplit.passes.split import check_devices, split_graph  # noqa: E402
-from pipesplit.program import SplitProgram  # noqa: E402
+from pipesplit.passes.split.program import SplitProgram  # noqa: E402
 
 DIM, VOCAB, SEQ, BATCH = 256, 1024, 64, 2
 RATIO_TARGET, RATIO_AT = 0.25, 96  # passes / export at 96 layers

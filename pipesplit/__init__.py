@@ -15,7 +15,7 @@ from pipesplit.errors import (
 from pipesplit.options import PlannerOptions
 from pipesplit.passes.plan.objective import CommModel, MemoryModel
 from pipesplit.plan import Plan
-from pipesplit.program import SplitProgram, Stage
+from pipesplit.passes.split.program import SplitProgram, Stage
 from pipesplit.runtime import Pipeline
 
 __all__ = [

@@ -17,7 +17,7 @@ from pipesplit.agree import agree_on_plan
 from pipesplit.capture import as_args, capture
 from pipesplit.errors import PlanError
 from pipesplit.export import paused_gc
-from pipesplit.generalise import recapture_fn
+from pipesplit.passes.split.generalise import recapture_fn
 from pipesplit.passes.annotate.costs import annotate_costs
 from pipesplit.passes.annotate.calibrate import calibrate
 from pipesplit.passes.plan.objective import CommModel, MemoryModel
@@ -36,7 +36,7 @@ from pipesplit.passes.plan.refine import correct_node_times
 from pipesplit.passes.split import check_devices, split_graph
 from pipesplit.options import Order, PlannerOptions, Recompute, planner_options
 from pipesplit.plan import Plan
-from pipesplit.program import SplitProgram
+from pipesplit.passes.split.program import SplitProgram
 from pipesplit.schedules import Schedule, resolve_schedule, simulate
 
 log = logging.getLogger(__name__)
@@ -173,7 +173,7 @@ def compile(
         dynamic_batch: capture the batch dimension dynamic from the start. By default the model
             is exported at the example's shapes (a static export is 1.5-2.6x faster), and the
             program captures it once more with a dynamic batch the first time it meets another
-            batch size (:mod:`pipesplit.generalise`); until then it keeps a reference to ``model``.
+            batch size (:mod:`pipesplit.passes.split.generalise`); until then it keeps a reference to ``model``.
         unbatched: names of forward() arguments without a batch dimension (a lookup table, a
             shared mask): kept at their example shape and given whole to every microbatch.
         progress: show a progress bar while profiling.

@@ -250,7 +250,7 @@ def capture(
 ) -> Captured:
     """Export ``model`` on the example inputs; the batch dimension is made dynamic where possible
     (``dynamic=False``: captured at the example's shapes, a faster export whose graph takes only
-    the example's batch size; see :mod:`pipesplit.generalise`).
+    the example's batch size; see :mod:`pipesplit.passes.split.generalise`).
 
     ``copy_state=False`` leaves the model's own tensors in the graph instead of the program's
     copies (a capture only read for its structure).

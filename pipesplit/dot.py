@@ -15,7 +15,7 @@ from pipesplit.passes.annotate.flops import op_name
 from pipesplit.units import format_cost, human_bytes, human_count
 
 if TYPE_CHECKING:
-    from pipesplit.program import SplitProgram
+    from pipesplit.passes.split.program import SplitProgram
 
 _MAX_GROUPS = 40
 _SHADES = ["#f7fbff", "#deebf7", "#c6dbef", "#9ecae1", "#6baed6"]

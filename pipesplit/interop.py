@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from pipesplit.errors import PipesplitError
-from pipesplit.program import SplitProgram
+from pipesplit.passes.split.program import SplitProgram
 
 
 def _boundaries(prog: SplitProgram) -> dict[tuple[str, int], Any]:
@@ -113,10 +113,10 @@ def chain_modules(prog: SplitProgram) -> list[ChainStage]:
     """One chain-shaped module per stage; stage 0 takes the program's flat tensor inputs.
 
     torch's schedules feed microbatches of any size, so a program captured at the example's
-    batch is generalised first (:mod:`pipesplit.generalise`).
+    batch is generalised first (:mod:`pipesplit.passes.split.generalise`).
     """
     if prog.static_batch is not None:
-        from pipesplit.generalise import generalise
+        from pipesplit.passes.split.generalise import generalise
 
         generalise(prog, "torch's pipelining schedules feed microbatches of any size")
     live = _live_sets(prog)

@@ -21,7 +21,7 @@ from pipesplit.errors import PipesplitError
 from pipesplit.state import Placement
 
 if TYPE_CHECKING:
-    from pipesplit.program import SplitProgram
+    from pipesplit.passes.split.program import SplitProgram
 
 
 def materialize(prog: "SplitProgram", stages: set[int] | None = None) -> list[str]:

@@ -8,7 +8,7 @@ from pipesplit.meta import node_cost
 from pipesplit.units import format_cost, human_bytes, human_count
 
 if TYPE_CHECKING:
-    from pipesplit.program import SplitProgram
+    from pipesplit.passes.split.program import SplitProgram
 
 
 def stage_rows(prog: "SplitProgram") -> list[dict[str, object]]:

@@ -1,4 +1,4 @@
-"""A program captured at the example's batch size meets other batch sizes (pipesplit.generalise).
+"""A program captured at the example's batch size meets other batch sizes (pipesplit.passes.split.generalise).
 
 compile() exports at the example's shapes by default. These tests hold the promise that
 costs nothing visible: another batch size still works (once re-captured with a dynamic

@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
-import pipesplit.comm as comm
+import pipesplit.passes.split.comm as comm
 from pipesplit.errors import PlanError
 from pipesplit.meta import COMPUTE_OPS
 from pipesplit.passes.aliasing import inplace_inputs

@@ -19,7 +19,7 @@ from pipesplit.passes.plan.objective import (
 from pipesplit.passes.plan.planner import cost_function
 from pipesplit.passes.annotate.rates import concurrent_slowdown, device_rates
 from pipesplit.passes.plan.step_planner import node_seconds
-from pipesplit.program import SplitProgram
+from pipesplit.passes.split.program import SplitProgram
 from pipesplit.runtime.weight_grads import split_overhead_s, weight_graph
 from pipesplit.schedules import ActionKind, Schedule, StageCost, Timeline, simulate
 

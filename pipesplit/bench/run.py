@@ -21,7 +21,7 @@ from pipesplit.bench.result import BenchmarkResult, BenchRow, RunDetail
 from pipesplit.capture import as_args
 from pipesplit.errors import InputError, PipesplitError, ScheduleError
 from pipesplit.passes.plan.planner import BUILTIN_COSTS, cost_function
-from pipesplit.program import SplitProgram
+from pipesplit.passes.split.program import SplitProgram
 from pipesplit.runtime.microbatch import batch_size
 from pipesplit.runtime.pipeline import Pipeline
 from pipesplit.runtime.trace import Trace

@@ -16,7 +16,7 @@ from typing import Any, Sequence, cast
 import torch
 
 from pipesplit.errors import PipesplitError, RuntimeCommError
-from pipesplit.program import SplitProgram
+from pipesplit.passes.split.program import SplitProgram
 
 
 _BARRIERS = [0]  # store barriers this process has entered; every rank enters them in the same order

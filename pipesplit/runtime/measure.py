@@ -38,7 +38,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from pipesplit.errors import PipesplitError
-from pipesplit.program import SplitProgram
+from pipesplit.passes.split.program import SplitProgram
 from pipesplit.runtime.microbatch import batch_size, split_microbatches, split_target
 from pipesplit.runtime.weight_grads import input_grads, weight_backward, weight_graph
 from pipesplit.schedules import StageCost

@@ -13,7 +13,7 @@ from torch import nn
 
 from pipesplit.errors import PipesplitError, ScheduleError
 from pipesplit.materialize import check_initialised, init_weights
-from pipesplit.program import SplitProgram
+from pipesplit.passes.split.program import SplitProgram
 from pipesplit.state import zero_grads
 from pipesplit.runtime.microbatch import batch_size, merge_outputs, split_microbatches, split_target
 from pipesplit.runtime.collectives import Layout, StepCollectives

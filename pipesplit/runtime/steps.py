@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable, Sequence
 
-from pipesplit.program import SplitProgram
+from pipesplit.passes.split.program import SplitProgram
 from pipesplit.runtime.collectives import StepCollectives
 from pipesplit.runtime.exchange import RankComm, run_rank
 from pipesplit.runtime.threads import RankThreads, autocast_scope, autocast_state

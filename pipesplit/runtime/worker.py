@@ -11,7 +11,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.utils.checkpoint import checkpoint
 
-from pipesplit.program import SplitProgram, Stage
+from pipesplit.passes.split.program import SplitProgram, Stage
 from pipesplit.rng import random_stream, stream_seed
 from pipesplit.runtime.weight_grads import WeightGraph, input_grads, weight_backward, weight_graph
 from pipesplit.runtime.exchange import RankComm

@@ -33,7 +33,7 @@ from pipesplit.passes.plan.recompute import recomputable
 from pipesplit.passes.split import split_graph
 
 if TYPE_CHECKING:
-    from pipesplit.program import SplitProgram
+    from pipesplit.passes.split.program import SplitProgram
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """The split program's state: the parameters and buffers each stage holds, under the original
 model's names, tied tensors kept one, and the original model's state_dict in and out.
 
-:class:`ProgramState` is a base of :class:`pipesplit.program.SplitProgram`, which sets the
+:class:`ProgramState` is a base of :class:`pipesplit.passes.split.program.SplitProgram`, which sets the
 attributes it reads when it places the state on the stages' devices.
 """
 

@@ -1,0 +1,379 @@
+"""The split program: stage modules, their boundaries, and one-process reference execution."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch import nn
+
+from pipesplit.capture import Captured, InputInfo, static_dim
+from pipesplit.errors import InputError, PipesplitError, PlanError
+from pipesplit.passes.split.generalise import batched_outputs
+from pipesplit.inputs import Shown, shown, describe_structure, check_input
+from pipesplit.passes.split.modes import eval_graph
+from pipesplit.passes.split import Boundary, SplitGraph, StagePiece
+from pipesplit.plan import Plan
+from pipesplit.rng import seeded
+from pipesplit.passes.split.program_state import ProgramState
+from pipesplit.state import Placement, Tied, attach
+
+
+@dataclass
+class Stage:
+    """One pipeline stage: a GraphModule owning its parameters under the original names."""
+
+    index: int
+    module: fx.GraphModule
+    device: torch.device
+    inputs: list[tuple[str, str, int]]  # (name, "input" | "stage", flat input index | source stage)
+    outputs: list[str]
+    nodes: list[str]
+    cost: float = 0.0
+    attr_targets: tuple[str, ...] = ()  # get_attr targets of its graph
+    mutated_inputs: frozenset[str] = frozenset()  # inputs the stage writes in place (relu_, +=)
+    modes: dict[bool, fx.GraphModule] = field(default_factory=dict, repr=False)  # training -> module
+
+    def module_for(self, training: bool) -> fx.GraphModule:
+        """This stage's module in training or eval mode (the eval twin is derived on first use)."""
+        if training not in self.modes:
+            base = self.modes[True]
+            self.modes[False] = fx.GraphModule(base, eval_graph(base.graph), class_name=f"Stage{self.index}Eval")
+        return self.modes[training]
+
+    @property
+    def input_names(self) -> list[str]:
+        return [name for name, _, _ in self.inputs]
+
+    def __call__(self, *args: Any) -> tuple[Any, ...]:
+        out: tuple[Any, ...] = self.module(*args)
+        return out
+
+
+class SplitProgram(ProgramState):
+    """Stage modules with explicit send/recv boundaries, exact against the original model.
+
+    Calling it runs the stages in order on their devices (the reference semantics
+    every runtime matches) and returns outputs with the model's own pytree structure.
+    """
+
+    def __init__(self, captured: Captured, split: SplitGraph, plan: Plan, devices: list[str]):
+        self.in_spec = captured.in_spec
+        self.out_spec = captured.out_spec
+        self.notes = list(captured.notes)
+        self.defaults = dict(captured.defaults)  # keyword arguments every call gets (use_cache=False)
+        self.training = captured.training  # the mode the stages run in; see train() / eval()
+        self.captured_training = captured.training
+        self.export_seconds = captured.export_seconds
+        self.batch_dim = captured.batch_dim  # the dimension microbatches are cut along
+        # captures the model again with a dynamic batch (set by compile() for a static capture)
+        self.recapture: Callable[[], Captured] | None = None
+        self.batch_pinned: str | None = None  # why the batch cannot change, once a re-capture found out
+        self.timings: dict[str, float] = {}  # seconds per compile phase (set by compile)
+        self._state = captured.state
+        self._state_keys = captured.state_keys
+        self.target_to_entry = dict(captured.target_to_entry)
+        self._set_graph(captured, split, plan)
+        self._tied: list[Tied] = []
+        placement = Placement(len(captured.state))
+        self.stages: list[Stage] = []
+        self.stage_entries: list[dict[int, torch.Tensor]] = []  # per stage: state index -> its tensor
+        for piece, device_name in zip(split.stages, devices):
+            device = torch.device(device_name)
+            entries: dict[int, torch.Tensor] = {}
+            self.stage_entries.append(entries)
+
+            def take(idx: int, device: torch.device = device, entries: dict[int, torch.Tensor] = entries) -> Any:
+                if idx not in entries:  # a model built on "meta" stays there until materialize()
+                    t = captured.state[idx].tensor
+                    entries[idx] = placement.take(idx, t, t.device if t.is_meta else device)
+                return entries[idx]
+
+            module = fx.GraphModule(self._holder(piece, take), piece.graph, class_name=f"Stage{piece.index}")
+            cost = plan.stage_costs[piece.index] if plan.stage_costs else 0.0
+            self.stages.append(
+                Stage(piece.index, module, device, piece.inputs, piece.outputs, piece.nodes, cost, tuple(piece.attrs),
+                      piece.mutated_inputs, {captured.training: module})
+            )
+        self._owner: list[torch.Tensor | None] = [placement.owner(idx) for idx in range(len(captured.state))]
+        self.uninitialised: set[int] = set()  # state entries given storage by materialize() and no values yet
+        for idx, copies in enumerate(placement.copies):
+            if len(copies) > 1 and captured.state[idx].name in captured.mutated_names:
+                raise PlanError(
+                    f"buffer {captured.state[idx].name!r} is updated in place by stages on different devices "
+                    f"({', '.join(map(str, copies))}); put those stages on one device."
+                )
+        self._tie(placement.ties())
+        self._build_root(split)
+
+    def _set_graph(self, captured: Captured, split: SplitGraph, plan: Plan) -> None:
+        """What the program knows of its captured graph and split (set again by ``respecialise``)."""
+        d = self.batch_dim
+        self.plan = plan
+        self.boundaries: list[Boundary] = split.boundaries
+        self.inputs: list[InputInfo] = captured.inputs
+        self.mutated_targets = set(captured.mutated_targets)
+        self._mutated_entries = {captured.target_to_entry[t] for t in captured.mutated_targets
+                                 if t in captured.target_to_entry}
+        # the only batch size the stage graphs take (captured at the example's shapes); None: any
+        self.static_batch: int | None = captured.static_batch
+        self.example_batch: int | None = captured.example_batch
+        self.captured_gm = captured.gm
+        self._outputs = split.outputs
+        self.batch_symbols = {
+            v.meta["val"].shape[d].node.expr
+            for v in captured.gm.graph.nodes
+            if v.op == "placeholder"
+            and isinstance(v.meta.get("val"), torch.Tensor)
+            and v.meta["val"].dim() > d
+            and static_dim(v.meta["val"].shape[d]) is None
+        }
+        self.output_batched = batched_outputs(captured)
+        self.random_ops = sum(n.target is seeded for p in split.stages for n in p.graph.nodes)  # dropout & co.
+
+    def _holder(self, piece: StagePiece, take: Callable[[int], torch.Tensor]) -> nn.Module:
+        """A module holding what stage ``piece``'s graph reads: state tensors (``take(idx)``) under
+        their targets, and submodules (the bodies of higher-order ops)."""
+        holder = nn.Module()
+        for target, obj in piece.attrs.items():
+            idx = self.target_to_entry.get(target)
+            if idx is None:  # a submodule, e.g. the body of a higher-order op
+                attach(holder, target, obj)
+            else:
+                attach(holder, target, take(idx), self._state[idx].persistent)
+        if piece.index == 0:
+            used = set(self.target_to_entry.values())
+            for idx, entry in enumerate(self._state):
+                if idx not in used and entry.aliases:  # unused state stays with stage 0
+                    attach(holder, entry.name, take(idx), entry.persistent)
+        return holder
+
+    def _build_root(self, split: SplitGraph) -> None:
+        root = nn.Module()
+        for stage in self.stages:
+            root.add_module(f"stage_{stage.index}", stage.module)
+        self.root = fx.GraphModule(root, split.root, class_name="SplitRoot")
+
+    def respecialise(self, captured: Captured, split: SplitGraph, plan: Plan) -> None:
+        """Swap in the stage graphs of another capture of the same model (a dynamic batch, see
+        :mod:`pipesplit.passes.split.generalise`); the parameters and buffers stay the very same tensors."""
+        if captured.target_to_entry != self.target_to_entry:
+            raise PlanError("capturing the model again gave other parameters and buffers than the first capture; "
+                            "was the model changed after compiling? Compile it again.")
+        for piece, stage in zip(split.stages, self.stages):
+            if stage.module is not None:  # another rank's stage stays dropped
+                entries = self.stage_entries[stage.index]
+
+                def take(idx: int, entries: dict[int, torch.Tensor] = entries, s: int = stage.index) -> torch.Tensor:
+                    if idx not in entries:
+                        raise PlanError(f"the new capture puts {self._state[idx].name!r} in stage {s}, which does "
+                                        "not hold it; compile with dynamic_batch=True.")
+                    return entries[idx]
+
+                module = fx.GraphModule(self._holder(piece, take), piece.graph, class_name=f"Stage{piece.index}")
+                stage.modes = {self.captured_training: module}
+                stage.module = stage.module_for(self.training)
+            stage.inputs, stage.outputs, stage.nodes = piece.inputs, piece.outputs, piece.nodes
+            stage.attr_targets, stage.mutated_inputs = tuple(piece.attrs), piece.mutated_inputs
+        self._set_graph(captured, split, plan)
+        if self.root is not None:
+            self._build_root(split)
+
+    def train(self, mode: bool = True) -> "SplitProgram":
+        """Run every stage in training (``True``) or eval mode, as ``model.train(mode)`` would.
+
+        Eval mode turns dropout off and has BatchNorm use (and not update) its running
+        statistics; it equals ``model.eval()``. A program compiled from a model in eval
+        mode has no training behaviour to switch on: compile from ``model.train()``.
+        """
+        if mode and not self.captured_training:
+            raise PipesplitError(
+                "this program was compiled from a model in eval mode, so its graph holds no training behaviour "
+                "(dropout, BatchNorm batch statistics) to switch on. Compile from model.train() and call "
+                "prog.eval() when you need eval mode."
+            )
+        for stage in self.stages:
+            if stage.module is None:  # another rank's stage
+                continue
+            stage.module = stage.module_for(bool(mode))
+            if self.root is not None:
+                setattr(self.root, f"stage_{stage.index}", stage.module)
+        self.training = bool(mode)
+        return self
+
+    def eval(self) -> "SplitProgram":
+        """Eval mode: ``prog.train(False)``."""
+        return self.train(False)
+
+    @property
+    def on_meta(self) -> bool:
+        """Whether some state this process holds is still on the meta device (see ``materialize``)."""
+        return any(t.is_meta for _, t in self.held_state())
+
+    def materialize(self, stages: set[int] | None = None) -> list[str]:
+        """Give the state of ``stages`` (default: every stage this process keeps) real, uninitialised
+        storage on their stages' devices; returns the names that still need values. See
+        :mod:`pipesplit.materialize` to initialise them."""
+        from pipesplit.materialize import materialize
+
+        return materialize(self, stages)
+
+    def keep_only(self, stages: set[int]) -> None:
+        """Drop every other stage's module and state (a rank of a distributed run keeps its own)."""
+        for stage in self.stages:
+            if stage.index not in stages:
+                stage.module = None  # type: ignore[assignment]
+                stage.modes = {}
+                self.stage_entries[stage.index] = {}
+        self.rebuild_holders(stages)
+        self.root = None  # type: ignore[assignment]
+
+    # ----------------------------------------------------------------- running
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    def flatten_inputs(self, args: tuple[Any, ...], kwargs: Mapping[str, Any], *, whole_batch: bool = False) -> list[Any]:
+        """Flatten (args, kwargs) like the example, checking structure and shapes.
+
+        A program captured at the example's batch size is generalised (once) when the inputs
+        bring another; with ``whole_batch`` the caller cuts them into microbatches first and
+        calls :meth:`ensure_batch` with the microbatch size itself.
+        """
+        kwargs = {**kwargs, **{k: v for k, v in self.defaults.items() if k not in kwargs}}
+        flat, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
+        if spec != self.in_spec:
+            got = describe_structure(pytree.tree_map(shown, (tuple(args), dict(kwargs))))
+            raise InputError(
+                "the program was called with inputs of another structure than the example it was compiled with.\n"
+                f"  expected: {self._expected_structure()}\n  got:      {got}\n"
+                "Pass the same positional arguments and keyword names as the example."
+            )
+        free: int | None = None
+        if self.static_batch is not None and whole_batch:
+            free = self.batch_dim
+        elif self.static_batch is not None:
+            batch = next((v.shape[self.batch_dim] for v, i in zip(flat, self.inputs)
+                          if i.batched and isinstance(v, torch.Tensor) and v.dim() > self.batch_dim), None)
+            if batch is not None:
+                self.ensure_batch(int(batch))
+        for value, info in zip(flat, self.inputs):
+            check_input(value, info, free)
+        return flat
+
+    def ensure_batch(self, size: int) -> bool:
+        """Make the stage graphs take batches of ``size``: a program captured at the example's batch
+        size captures the model again with a dynamic batch, once (:mod:`pipesplit.passes.split.generalise`).
+        True if the graphs changed (a runtime built on the old ones must rebuild)."""
+        if self.static_batch is None or size == self.static_batch:
+            return False
+        from pipesplit.passes.split.generalise import generalise
+
+        generalise(self, f"a batch of {size} (captured at {self.static_batch})")
+        return True
+
+    def _expected_structure(self) -> str:
+        if len(self.inputs) != self.in_spec.num_leaves:
+            return str(self.in_spec)
+        return describe_structure(pytree.tree_unflatten([Shown(i.name) for i in self.inputs], self.in_spec))
+
+    def flat_tensor_inputs(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, ...]:
+        """The checked flat inputs that are tensors (what chain-shaped stage 0 takes)."""
+        flat = self.flatten_inputs(args, kwargs)
+        return tuple(v for v, info in zip(flat, self.inputs) if info.is_tensor)
+
+    def run_flat(self, flat: list[Any]) -> list[Any]:
+        """Run on flattened inputs; returns the flat outputs."""
+        self.sync_tied()
+        return self.assemble_outputs(self.root(*flat))
+
+    def assemble_outputs(self, last_stage_outputs: tuple[Any, ...]) -> list[Any]:
+        """The flat program outputs from what the last stage returns (constants filled in)."""
+        by_name = dict(zip(self.stages[-1].outputs, last_stage_outputs))
+        return [by_name[v] if kind == "value" else v for kind, v in self._outputs]
+
+    def resolve_value(self, boundary: Boundary, batch: int) -> Any:
+        """The value of a non-tensor that crosses a boundary (a size, or a float or bool derived
+        from sizes, such as ``x.shape[0] ** -0.5``) for a given (micro)batch size."""
+        self._check_batch(batch)
+        if boundary.sizes is None:
+            raise PlanError(
+                f"boundary {boundary.name!r} (stage {boundary.src} -> {boundary.dst}) carries a {boundary.kind} that "
+                "is neither a tensor nor computed from sizes, so a pipeline stage cannot rebuild it. Keep its producer "
+                f"and users in one stage (no_split=[...] or pins=...), or pass it as a tensor."
+            )
+        expr = boundary.sizes[0]
+        if isinstance(expr, (bool, int, float)):
+            return expr
+        free = expr.free_symbols
+        if not free <= self.batch_symbols:
+            raise InputError(
+                f"a boundary value {expr} depends on {sorted(map(str, free - self.batch_symbols))}, not only on the "
+                "batch size; only the batch dimension may vary between calls."
+            )
+        value = expr.subs({sym: batch for sym in free})
+        if boundary.kind == "float":
+            return float(value)
+        if boundary.kind == "bool":
+            return bool(value)
+        return int(value)
+
+    def resolve_shape(self, boundary: Boundary, batch: int) -> tuple[int, ...]:
+        """A boundary tensor's concrete shape for a given (micro)batch size."""
+        self._check_batch(batch)
+        assert boundary.sizes is not None
+        return tuple(self._eval_size(d, batch) for d in boundary.sizes)
+
+    def _check_batch(self, batch: int) -> None:
+        if self.static_batch is not None and batch != self.static_batch:
+            raise PipesplitError(
+                f"the boundaries were captured at a batch of {self.static_batch}, not {batch}: call "
+                f"prog.ensure_batch({batch}) first (it captures the model again with a dynamic batch)."
+            )
+
+    def _eval_size(self, expr: Any, batch: int) -> int:
+        if isinstance(expr, int):
+            return expr
+        free = expr.free_symbols
+        if not free <= self.batch_symbols:
+            raise InputError(
+                f"a boundary size {expr} depends on {sorted(map(str, free - self.batch_symbols))}, not only on the "
+                "batch size; only the batch dimension may vary between calls."
+            )
+        return int(expr.subs({sym: batch for sym in free}))
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        flat = self.flatten_inputs(args, kwargs)
+        return pytree.tree_unflatten(self.run_flat(flat), self.out_spec)
+
+    # -------------------------------------------------------------- inspection
+    def report(self) -> str:
+        """A per-stage table: nodes, parameters, FLOPs, cost, memory, bytes sent."""
+        from pipesplit.report import format_report
+
+        return format_report(self)
+
+    def to_dot(self, detail: str = "module", depth: int | None = None, stage_times: Any = None) -> str:
+        """The split graph as DOT text (no graphviz binary needed); see :mod:`pipesplit.dot`.
+
+        Clusters are shaded by stage cost, or by ``stage_times`` (seconds per stage) when given.
+        """
+        from pipesplit.dot import program_dot
+
+        return program_dot(self, detail=detail, depth=depth, stage_times=stage_times)
+
+    def render(
+        self, path: str | os.PathLike[str], detail: str = "module", depth: int | None = None, stage_times: Any = None
+    ) -> str:
+        """Render the split graph to ``path`` (format from its suffix: .svg, .png, .pdf, .dot)."""
+        from pipesplit.dot import render
+
+        return render(self, path, detail=detail, depth=depth, stage_times=stage_times)
+
+    def __repr__(self) -> str:
+        devs = ", ".join(str(s.device) for s in self.stages)
+        return f"SplitProgram({self.num_stages} stages on [{devs}], {len(self.boundaries)} boundaries)"
