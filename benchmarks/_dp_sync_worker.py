@@ -84,7 +84,7 @@ class Variant:
         self.phases: list[tuple[float, float]] = []
         pp = mesh["pp"].size()
         prog = pipesplit.compile(model, example, num_stages=pp, plan=plan, progress=False)
-        self.pipe = pipesplit.Pipeline(prog, args.schedule, n_microbatches=args.microbatches, loss_fn=loss_fn,
+        self.pipe = pipesplit.Pipeline(prog, args.schedule, num_microbatches=args.microbatches, loss_fn=loss_fn,
                                        mesh=mesh, timeout=120)
         self.mods: list[Any] = []
         if kind == "allreduce":

@@ -97,7 +97,7 @@ def bench_model(name: str, schedules: list[str], n_mb: int, warmup: int, steps: 
     prog_ps = pipesplit.compile(model, example, num_stages=world, plan=prog_torch.plan, progress=False)
     out: dict[str, Any] = {"model": name, "description": desc, "schedules": {}}
     for schedule in schedules:
-        pipe = pipesplit.Pipeline(prog_ps, schedule, n_microbatches=n_mb, loss_fn=loss_fn, executor="distributed")
+        pipe = pipesplit.Pipeline(prog_ps, schedule, num_microbatches=n_mb, loss_fn=loss_fn, executor="distributed")
         stage = to_pipeline_stage(prog_torch, rank, device="cpu")
         sched = TORCH_SCHEDULES[schedule](stage, n_microbatches=n_mb, loss_fn=loss_fn, scale_grads=True)
         flat = prog_torch.flat_tensor_inputs(x)

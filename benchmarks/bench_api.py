@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> None:
         x, y = x.to(args.devices[0]), y.to(args.devices[0])
     plain = plain_step_s(model, x, y, args.warmup, args.repeats)
     res = pipesplit.benchmark(model, x, loss_fn=loss_fn, target=y, num_stages=args.stages, schedules=args.schedules,
-                              n_microbatches=args.microbatches, cost=args.cost, devices=args.devices,
+                              num_microbatches=args.microbatches, cost=args.cost, devices=args.devices,
                               warmup=args.warmup, repeats=args.repeats)
     os.makedirs(args.plots, exist_ok=True)
     files = {
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> None:
 
     emit(markdown_table(
         ["stages", "schedule", "m", "cost", "pred F", "meas F", "pred B", "meas B"],
-        [[r.num_stages, r.schedule, r.n_microbatches, r.cost, ms(r.predicted_fwd_s), ms(r.measured_fwd_s),
+        [[r.num_stages, r.schedule, r.num_microbatches, r.cost, ms(r.predicted_fwd_s), ms(r.measured_fwd_s),
           ms(r.predicted_bwd_s), ms(r.measured_bwd_s)] for r in res.rows],
         "llll" + "r" * 4,
     ))

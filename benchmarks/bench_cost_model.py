@@ -84,7 +84,7 @@ def main() -> None:
     for name, model, x in cases():
         m = args.microbatches
         prog = pipesplit.compile(model, x[: x.shape[0] // m], num_stages=2, progress=False)
-        measured = measure_stage_costs(prog, x, n_microbatches=m, repeats=args.repeats, backward="fused")
+        measured = measure_stage_costs(prog, x, num_microbatches=m, repeats=args.repeats, backward="fused")
         new, old = stage_seconds(prog, "flops", 1.0), flop_rate_only(prog)
         for s, (got, a, b) in enumerate(zip(measured, new, old)):
             fwd, bwd = got.forward, got.backward_input + got.backward_weight

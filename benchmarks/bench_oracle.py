@@ -51,7 +51,7 @@ def boundaries(model: torch.nn.Module) -> list[str]:
 
 
 def bottleneck(prog: pipesplit.SplitProgram, x: torch.Tensor, m: int) -> float:
-    costs = measure_stage_costs(prog, x, n_microbatches=m, repeats=3, warmup=1, reduce="min", backward="fused",
+    costs = measure_stage_costs(prog, x, num_microbatches=m, repeats=3, warmup=1, reduce="min", backward="fused",
                                 clock="cpu")
     return max(c.forward + c.backward_input + c.backward_weight for c in costs)
 

@@ -14,7 +14,7 @@ same split program, runtime and measurement:
   the process sat preempted by other jobs on a shared machine. Methods that produce the
   same split share one program and one measurement.
 - predicted step time for 1F1B and ZB-H1: ``simulate(get_schedule(...), measured stage
-  costs, comm)`` with ``n_microbatches = 4 x stages``; ZB-H1's I and W are the measured
+  costs, comm)`` with ``num_microbatches = 4 x stages``; ZB-H1's I and W are the measured
   input-gradient pass and fused B minus it. ``comm`` per cut is pipesplit's default
   ``CommModel`` (CPU-CPU: 50 us + bytes / 5 GB/s) on the bytes the program sends across it.
 - peak stage memory: pipesplit's memory model applied alike to every split: parameters x
@@ -119,7 +119,7 @@ def peak_memory(gm: Any, mm: MemoryModel, prog: Any, k: int, n_mb: int) -> float
     order = [by_name[name] for stage in prog.plan.stages for name in stage]  # the order the plan was cut in
     chain = build_chain(gm, lambda n: 1.0, state_factor=mm.state_factor, order=order)
     starts = list(np.cumsum([0] + [len(stage) for stage in prog.plan.stages[:-1]]))
-    in_flight = in_flight_per_stage(get_schedule("1f1b", n_stages=k, n_ranks=k, n_microbatches=n_mb))
+    in_flight = in_flight_per_stage(get_schedule("1f1b", num_stages=k, num_ranks=k, num_microbatches=n_mb))
     fig = figures_for(chain, starts, np.zeros((chain.n, 3)), in_flight, mm, CommModel(), "cpu")
     return max(fig.memory)
 
@@ -141,7 +141,7 @@ def compile_methods(bm: BenchModel, model: torch.nn.Module, args: tuple, kwargs:
         name = f"pipesplit ({method})"
         cost, _, refined = method.partition("+")
         prog = pipesplit.compile(model, args, example_kwargs=kwargs, num_stages=k, cost=cost, schedule="1f1b",
-                                 n_microbatches=4 * k, refine=REFINE_ROUNDS if refined else 0, progress=False)
+                                 num_microbatches=4 * k, refine=REFINE_ROUNDS if refined else 0, progress=False)
         progs[name] = prog
         planned[name] = float(prog.plan.predicted_step_s or 0.0)
     layers = bm.layers(model)
@@ -162,7 +162,7 @@ def measure_round(programs: list[Program], args: tuple, kwargs: dict, rnd: int, 
     """Time every program once (rotating the order each round), keeping each round's per-stage F, I and B."""
     order = programs[rnd % len(programs):] + programs[: rnd % len(programs)]
     for p in order:
-        got = measure_stage_costs(p.prog, *args, n_microbatches=1, repeats=repeats, warmup=warmup, reduce="min",
+        got = measure_stage_costs(p.prog, *args, num_microbatches=1, repeats=repeats, warmup=warmup, reduce="min",
                                   backward="fused", clock=clock, **kwargs)
         p.rounds.append([(c.forward, c.backward_input, c.backward) for c in got])
 
@@ -224,8 +224,8 @@ def run_model(bm: BenchModel, ks: list[int], rounds: int, repeats: int, warmup: 
     for k in ks:
         progs, points, planned = per_k[k]
         n_mb = 4 * k
-        s1 = get_schedule("1f1b", n_stages=k, n_ranks=k, n_microbatches=n_mb)
-        zb = get_schedule("zb_h1", n_stages=k, n_ranks=k, n_microbatches=n_mb)
+        s1 = get_schedule("1f1b", num_stages=k, num_ranks=k, num_microbatches=n_mb)
+        zb = get_schedule("zb_h1", num_stages=k, num_ranks=k, num_microbatches=n_mb)
         for name, prog in progs.items():
             p = by_method[f"{k}:{name}"]
             costs = stage_costs(p, reduce)

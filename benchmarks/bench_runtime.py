@@ -105,7 +105,7 @@ def bench_overhead(model: Any, progs: dict[int, Any], x: torch.Tensor, y: torch.
     pipes: dict[str, Any] = {}
     for stages, prog in progs.items():
         for mbs in (1, 4):
-            pipe = pipesplit.Pipeline(prog, "1f1b", n_microbatches=mbs, loss_fn=loss_fn, executor="local")
+            pipe = pipesplit.Pipeline(prog, "1f1b", num_microbatches=mbs, loss_fn=loss_fn, executor="local")
             name = f"{stages} stage{'s' * (stages > 1)}, {mbs} microbatch{'es' * (mbs > 1)}"
             pipes[name] = pipe
 
@@ -139,7 +139,7 @@ def bench_simulator(prog: Any, x: torch.Tensor, y: torch.Tensor, repeats: int, w
     # The minimum over repeats is the stage's work on an undisturbed machine; three rounds,
     # alternating the two kinds, and the median over rounds, so that a burst of load from other
     # jobs during one round of measuring cannot skew the predictions.
-    rounds = [{kind: measure_stage_costs(prog, x, n_microbatches=n_mb, repeats=5, warmup=1, reduce="min",
+    rounds = [{kind: measure_stage_costs(prog, x, num_microbatches=n_mb, repeats=5, warmup=1, reduce="min",
                                          backward=kind, loss_fn=loss_fn, target=y)
                for kind in ("split", "fused")} for _ in range(COST_ROUNDS)]
     costs = {kind: [StageCost(*(statistics.median(getattr(r[kind][i], f) for r in rounds) for f in COST_FIELDS))
@@ -147,7 +147,7 @@ def bench_simulator(prog: Any, x: torch.Tensor, y: torch.Tensor, repeats: int, w
              for kind in ("split", "fused")}
     measure_s = time.perf_counter() - start
     serial = {kind: n_mb * sum(c.forward + c.backward for c in cs) for kind, cs in costs.items()}
-    pipes = {s: pipesplit.Pipeline(prog, s, n_microbatches=n_mb, loss_fn=loss_fn, executor="local") for s in schedules}
+    pipes = {s: pipesplit.Pipeline(prog, s, num_microbatches=n_mb, loss_fn=loss_fn, executor="local") for s in schedules}
 
     def stepper(pipe: Any) -> Callable[[], Any]:
         def step() -> Any:
@@ -170,9 +170,9 @@ def bench_simulator(prog: Any, x: torch.Tensor, y: torch.Tensor, repeats: int, w
         kind = "split" if splits_backward(pipe.schedule) else "fused"
         tl = simulate(pipe.schedule, costs[kind])
         measured = statistics.median(times[s])
-        bound = max(tl.step_time, serial[kind] / min(cores, pipe.schedule.n_ranks))
+        bound = max(tl.step_time, serial[kind] / min(cores, pipe.schedule.num_ranks))
         rows.append([
-            f"`{s}`", pipe.schedule.n_ranks, kind, f"{tl.bubble_fraction:.3f}", r3(serial[kind] / tl.step_time),
+            f"`{s}`", pipe.schedule.num_ranks, kind, f"{tl.bubble_fraction:.3f}", r3(serial[kind] / tl.step_time),
             r3(measured / tl.step_time), r3(measured / bound), r3(measured / serial[kind]),
             r3(paired_ratio(times[s], serial_measured)), spread(times[s]),
         ])

@@ -72,7 +72,7 @@ def main() -> None:
             tb, _ = clock(lambda: torch.autograd.backward([out], [g], inputs=params))
             prog.zero_grad()
             outs = wg.module(x)
-            own, extras = outs[0], list(outs[wg.n_outputs:])
+            own, extras = outs[0], list(outs[wg.num_outputs:])
             ti, (_, grads) = clock(lambda: input_grads(wg, [own], [g], [], extras))
             tw, _ = clock(lambda: weight_backward(wg, extras, grads, [own], [g]))
             out = stage(x)[0]

@@ -62,7 +62,7 @@ def main() -> None:
     def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.reshape(-1, vocab), target.reshape(-1).to(logits.device))
 
-    pipe = pipesplit.Pipeline(prog, args.schedule, n_microbatches=args.microbatches, loss_fn=loss_fn)
+    pipe = pipesplit.Pipeline(prog, args.schedule, num_microbatches=args.microbatches, loss_fn=loss_fn)
     opt = torch.optim.AdamW(pipe.parameters(), lr=3e-3)
     gen = torch.Generator().manual_seed(1)  # the same data on every rank
     for step in range(args.steps):

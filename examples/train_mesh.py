@@ -54,7 +54,7 @@ def main() -> None:
     def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.reshape(-1, vocab), target.reshape(-1))
 
-    pipe = pipesplit.Pipeline(prog, args.schedule, n_microbatches=args.microbatches, loss_fn=loss_fn, mesh=mesh)
+    pipe = pipesplit.Pipeline(prog, args.schedule, num_microbatches=args.microbatches, loss_fn=loss_fn, mesh=mesh)
     opt = torch.optim.AdamW(pipe.parameters(), lr=3e-3)
     if args.resume:
         pipe.load(args.resume, opt)

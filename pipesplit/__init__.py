@@ -1,6 +1,6 @@
 """pipesplit: split PyTorch models into balanced pipeline stages."""
 
-from pipesplit.api import compile
+from pipesplit.api import compile as compile  # re-exported for type checkers; see __all__
 from pipesplit.bench import BenchmarkResult, BenchRow
 from pipesplit.bench.run import benchmark
 from pipesplit.errors import (
@@ -18,8 +18,9 @@ from pipesplit.plan import Plan
 from pipesplit.passes.split.program import SplitProgram, Stage
 from pipesplit.runtime import Pipeline
 
+# `compile` is left out of __all__: `from pipesplit import *` must not shadow the builtin
+# compile(). Call it as pipesplit.compile(...), as torch.compile is called.
 __all__ = [
-    "compile",
     "benchmark",
     "BenchmarkResult",
     "BenchRow",
@@ -38,4 +39,4 @@ __all__ = [
     "ScheduleError",
     "RuntimeCommError",
 ]
-__version__ = "0.1.0"
+__version__ = "0.2.0.dev0"

@@ -11,9 +11,9 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
 from pipesplit.agree import agree_on_plan
+from pipesplit.bench.refine import refine_plan
 from pipesplit.capture import as_args, capture
 from pipesplit.errors import PlanError
 from pipesplit.export import paused_gc
@@ -32,12 +32,11 @@ from pipesplit.passes.plan.planner import (
 )
 from pipesplit.passes.plan.recompute import recomputable
 from pipesplit.passes.annotate.profile import profile_nodes
-from pipesplit.passes.plan.refine import correct_node_times
 from pipesplit.passes.split import check_devices, split_graph
 from pipesplit.options import Order, PlannerOptions, Recompute, planner_options
 from pipesplit.plan import Plan
 from pipesplit.passes.split.program import SplitProgram
-from pipesplit.schedules import Schedule, resolve_schedule, simulate
+from pipesplit.schedules import Schedule, resolve_schedule
 
 log = logging.getLogger(__name__)
 
@@ -106,8 +105,8 @@ def compile(
     max_stage_memory: int | None = None,
     slack: float = 0.05,
     schedule: str | Schedule | None = None,
-    n_microbatches: int | None = None,
-    n_ranks: int | None = None,
+    num_microbatches: int | None = None,
+    num_ranks: int | None = None,
     pins: Mapping[str, int] | None = None,
     no_split: Sequence[str] = (),
     comm: CommModel | None = None,
@@ -148,9 +147,9 @@ def compile(
             (without ``schedule``; with one, the simulated step time decides).
         schedule: plan for this schedule's step time (``"1f1b"``, ``"zb_h1"``, ...): stage
             forward, input- and weight-gradient times plus communication, simulated.
-        n_microbatches: microbatches per step for ``schedule`` (default: 4 x stages); the
+        num_microbatches: microbatches per step for ``schedule`` (default: 4 x stages); the
             example input is taken to be one microbatch.
-        n_ranks: ranks for multi-stage-per-rank schedules (interleaved, V-shaped).
+        num_ranks: ranks for multi-stage-per-rank schedules (interleaved, V-shaped).
         pins: ``{"module.path": stage}`` keeps that module whole in that stage.
         no_split: module paths (wildcards allowed, ``"blocks.*"``) that no cut may enter.
         comm: link latency and bandwidth for pricing boundaries (defaults per device kind).
@@ -187,12 +186,12 @@ def compile(
     """
     opts = planner_options(  # checks every option before the (slow) export
         planner, num_stages=num_stages, cost=cost, max_stage_memory=max_stage_memory, slack=slack, schedule=schedule,
-        n_microbatches=n_microbatches, n_ranks=n_ranks, pins=pins, no_split=no_split, comm=comm, memory=memory,
+        num_microbatches=num_microbatches, num_ranks=num_ranks, pins=pins, no_split=no_split, comm=comm, memory=memory,
         recompute=recompute, order=order, refine=refine)
     num_stages, cost, max_stage_memory, slack, schedule = (
         opts.num_stages, opts.cost, opts.max_stage_memory, opts.slack, opts.schedule)
-    n_microbatches, n_ranks, pins, no_split, comm, memory = (
-        opts.n_microbatches, opts.n_ranks, opts.pins, opts.no_split, opts.comm, opts.memory)
+    num_microbatches, num_ranks, pins, no_split, comm, memory = (
+        opts.num_microbatches, opts.num_ranks, opts.pins, opts.no_split, opts.comm, opts.memory)
     recompute, order, refine = opts.recompute, opts.order, opts.refine
     _check_devices_exist(devices, num_stages)
     if refine and (plan is not None or split_points is not None):
@@ -201,8 +200,8 @@ def compile(
         _refuse_planner_options(
             "plan=" if plan is not None else "split_points=",
             max_stage_memory=(max_stage_memory, None), pins=(pins, None), no_split=(tuple(no_split), ()),
-            schedule=(schedule, None), slack=(slack, 0.05), order=(order, "auto"), n_microbatches=(n_microbatches, None),
-            n_ranks=(n_ranks, None), **({"memory": (memory, None), "comm": (comm, None)} if plan is not None else {}),
+            schedule=(schedule, None), slack=(slack, 0.05), order=(order, "auto"), num_microbatches=(num_microbatches, None),
+            num_ranks=(num_ranks, None), **({"memory": (memory, None), "comm": (comm, None)} if plan is not None else {}),
         )
     timings: dict[str, float] = {}
     if plan is not None and not isinstance(plan, Plan):
@@ -232,7 +231,7 @@ def compile(
             k = 1 if num_stages is None else num_stages
             sched = None
             if schedule is not None:
-                sched = resolve_schedule(schedule, k, n_ranks, n_microbatches or 4 * k)
+                sched = resolve_schedule(schedule, k, num_ranks, num_microbatches or 4 * k)
             def replan() -> Plan:
                 return plan_partition(
                     gm, k, cost, max_stage_memory=max_stage_memory, slack=slack, module_paths=captured.module_paths,
@@ -261,38 +260,6 @@ def compile(
     timings["export"] = captured.export_seconds
     program.timings = timings
     return program
-
-
-def refine_plan(
-    gm: Any, captured: Any, plan: Plan, replan: Any, devices: list[str], args: tuple[Any, ...],
-    kwargs: dict[str, Any], *, rounds: int, schedule: Schedule | None, comm: CommModel, progress: bool,
-) -> Plan:
-    """Measure ``plan``'s stages, correct the node times (``passes/plan/refine.py``), re-plan; keep the best measured."""
-    from pipesplit.bench.predict import cut_seconds
-    from pipesplit.runtime.measure import measure_stage_costs
-
-    seen: dict[tuple[tuple[str, ...], ...], tuple[float, Plan]] = {}
-    bar = tqdm(total=rounds + 1, desc="refine", unit="round", disable=not progress, leave=False)
-    for _ in range(rounds + 1):
-        key = tuple(map(tuple, plan.stages))
-        if key in seen:  # planning again gave a split already measured: converged
-            bar.total = bar.n  # the bar ends full at the rounds measured, not short of a total never reached
-            bar.set_postfix_str("converged")
-            break
-        prog = SplitProgram(captured, split_graph(gm, plan.stages, devices, recompute=plan.recompute), plan, devices)
-        measured = measure_stage_costs(prog, *args, repeats=3, warmup=1, reduce="min", backward="fused", **kwargs)
-        if schedule is not None:
-            cuts = cut_seconds(prog, prog.example_batch or 1, schedule.n_microbatches, comm)
-            score = simulate(schedule, measured, comm_cost=cuts or 0.0).step_time
-        else:
-            score = max(c.forward + c.backward for c in measured)
-        plan.measured_s = score
-        seen[key] = (score, plan)
-        correct_node_times(gm, plan.stages, measured)
-        plan = replan()
-        bar.update()
-    bar.close()
-    return min(seen.values(), key=lambda x: x[0])[1]
 
 
 def _choose_plan(

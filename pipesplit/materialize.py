@@ -28,7 +28,7 @@ def materialize(prog: "SplitProgram", stages: set[int] | None = None) -> list[st
     """Replace the meta tensors of ``stages`` by empty ones on their devices (tied weights stay one
     parameter); returns the original names of the entries that now need values."""
     kept = [s for s in prog.stages if s.module is not None and (stages is None or s.index in stages)]
-    placement = Placement(prog.n_state_entries)
+    placement = Placement(prog.num_state_entries)
     fresh: set[int] = set()
     for stage in kept:
         entries = prog.stage_entries[stage.index]

@@ -41,7 +41,7 @@ class PlannerOptions:
     """What the planner balances, under which limits, and for which schedule.
 
     >>> import dataclasses
-    >>> opts = PlannerOptions(num_stages=4, schedule="1f1b", n_microbatches=8)
+    >>> opts = PlannerOptions(num_stages=4, schedule="1f1b", num_microbatches=8)
     >>> dataclasses.replace(opts, num_stages=2).num_stages
     2
     >>> PlannerOptions(recompute="sometimes")
@@ -61,9 +61,9 @@ class PlannerOptions:
     """Fraction above the optimal bottleneck the planner may spend to send fewer bytes."""
     schedule: str | Schedule | None = None
     """Plan for this schedule's simulated step time (``"1f1b"``, ``"zb_h1"``, ...)."""
-    n_microbatches: int | None = None
+    num_microbatches: int | None = None
     """Microbatches per step for ``schedule`` (default 4 x stages)."""
-    n_ranks: int | None = None
+    num_ranks: int | None = None
     """Ranks for schedules with several stages per rank."""
     pins: Mapping[str, int] | None = None
     """``{"module.path": stage}``: keep that module whole in that stage."""

@@ -33,7 +33,7 @@ class Plan:
     source: str = "planner"  # "planner", "split_points" or "loaded"
     recompute: list[str] = field(default_factory=list)  # values each consumer stage rebuilds instead of receiving
     schedule: str | None = None  # the schedule whose step time the plan minimises (None: the bottleneck)
-    n_microbatches: int | None = None
+    num_microbatches: int | None = None
     predicted_step_s: float | None = None  # simulated step time of this plan under the schedule
     ideal_step_s: float | None = None  # a lower bound on the step time of any split
     checkpoint: bool = False  # planned for activation checkpointing: Pipeline checkpoints every stage by default
@@ -73,7 +73,7 @@ class Plan:
         parts.append(f"cost {self.cost_name!r}")
         if self.schedule is not None:
             step = "" if self.predicted_step_s is None else f", step {self.predicted_step_s * 1e3:.3g} ms"
-            parts.append(f"schedule {self.schedule!r} x{self.n_microbatches}{step}")
+            parts.append(f"schedule {self.schedule!r} x{self.num_microbatches}{step}")
         parts.append(f"order {self.order!r}")
         parts.append(f"source {self.source!r}")
         return f"Plan({', '.join(parts)})"

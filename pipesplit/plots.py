@@ -48,7 +48,7 @@ def timelines_figure(predicted: "Timeline", measured: "Timeline", label: str = "
         events = tuple(tuple(e._replace(start=e.start * 1e3, end=e.end * 1e3) for e in rank) for rank in t.events)
         return Timeline(t.schedule, events)
 
-    n = predicted.schedule.n_ranks
+    n = predicted.schedule.num_ranks
     longest = max(map(len, predicted.events), default=0)
     fig = _figure(max(7.0, 0.12 * longest), 2 * (0.55 * n + 1.3) + 0.3)
     top, bottom = fig.subplots(2, 1, sharex=True)  # one time scale: a slow measurement must look slow

@@ -102,9 +102,9 @@ class Placement:
     in whatever order the threads reach it.
     """
 
-    def __init__(self, n_entries: int):
-        self.copies: list[dict[torch.device, torch.Tensor]] = [{} for _ in range(n_entries)]
-        self.holders: list[list[torch.Tensor]] = [[] for _ in range(n_entries)]  # per entry, in stage order
+    def __init__(self, num_entries: int):
+        self.copies: list[dict[torch.device, torch.Tensor]] = [{} for _ in range(num_entries)]
+        self.holders: list[list[torch.Tensor]] = [[] for _ in range(num_entries)]  # per entry, in stage order
 
     def take(self, idx: int, tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
         """The tensor a stage on ``device`` holds for entry ``idx``."""

@@ -29,8 +29,8 @@ def pipe_for(stages, schedule, executor="auto"):
     torch.manual_seed(0)
     model = CASE_BY_NAME["gpt_tied"].build()
     prog = pipesplit.compile(model, torch.randint(0, 64, (2, 16)), num_stages=stages, progress=False)
-    return model, pipesplit.Pipeline(prog, schedule, n_microbatches=2, loss_fn=ce, timeout=60, executor=executor,
-                                     n_ranks=2)
+    return model, pipesplit.Pipeline(prog, schedule, num_microbatches=2, loss_fn=ce, timeout=60, executor=executor,
+                                     num_ranks=2)
 
 
 def batches(n):

@@ -68,7 +68,7 @@ def check(model, case, schedule, args, rank, world) -> None:
         def loss_fn(out, y):
             return (out * y).sum()
         reduction = "sum"
-    pipe = pipesplit.Pipeline(prog, schedule, n_microbatches=args.microbatches, loss_fn=loss_fn,
+    pipe = pipesplit.Pipeline(prog, schedule, num_microbatches=args.microbatches, loss_fn=loss_fn,
                               loss_reduction=reduction, timeout=args.timeout)
     alive = track_sends(pipe)
     ref = copy.deepcopy(model)

@@ -84,14 +84,14 @@ def main() -> int:
 def check(model, schedule: str, m: int, mb: int, rank: int, world: int) -> bool:
     example = torch.randint(0, 256, (mb, 32))  # the planner's figures are per microbatch
     memory = pipesplit.MemoryModel()
-    prog = pipesplit.compile(model, example, num_stages=world, schedule=schedule, n_microbatches=m,
+    prog = pipesplit.compile(model, example, num_stages=world, schedule=schedule, num_microbatches=m,
                              memory=memory, progress=False)
     estimate = prog.plan.stage_memory[rank]
 
     def loss_fn(out, y):
         return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
 
-    pipe = pipesplit.Pipeline(prog, schedule, n_microbatches=m, loss_fn=loss_fn, timeout=60)
+    pipe = pipesplit.Pipeline(prog, schedule, num_microbatches=m, loss_fn=loss_fn, timeout=60)
     weights = sum(p.numel() * p.element_size() for p in pipe.parameters())
     budget = estimate - weights * (1 + memory.optimizer_factor)  # what a step may add: activations, gradients
     peaks = []

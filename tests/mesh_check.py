@@ -59,7 +59,7 @@ def die(args) -> int:
     torch.manual_seed(0)
     prog = pipesplit.compile(CASE_BY_NAME["gpt_tied"].build(), torch.randint(0, 64, (2, 16)), num_stages=2,
                              progress=False)
-    pipe = pipesplit.Pipeline(prog, "1f1b", n_microbatches=2, loss_fn=ce, mesh=mesh, timeout=15)
+    pipe = pipesplit.Pipeline(prog, "1f1b", num_microbatches=2, loss_fn=ce, mesh=mesh, timeout=15)
     x, y = torch.randint(0, 64, (8, 16)), torch.randint(0, 64, (8, 16))
     if args.die == "save":
         pipe.step(x, target=y)
@@ -78,7 +78,7 @@ def run(args, rank, mesh) -> int:
         model = CASE_BY_NAME["gpt_tied"].build()
         prog = pipesplit.compile(model, torch.randint(0, 64, (2, 16)), num_stages=2, progress=False)
         m = 2
-        pipe = pipesplit.Pipeline(prog, schedule, n_microbatches=m, loss_fn=ce, mesh=mesh, timeout=60)
+        pipe = pipesplit.Pipeline(prog, schedule, num_microbatches=m, loss_fn=ce, mesh=mesh, timeout=60)
         ref = copy.deepcopy(model)
         opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
         opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
@@ -125,7 +125,7 @@ def resume(pipe, opt, gen, rank):
     other = pipesplit.Pipeline(
         pipesplit.compile(CASE_BY_NAME["gpt_tied"].build(), torch.randint(0, 64, (2, 16)), num_stages=4,
                           progress=False),
-        "1f1b", n_microbatches=4, loss_fn=ce, timeout=60,
+        "1f1b", num_microbatches=4, loss_fn=ce, timeout=60,
     )
     opt2 = torch.optim.AdamW(other.parameters(), lr=1e-2)
     other.load(path[0], opt2)

@@ -34,7 +34,7 @@ def main() -> int:
     full = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
     before = peak_mib()
     prog = pipesplit.compile(model, torch.randint(0, 256, (2, 16)), num_stages=world, progress=False)
-    pipe = pipesplit.Pipeline(prog, "1f1b", n_microbatches=2, loss_fn=dot_loss, loss_reduction="sum", timeout=120)
+    pipe = pipesplit.Pipeline(prog, "1f1b", num_microbatches=2, loss_fn=dot_loss, loss_reduction="sum", timeout=120)
     pipe.init_weights(model)
     own = sum(p.numel() * p.element_size() for p in pipe.parameters()) / 2**20
     grown = peak_mib() - before

@@ -57,7 +57,7 @@ def main() -> int:
     def loss_fn(out, y):
         return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
 
-    pipe = pipesplit.Pipeline(prog, "1f1b", n_microbatches=4, loss_fn=loss_fn, timeout=60)
+    pipe = pipesplit.Pipeline(prog, "1f1b", num_microbatches=4, loss_fn=loss_fn, timeout=60)
     loss = pipe.step(torch.randint(0, 64, (8, 16)), target=torch.randint(0, 64, (8, 16)))
     assert torch.isfinite(loss), loss
 

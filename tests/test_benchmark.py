@@ -43,13 +43,13 @@ def res(model):
     x, y = torch.randn(BATCH, 16, generator=gen), torch.randn(BATCH, 4, generator=gen)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     out = pipesplit.benchmark(model, x, loss_fn=mse, target=y, num_stages=STAGES, schedules=SCHEDULES,
-                              n_microbatches=MICRO, cost=COSTS, warmup=1, repeats=3, progress=False)
+                              num_microbatches=MICRO, cost=COSTS, warmup=1, repeats=3, progress=False)
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items()), "the model must not change"
     return out
 
 
 def test_one_row_per_runnable_configuration(res):
-    ran = {(r.num_stages, r.cost, r.schedule, r.n_microbatches) for r in res.rows}
+    ran = {(r.num_stages, r.cost, r.schedule, r.num_microbatches) for r in res.rows}
     assert len(ran) == len(res.rows)
     every = set(itertools.product(STAGES, COSTS, SCHEDULES, MICRO))
     skipped = {c for c in every if c[2] == "zb_v" and c[0] % 2}  # zb_v needs two stages per rank
@@ -75,9 +75,9 @@ def test_rows_are_consistent(res):
         assert 0.0 <= r.predicted_bubble < 1.0 and 0.0 <= r.measured_bubble < 1.0
         assert r.measured_step_spread_s >= 0 and r.repeats == 3 and r.batch == BATCH
         assert r.memory_source == "estimated" and all(m > 0 for m in r.peak_memory_bytes)
-        assert r.n_ranks == k // (schedule_info(r.schedule).constraints.stages_per_rank or 2)
+        assert r.num_ranks == k // (schedule_info(r.schedule).constraints.stages_per_rank or 2)
         if schedule_info(r.schedule).constraints.stages_per_rank == 1:  # the busiest rank works all the time
-            assert r.predicted_step_s >= r.n_microbatches * max(r.predicted_stage_s) * (1 - 1e-9)
+            assert r.predicted_step_s >= r.num_microbatches * max(r.predicted_stage_s) * (1 - 1e-9)
     assert res.best().measured_step_s == min(r.measured_step_s for r in res.rows)
 
 
@@ -90,7 +90,7 @@ def test_boundary_bytes_count_activations_and_gradients(res):
 def test_prediction_scales_with_the_microbatch(res):
     """User units scale in proportion to the microbatch; seconds keep each op's fixed per-op
     overhead and scale the rest (a microbatch half as large does not launch ops in half the time)."""
-    by = {(r.num_stages, r.cost, r.schedule, r.n_microbatches): (r, d) for r, d in zip(res.rows, res.details)}
+    by = {(r.num_stages, r.cost, r.schedule, r.num_microbatches): (r, d) for r, d in zip(res.rows, res.details)}
     for k, c in itertools.product(STAGES, COSTS):
         (two, _), (four, detail) = by[(k, c, "gpipe", 2)], by[(k, c, "gpipe", 4)]
         fixed = shared_host(detail.program, detail.trace.schedule, stage_seconds(detail.program, c, 0.0))
@@ -108,7 +108,7 @@ def test_prediction_scales_with_the_microbatch(res):
 def test_split_backward_pays_its_fixed_cost_per_weight_op(res):
     """zb_h1 runs I, then W through every weight op again: its W is priced at the fused one's plus
     the split's measured fixed cost per weight op; 1f1b's full backward is not."""
-    by = {(r.num_stages, r.cost, r.schedule, r.n_microbatches): d for r, d in zip(res.rows, res.details)}
+    by = {(r.num_stages, r.cost, r.schedule, r.num_microbatches): d for r, d in zip(res.rows, res.details)}
     for k, c, m in itertools.product(STAGES, COSTS, MICRO):
         fused, split = by[(k, c, "1f1b", m)].prediction.costs, by[(k, c, "zb_h1", m)].prediction.costs
         prog = by[(k, c, "zb_h1", m)].program
@@ -180,9 +180,9 @@ def test_split_graph_shaded_by_measured_time(res, tmp_path):
 
 def test_a_compiled_program_is_benchmarked_as_it_is(model):
     prog = pipesplit.compile(model, torch.randn(4, 16), num_stages=2)
-    out = pipesplit.benchmark(prog, torch.randn(BATCH, 16), schedules=["1f1b"], n_microbatches=[2, 4],
+    out = pipesplit.benchmark(prog, torch.randn(BATCH, 16), schedules=["1f1b"], num_microbatches=[2, 4],
                               warmup=0, repeats=1, progress=False)
-    assert [(r.num_stages, r.n_microbatches, r.cost) for r in out.rows] == [(2, 2, "flops"), (2, 4, "flops")]
+    assert [(r.num_stages, r.num_microbatches, r.cost) for r in out.rows] == [(2, 2, "flops"), (2, 4, "flops")]
     assert all(math.isfinite(r.measured_step_s) for r in out.rows)
     assert out.details[0].program is prog
     with pytest.raises(pipesplit.PipesplitError, match="fixes num_stages"):
@@ -192,7 +192,7 @@ def test_a_compiled_program_is_benchmarked_as_it_is(model):
 @pytest.mark.parametrize("kwargs, error, match", [
     ({"schedules": ["1f1c"]}, pipesplit.ScheduleError, "Did you mean '1f1b'"),
     ({"cost": ["flopz"]}, pipesplit.CostError, "Did you mean 'flops'"),
-    ({"n_microbatches": [3]}, pipesplit.InputError, "does not split into"),
+    ({"num_microbatches": [3]}, pipesplit.InputError, "does not split into"),
     ({"num_stages": [0]}, pipesplit.PipesplitError, "integers >= 1"),
     ({"repeats": 0}, pipesplit.PipesplitError, "repeats >= 1"),
 ])
@@ -220,7 +220,7 @@ def test_predicted_and_measured_timelines_share_one_time_axis():
     from pipesplit.plots import timelines_figure
     from pipesplit.schedules import get_schedule, simulate
 
-    sched = get_schedule("1f1b", n_stages=2, n_microbatches=4)
+    sched = get_schedule("1f1b", num_stages=2, num_microbatches=4)
     predicted, measured = simulate(sched, 0.001), simulate(sched, 0.005)  # measured 5x slower
     fig = timelines_figure(predicted, measured, "2 stages")
     top, bottom = fig.axes[:2]
@@ -238,7 +238,7 @@ def test_warnings_say_when_rows_cannot_be_ranked():
 
     model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(4)])
     res = pipesplit.benchmark(model, torch.randn(8, 16), num_stages=2, schedules=["gpipe", "1f1b"],
-                              n_microbatches=2, warmup=1, repeats=2, progress=False)
+                              num_microbatches=2, warmup=1, repeats=2, progress=False)
     assert {"load_1min_before", "cores", "others_share", "busiest"} <= set(res.meta["load"])
     a, b = res.rows
     res.rows[:] = [dataclasses.replace(a, measured_step_s=1.0, measured_step_spread_s=0.3),

@@ -24,7 +24,7 @@ def ce(out, y):
 
 def _gpt_pipe(model, stages, schedule="1f1b", **kw):
     prog = pipesplit.compile(model, torch.randint(0, 64, (2, 16)), num_stages=stages, progress=False)
-    return pipesplit.Pipeline(prog, schedule, n_microbatches=2, loss_fn=ce, **kw)
+    return pipesplit.Pipeline(prog, schedule, num_microbatches=2, loss_fn=ce, **kw)
 
 
 def _batches(n):
@@ -52,7 +52,7 @@ def test_resume_in_another_layout_continues_exactly(tmp_path):
     pipe.save(str(tmp_path / "ckpt"), opt)
     straight = _train(pipe, opt, batches[2:])  # what happens without stopping
 
-    fresh = _gpt_pipe(CASE_BY_NAME["gpt_tied"].build(), 4, "interleaved_1f1b", n_ranks=2)  # another layout
+    fresh = _gpt_pipe(CASE_BY_NAME["gpt_tied"].build(), 4, "interleaved_1f1b", num_ranks=2)  # another layout
     opt2 = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
     fresh.load(str(tmp_path / "ckpt"), opt2)
     resumed = _train(fresh, opt2, batches[2:])
@@ -175,7 +175,7 @@ def test_a_meta_model_gets_storage_then_values_from_its_own_init_or_a_checkpoint
     meta = _meta_gpt()
     prog = pipesplit.compile(meta, torch.randint(0, 64, (2, 16)), num_stages=3, progress=False)
     assert all(p.is_meta for p in prog.parameters()), "compiling gives no storage"
-    pipe = pipesplit.Pipeline(prog, "1f1b", n_microbatches=2, loss_fn=ce)
+    pipe = pipesplit.Pipeline(prog, "1f1b", num_microbatches=2, loss_fn=ce)
     assert not any(p.is_meta for p in pipe.parameters())
     x, y = _batches(1)[0]
     with pytest.raises(pipesplit.PipesplitError, match="storage but no values yet"):
@@ -187,7 +187,7 @@ def test_a_meta_model_gets_storage_then_values_from_its_own_init_or_a_checkpoint
     src = _gpt_pipe(real, 2)
     src.save(str(tmp_path / "ckpt"))
     other = pipesplit.Pipeline(pipesplit.compile(_meta_gpt(), torch.randint(0, 64, (2, 16)), num_stages=2,
-                                                 progress=False), "1f1b", n_microbatches=2, loss_fn=ce)
+                                                 progress=False), "1f1b", num_microbatches=2, loss_fn=ce)
     other.load(str(tmp_path / "ckpt"))  # values by the original names
     assert_close(other.prog(x), real(x), name="a meta-built pipeline loaded from a checkpoint")
 

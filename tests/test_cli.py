@@ -193,7 +193,7 @@ def test_bench_end_to_end(tmp_path):
     assert "fastest:" in done.stdout
     out = tmp_path / "res"
     csv_lines = (out / "bench.csv").read_text().splitlines()
-    assert len(csv_lines) == 3 and csv_lines[0].startswith("num_stages,schedule,n_microbatches,cost")
+    assert len(csv_lines) == 3 and csv_lines[0].startswith("num_stages,schedule,num_microbatches,cost")
     assert len((out / "bench.md").read_text().splitlines()) == 4
     for png in ("bench.png", "balance.png", "timeline.png"):
         data = (out / png).read_bytes()
@@ -206,7 +206,7 @@ def test_schedule_end_to_end(tmp_path):
     done = run([_console_script(), "schedule", "zb_h1", "--stages", "4", "--microbatches", "8", "--png", "z.png"],
                tmp_path)
     assert done.returncode == 0, done.stderr
-    sim = pipesplit.schedules.simulate(pipesplit.schedules.get_schedule("zb_h1", n_stages=4, n_microbatches=8), 1.0)
+    sim = pipesplit.schedules.simulate(pipesplit.schedules.get_schedule("zb_h1", num_stages=4, num_microbatches=8), 1.0)
     assert sim.to_text() in done.stdout
     assert f"simulated bubble: {100 * sim.bubble_fraction:.1f}%" in done.stdout
     assert (tmp_path / "z.png").read_bytes()[:4] == b"\x89PNG"

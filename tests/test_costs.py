@@ -737,7 +737,7 @@ def test_ranks_sharing_the_cpu_are_predicted_slower_by_the_measured_factor(monke
     assert rates.concurrent_slowdown(2) >= 1.0
     model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(4)])
     prog = pipesplit.compile(model, torch.randn(8, 16), num_stages=2, progress=False)
-    sched = get_schedule("1f1b", n_stages=2, n_ranks=2, n_microbatches=4)
+    sched = get_schedule("1f1b", num_stages=2, num_ranks=2, num_microbatches=4)
     monkeypatch.setattr(predict_mod, "concurrent_slowdown", lambda k: 1.5 if k == 2 else 1.0)
     alone = predict_mod.predict(prog, sched, "flops", 8, local=False)
     shared = predict_mod.predict(prog, sched, "flops", 8)

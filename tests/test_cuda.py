@@ -55,7 +55,7 @@ def test_pipeline_on_cuda_streams_matches_full_batch(schedule):
     def ce(out, y):
         return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
 
-    pipe = pipesplit.Pipeline(prog, schedule, n_microbatches=4, loss_fn=ce, n_ranks=2 if multi else None)
+    pipe = pipesplit.Pipeline(prog, schedule, num_microbatches=4, loss_fn=ce, num_ranks=2 if multi else None)
     ref = copy.deepcopy(model)
     x, y = torch.randint(0, 64, (8, 16), device="cuda"), torch.randint(0, 64, (8, 16), device="cuda")
     loss = pipe.step(x, target=y)

@@ -37,7 +37,7 @@ SIZES = [(p, m) for p in (1, 2, 3, 4, 6, 8) for m in sorted({2 * p, 2 * p + 1, 3
 
 
 def dualpipe_v(p: int, m: int) -> Schedule:
-    return get_schedule("dualpipe_v", n_ranks=p, n_microbatches=m)
+    return get_schedule("dualpipe_v", num_ranks=p, num_microbatches=m)
 
 
 # --- golden table and properties -----------------------------------------------------------
@@ -48,7 +48,7 @@ def test_dualpipe_v_golden_p2_m4() -> None:
     # the steady state pairs a forward of one chunk with a backward of the other (joined by &),
     # and the tail splits the last backwards into I with their W deferred.
     s = dualpipe_v(2, 4)
-    assert s.n_stages == 4 and s.stage_to_rank == (0, 1, 1, 0)
+    assert s.num_stages == 4 and s.stage_to_rank == (0, 1, 1, 0)
     assert schedule_to_text(s).splitlines()[4:] == [
         "0F0 0F1 0F2 3F0 3I0 3W0 3F1 0F3&3B1 3F2&0B0 3B2 3F3&0B1 3B3 0I2 0W2 0I3 0W3",
         "1F0 2F0 1F1 2F1 1F2 2B0 2F2&1B0 1F3&2B1 2F3&1B1 2B2 1B2 2I3 1I3 2W3 1W3",
@@ -96,13 +96,13 @@ def test_dualpipe_v_splits_backward_only_where_it_fills_bubbles() -> None:
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(n_ranks=4, n_microbatches=6),
-         r"'dualpipe_v' needs at least as many microbatches as stages \(n_microbatches >= n_stages\), got "
-         r"n_microbatches=6 for n_stages=8 \(n_ranks=4\). Use n_microbatches=8 or more, or n_ranks=3 \(n_stages=6\)"),
-        (dict(n_stages=8, n_microbatches=1), r"got n_microbatches=1 for n_stages=8.*Use n_microbatches=8 or more\.$"),
-        (dict(n_stages=6, n_ranks=2, n_microbatches=8), r"exactly 2 stage\(s\) per rank.*Use n_stages=4 for n_ranks=2, "
-                                                         r"or n_ranks=3 for n_stages=6"),
-        (dict(n_stages=5, n_microbatches=8), r"n_stages must be a multiple of 2; got n_stages=5"),
+        (dict(num_ranks=4, num_microbatches=6),
+         r"'dualpipe_v' needs at least as many microbatches as stages \(num_microbatches >= num_stages\), got "
+         r"num_microbatches=6 for num_stages=8 \(num_ranks=4\). Use num_microbatches=8 or more, or num_ranks=3 \(num_stages=6\)"),
+        (dict(num_stages=8, num_microbatches=1), r"got num_microbatches=1 for num_stages=8.*Use num_microbatches=8 or more\.$"),
+        (dict(num_stages=6, num_ranks=2, num_microbatches=8), r"exactly 2 stage\(s\) per rank.*Use num_stages=4 for num_ranks=2, "
+                                                         r"or num_ranks=3 for num_stages=6"),
+        (dict(num_stages=5, num_microbatches=8), r"num_stages must be a multiple of 2; got num_stages=5"),
     ],
 )
 def test_dualpipe_v_constraints_name_the_numbers_and_the_fix(kwargs: dict[str, int], message: str) -> None:
@@ -114,7 +114,7 @@ def test_dualpipe_v_is_registered_with_its_constraints() -> None:
     info = schedule_info("dualpipe_v")
     assert info.constraints.stages_per_rank == 2 and info.constraints.microbatches_at_least_stages
     assert "DualPipeV" in info.description
-    assert dualpipe_v(3, 6) == get_schedule("dualpipe_v", n_stages=6, n_microbatches=6)
+    assert dualpipe_v(3, 6) == get_schedule("dualpipe_v", num_stages=6, num_microbatches=6)
 
 
 # --- the same order as torch's ScheduleDualPipeV ----------------------------------------------
@@ -151,9 +151,9 @@ def test_dualpipe_v_bubble_against_1f1b_and_zb_v(p: int, m_per_stage: int) -> No
     # Equal costs: F = I = W = 1 per full stage, so 1/2 per V chunk (same model, same ranks).
     m = 2 * p * m_per_stage
     chunk, stage = StageCost(0.5, 0.5, 0.5), StageCost(1, 1, 1)
-    one = simulate(get_schedule("1f1b", n_ranks=p, n_microbatches=m), stage)
-    zb_h1 = simulate(get_schedule("zb_h1", n_ranks=p, n_microbatches=m), stage)
-    zb_v = simulate(get_schedule("zb_v", n_ranks=p, n_microbatches=m), chunk)
+    one = simulate(get_schedule("1f1b", num_ranks=p, num_microbatches=m), stage)
+    zb_h1 = simulate(get_schedule("zb_h1", num_ranks=p, num_microbatches=m), stage)
+    zb_v = simulate(get_schedule("zb_v", num_ranks=p, num_microbatches=m), chunk)
     back_to_back = simulate(dualpipe_v(p, m), chunk)
     overlapped = simulate(dualpipe_v(p, m), chunk, overlap=1)
     # Run as pipesplit's executors run it (each pair forward, then backward), DualPipeV idles
@@ -184,8 +184,8 @@ def test_dualpipe_v_trains_like_gradient_accumulation(case_name: str, ranks: int
     model = case.build()
     args, kwargs = case.inputs(2)
     prog = pipesplit.compile(model, args, example_kwargs=kwargs, num_stages=2 * ranks, progress=False)
-    pipe = pipesplit.Pipeline(prog, "dualpipe_v", n_microbatches=m, loss_fn=dot_loss, loss_reduction="sum",
-                              n_ranks=ranks)
+    pipe = pipesplit.Pipeline(prog, "dualpipe_v", num_microbatches=m, loss_fn=dot_loss, loss_reduction="sum",
+                              num_ranks=ranks)
     assert pipe.schedule.overlap and {a.kind for r in pipe.schedule.actions for a in r} == {F, B, I, W}
     check_training(model, pipe, [case.inputs(2 * m), case.inputs(2 * m)], m=m)
 
@@ -193,8 +193,8 @@ def test_dualpipe_v_trains_like_gradient_accumulation(case_name: str, ranks: int
 def test_pipeline_refuses_too_few_microbatches_for_dualpipe_v() -> None:
     case = CASE_BY_NAME["mlp"]
     prog = pipesplit.compile(case.build(), case.inputs(2)[0], num_stages=4, progress=False)
-    with pytest.raises(ScheduleError, match=r"n_microbatches=2 for n_stages=4 \(n_ranks=2\). Use n_microbatches=4"):
-        pipesplit.Pipeline(prog, "dualpipe_v", n_microbatches=2, loss_fn=dot_loss, n_ranks=2)
+    with pytest.raises(ScheduleError, match=r"num_microbatches=2 for num_stages=4 \(num_ranks=2\). Use num_microbatches=4"):
+        pipesplit.Pipeline(prog, "dualpipe_v", num_microbatches=2, loss_fn=dot_loss, num_ranks=2)
 
 
 # --- torch's schedule CSV ----------------------------------------------------------------------
@@ -219,16 +219,16 @@ def torch_runtime(cls_name: str, **sizes: int):
     return runtime
 
 
-def torch_loads(path, n_ranks: int, n_stages: int, m: int, comm: bool):
+def torch_loads(path, num_ranks: int, num_stages: int, m: int, comm: bool):
     """What torch's own loader (``_PipelineScheduleRuntime._load_csv``) makes of the file."""
-    runtime = torch_runtime("_PipelineScheduleRuntime", pp_group_size=n_ranks, _num_stages=n_stages, _n_microbatches=m)
+    runtime = torch_runtime("_PipelineScheduleRuntime", pp_group_size=num_ranks, _num_stages=num_stages, _n_microbatches=m)
     runtime._load_csv(str(path), format="compute_comms" if comm else "compute_only")
     return runtime
 
 
 def build(name: str, p: int, m: int) -> Schedule:
     spr = schedule_info(name).constraints.stages_per_rank or 2
-    return get_schedule(name, n_stages=spr * p, n_ranks=p, n_microbatches=m)
+    return get_schedule(name, num_stages=spr * p, num_ranks=p, num_microbatches=m)
 
 
 @pytest.mark.parametrize("name", BUILTINS)
@@ -237,9 +237,9 @@ def test_export_reads_back_in_torchs_own_loader(name: str, comm: bool, tmp_path)
     s = build(name, 3, 6)
     s = with_communication(s) if comm else s
     path = to_torch_csv(s, tmp_path / f"{name}.csv")
-    runtime = torch_loads(path, s.n_ranks, s.n_stages, s.n_microbatches, comm)
+    runtime = torch_loads(path, s.num_ranks, s.num_stages, s.num_microbatches, comm)
     order = runtime.pipeline_order_with_comms if comm else runtime.pipeline_order
-    assert [[str(a) for a in order[r]] for r in range(s.n_ranks)] == to_torch_actions(s)
+    assert [[str(a) for a in order[r]] for r in range(s.num_ranks)] == to_torch_actions(s)
     assert runtime.stage_index_to_group_rank == dict(enumerate(s.stage_to_rank))
     assert from_torch_csv(path, name=s.name) == s
 
@@ -269,11 +269,11 @@ def test_csv_written_by_torch_loads_and_validates(cls_name: str, sizes: dict[str
     torch_schedule.pipeline_order = {r: torch_schedule._calculate_single_rank_operations(r) for r in range(p)}
     torch_schedule._dump_csv(str(tmp_path / "compute.csv"), format="compute_only")
     loaded = from_torch_csv(tmp_path / "compute.csv")  # validates
-    name, n_stages, n_ranks, m = ours
-    assert loaded == dataclasses.replace(get_schedule(name, n_stages=n_stages, n_ranks=n_ranks, n_microbatches=m),
+    name, num_stages, num_ranks, m = ours
+    assert loaded == dataclasses.replace(get_schedule(name, num_stages=num_stages, num_ranks=num_ranks, num_microbatches=m),
                                          name="compute")
     # torch's lowering adds its sends and receives, and FSDP's UNSHARD/RESHARD/REDUCE_GRAD.
-    lowered = torch_loads(tmp_path / "compute.csv", n_ranks, n_stages, m, comm=False)
+    lowered = torch_loads(tmp_path / "compute.csv", num_ranks, num_stages, m, comm=False)
     lowered._dump_csv(str(tmp_path / "comms.csv"), format="compute_comms")
     with pytest.raises(ScheduleError, match=r"comms.csv'.*Rank 0, cell 0 \('0UNSHARD'\): UNSHARD is torch's FSDP "
                                             r"action.*Pass drop_fsdp=True"):
@@ -290,7 +290,7 @@ def test_torch_actions_map_onto_pipesplit_actions() -> None:
                              "1SEND_B0", "1RECV_F2", "1F2", "1B2", "1SEND_B2", "1RESHARD"]], drop_fsdp=True)
     assert [str(a) for a in s.actions[0]][:7] == ["0F0", "0F1", "0SEND_F0", "0SEND_F1", "0RECV_B1", "0F2", "0I1"]
     assert s.overlap == ((Action.parse("0F2"), Action.parse("0I1")),)
-    assert (s.n_stages, s.n_ranks, s.n_microbatches, s.stage_to_rank) == (2, 2, 3, (0, 1))
+    assert (s.num_stages, s.num_ranks, s.num_microbatches, s.stage_to_rank) == (2, 2, 3, (0, 1))
     assert {a.kind for rank in s.actions for a in rank} == set(ActionKind)
 
 

@@ -64,7 +64,7 @@ def test_training_continues_through_the_switch_to_a_dynamic_batch(name, monkeypa
     args, kwargs = case.inputs(2)
     prog = pipesplit.compile(model, args, example_kwargs=kwargs, num_stages=2, progress=False)
     params = {n: p for n, p in prog.named_parameters()}
-    pipe = pipesplit.Pipeline(prog, "1f1b", n_microbatches=4, loss_fn=dot_loss, loss_reduction="sum")
+    pipe = pipesplit.Pipeline(prog, "1f1b", num_microbatches=4, loss_fn=dot_loss, loss_reduction="sum")
     calls = _count_exports(monkeypatch)
     check_training(model, pipe, [case.inputs(8), case.inputs(12)], m=4, steps=2)
     for b in (12, 16, 8):
@@ -158,7 +158,7 @@ def test_an_unbatched_output_the_size_of_the_batch_is_not_concatenated():
     model = WithTable()
     prog = pipesplit.compile(model, torch.randn(2, 8), num_stages=2, progress=False)
     assert prog.static_batch == 2 and prog.output_batched == [True, False]
-    pipe = pipesplit.Pipeline(prog, "gpipe", n_microbatches=2)
+    pipe = pipesplit.Pipeline(prog, "gpipe", num_microbatches=2)
     x = torch.randn(4, 8)
     out, table = pipe.forward(x)
     torch.testing.assert_close(out, model(x)[0])

@@ -24,7 +24,7 @@ PACKAGES = {"pipesplit": ROOT / "pipesplit", "pipesplit.passes": ROOT / "passes"
 # bottom to top; a module belongs to the layer of its longest matching prefix
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("base: errors, node metadata, units, small data types", (
-        "pipesplit.errors", "pipesplit.meta", "pipesplit.units", "pipesplit.rng", "pipesplit.state",
+        "pipesplit.errors", "pipesplit.deprecation", "pipesplit.meta", "pipesplit.units", "pipesplit.rng", "pipesplit.state",
         "pipesplit.export", "pipesplit.models", "pipesplit.passes")),  # passes/__init__ imports nothing
     ("schedules: pure data", ("pipesplit.schedules",)),
     ("graph analyses", ("pipesplit.passes.aliasing",)),
@@ -149,13 +149,3 @@ def test_the_check_sees_a_package_that_pulls_in_a_driver():
         "pipesplit.passes", "pipesplit.passes.annotate", "pipesplit.passes.annotate.flops"]
     assert _layer("pipesplit.bench") < _layer("pipesplit.bench.run"), "bench/__init__ must not import its driver"
 
-
-def test_the_old_program_path_still_works_and_says_where_it_went():
-    import importlib
-    import sys
-
-    sys.modules.pop("pipesplit.program", None)
-    with pytest.warns(DeprecationWarning, match="pipesplit.passes.split.program"):
-        old = importlib.import_module("pipesplit.program")
-    import pipesplit
-    assert old.SplitProgram is pipesplit.SplitProgram and old.Stage is pipesplit.Stage

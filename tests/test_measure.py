@@ -39,14 +39,14 @@ def compile_three(batch: int = 4) -> tuple[ThreeBlocks, pipesplit.SplitProgram]:
 
 def test_one_positive_cost_per_stage():
     _, prog = compile_three()
-    costs = measure_stage_costs(prog, torch.randn(64, 256), n_microbatches=2, repeats=3, warmup=1)
+    costs = measure_stage_costs(prog, torch.randn(64, 256), num_microbatches=2, repeats=3, warmup=1)
     assert len(costs) == prog.num_stages == 3
     for i, c in enumerate(costs):
         assert isinstance(c, StageCost)
         assert c.forward > 0 and c.backward_weight > 0
         # stage 0 takes the program input, which needs no gradient: its I pass has nothing to do
         assert c.backward_input > 0 if i > 0 else c.backward_input >= 0
-    assert simulate(get_schedule("1f1b", n_ranks=3, n_microbatches=2), costs).step_time > 0
+    assert simulate(get_schedule("1f1b", num_ranks=3, num_microbatches=2), costs).step_time > 0
 
 
 @pytest.fixture
@@ -62,7 +62,7 @@ def test_a_twice_as_wide_stage_measures_slower(one_thread):
     _, prog = compile_three()
     x = torch.randn(1024, 256)  # 512-row microbatches: ~1 ms matmuls, compute-bound rather than overhead-bound
     # min over repeats: the least disturbed run, so a loaded machine does not flip the order
-    costs = measure_stage_costs(prog, x, n_microbatches=2, repeats=7, warmup=2, reduce="min")
+    costs = measure_stage_costs(prog, x, num_microbatches=2, repeats=7, warmup=2, reduce="min")
     total = [c.forward + c.backward for c in costs]
     assert total[1] > total[0] and total[1] > total[2], costs
     assert costs[1].forward > min(costs[0].forward, costs[2].forward), costs
@@ -74,7 +74,7 @@ def test_measuring_leaves_gradients_buffers_and_rng_alone():
     prog = pipesplit.compile(model, torch.randn(4, 16), num_stages=2)
     before = {k: v.clone() for k, v in prog.state_dict().items()}
     torch.manual_seed(123)
-    costs = measure_stage_costs(prog, torch.randn(8, 16), n_microbatches=2, repeats=2, warmup=1)
+    costs = measure_stage_costs(prog, torch.randn(8, 16), num_microbatches=2, repeats=2, warmup=1)
     after_rng = torch.rand(3)
     torch.manual_seed(123)
     torch.randn(8, 16)
@@ -88,7 +88,7 @@ def test_measuring_leaves_gradients_buffers_and_rng_alone():
 def test_loss_fn_is_timed_on_the_last_stage():
     _, prog = compile_three()
     x, y = torch.randn(32, 256), torch.randn(32, 256)
-    costs = measure_stage_costs(prog, x, n_microbatches=4, repeats=2, warmup=1,
+    costs = measure_stage_costs(prog, x, num_microbatches=4, repeats=2, warmup=1,
                                 loss_fn=lambda out, t: F.mse_loss(out, t), target=y)
     assert len(costs) == 3 and all(c.forward > 0 for c in costs)
 
@@ -96,8 +96,8 @@ def test_loss_fn_is_timed_on_the_last_stage():
 def test_fused_costs_make_i_plus_w_the_one_pass_backward():
     _, prog = compile_three()
     x = torch.randn(64, 256)
-    split = measure_stage_costs(prog, x, n_microbatches=2, repeats=3, warmup=1)
-    fused = measure_stage_costs(prog, x, n_microbatches=2, repeats=3, warmup=1, backward="fused")
+    split = measure_stage_costs(prog, x, num_microbatches=2, repeats=3, warmup=1)
+    fused = measure_stage_costs(prog, x, num_microbatches=2, repeats=3, warmup=1, backward="fused")
     assert len(fused) == len(split) == 3
     for c in fused:
         assert c.forward > 0 and c.backward > 0 and c.backward_weight >= 0

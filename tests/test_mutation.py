@@ -168,9 +168,9 @@ def test_mutating_models_train_through_a_pipeline(build, stages, schedule):
     prog = pipesplit.compile(model, torch.randn(2, 16), num_stages=stages, progress=False)
     if prog.shared_mutated_state():  # ViewWrite's buffer, written early and read at the end
         with pytest.raises(pipesplit.PipesplitError, match="'seen' is written in place and used by stages"):
-            pipesplit.Pipeline(prog, schedule, n_microbatches=2, loss_fn=dot_loss)
-        pipe = pipesplit.Pipeline(prog, schedule, n_microbatches=1, loss_fn=dot_loss, loss_reduction="sum")
+            pipesplit.Pipeline(prog, schedule, num_microbatches=2, loss_fn=dot_loss)
+        pipe = pipesplit.Pipeline(prog, schedule, num_microbatches=1, loss_fn=dot_loss, loss_reduction="sum")
         check_training(model, pipe, [((torch.randn(4, 16),), {})], m=1, steps=2)
         return
-    pipe = pipesplit.Pipeline(prog, schedule, n_microbatches=2, loss_fn=dot_loss, loss_reduction="sum")
+    pipe = pipesplit.Pipeline(prog, schedule, num_microbatches=2, loss_fn=dot_loss, loss_reduction="sum")
     check_training(model, pipe, [((torch.randn(4, 16),), {})], m=2, steps=2)

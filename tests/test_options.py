@@ -20,10 +20,10 @@ def _model() -> nn.Module:
 
 def test_options_plan_what_the_same_keywords_plan():
     model, x = _model(), torch.randn(4, 16)
-    opts = PlannerOptions(num_stages=3, slack=0.2, no_split=["0", "1"], schedule="1f1b", n_microbatches=4)
+    opts = PlannerOptions(num_stages=3, slack=0.2, no_split=["0", "1"], schedule="1f1b", num_microbatches=4)
     by_options = pipesplit.compile(model, x, planner=opts, progress=False)
     by_keywords = pipesplit.compile(model, x, num_stages=3, slack=0.2, no_split=["0", "1"], schedule="1f1b",
-                                    n_microbatches=4, progress=False)
+                                    num_microbatches=4, progress=False)
     assert by_options.plan.stages == by_keywords.plan.stages
     assert by_options.num_stages == 3
     torch.testing.assert_close(by_options(x), model(x))

@@ -77,7 +77,7 @@ def wide():
 def test_schedule_aware_plan_is_no_slower_than_the_bottleneck_plan(gpt6, sched, k, link):
     _, _, _, gm = gpt6
     comm = CommModel() if link == "default" else CommModel(latency_s=1e-4, bandwidth=2e7)  # cut bytes matter
-    schedule = get_schedule(sched, n_stages=k, n_ranks=k, n_microbatches=2 * k)
+    schedule = get_schedule(sched, num_stages=k, num_ranks=k, num_microbatches=2 * k)
     aware = plan_partition(gm, k, "flops", schedule=schedule, comm=comm, recompute="never")
     plain = plan_partition(gm, k, "flops", recompute="never")
 
@@ -91,7 +91,7 @@ def test_schedule_aware_plan_is_no_slower_than_the_bottleneck_plan(gpt6, sched, 
     def step(stages):
         return step_time(schedule, figures_for(chain, _starts(chain, stages), seconds, in_flight, memory, comm, "cpu"))
 
-    assert aware.schedule == sched and aware.n_microbatches == 2 * k
+    assert aware.schedule == sched and aware.num_microbatches == 2 * k
     assert aware.predicted_step_s == pytest.approx(step(aware.stages), rel=1e-9)
     # no slower, up to the tie within which the planner prefers the better balanced split
     assert aware.predicted_step_s <= step(plain.stages) * (1 + TIE)
@@ -100,9 +100,9 @@ def test_schedule_aware_plan_is_no_slower_than_the_bottleneck_plan(gpt6, sched, 
 
 def test_schedule_aware_plan_through_compile(gpt6):
     model, idx, _, _ = gpt6
-    prog = pipesplit.compile(model, idx, num_stages=3, schedule="zb_h1", n_microbatches=6, progress=False)
+    prog = pipesplit.compile(model, idx, num_stages=3, schedule="zb_h1", num_microbatches=6, progress=False)
     plan = prog.plan
-    assert plan.schedule == "zb_h1" and plan.n_microbatches == 6
+    assert plan.schedule == "zb_h1" and plan.num_microbatches == 6
     assert 0 < plan.ideal_step_s <= plan.predicted_step_s
     assert plan.step_gap is not None and plan.step_gap >= 0
 
@@ -133,7 +133,7 @@ def _independent_memory(gm, stages, in_flight, memory=MemoryModel()):
 def test_memory_cap_counts_the_microbatches_1f1b_keeps_in_flight(wide):
     _, _, _, gm = wide
     k = 4
-    schedule = get_schedule("1f1b", n_stages=k, n_ranks=k, n_microbatches=8)
+    schedule = get_schedule("1f1b", num_stages=k, num_ranks=k, num_microbatches=8)
     assert in_flight_per_stage(schedule) == [4, 3, 2, 1]
     in_flight = activation_units_per_stage(schedule)  # and one more for the backward running
     assert in_flight == [5, 4, 3, 2]
@@ -165,7 +165,7 @@ def test_checkpointing_plans_under_a_cap_that_no_split_meets_without_it(wide):
     an independent count gives, and the step pays the recomputed forward."""
     _, _, _, gm = wide
     k = 4
-    schedule = get_schedule("1f1b", n_stages=k, n_ranks=k, n_microbatches=8)
+    schedule = get_schedule("1f1b", num_stages=k, num_ranks=k, num_microbatches=8)
     in_flight = in_flight_per_stage(schedule)
     ck = MemoryModel(checkpoint=True)
     free = plan_partition(gm, k, "flops", schedule=schedule, recompute="never")
@@ -190,11 +190,11 @@ def test_checkpointing_plans_under_a_cap_that_no_split_meets_without_it(wide):
 
 def test_a_plan_made_for_checkpointing_runs_checkpointed_and_exactly(wide):
     model, x, _, _ = wide
-    prog = pipesplit.compile(model, x, num_stages=3, schedule="1f1b", n_microbatches=4,
+    prog = pipesplit.compile(model, x, num_stages=3, schedule="1f1b", num_microbatches=4,
                              memory=MemoryModel(checkpoint=True), progress=False)
     assert prog.plan.checkpoint
     loss_fn = lambda out, y: torch.nn.functional.mse_loss(out, y)  # noqa: E731
-    pipe = pipesplit.Pipeline(prog, "1f1b", n_microbatches=4, loss_fn=loss_fn)
+    pipe = pipesplit.Pipeline(prog, "1f1b", num_microbatches=4, loss_fn=loss_fn)
     assert all(w.checkpointing for w in pipe.workers.values())
     assert not any(w.checkpointing for w in pipesplit.Pipeline(prog, "1f1b", 4, loss_fn, checkpoint=False).workers.values())
     xb, y = torch.randn(16, 64), torch.randn(16, 64)
@@ -209,7 +209,7 @@ def test_a_plan_made_for_checkpointing_runs_checkpointed_and_exactly(wide):
 
 def test_impossible_memory_cap_explains_the_remedies(wide):
     _, _, _, gm = wide
-    schedule = get_schedule("1f1b", n_stages=2, n_ranks=2, n_microbatches=8)
+    schedule = get_schedule("1f1b", num_stages=2, num_ranks=2, num_microbatches=8)
     cap = 10_000
     with pytest.raises(PlanError) as err:
         plan_partition(gm, 2, "flops", schedule=schedule, max_stage_memory=cap)
@@ -348,7 +348,7 @@ def test_pin_keeps_a_module_whole_in_its_stage(gpt6):
 
 def test_pins_with_a_schedule(gpt6):
     _, _, cap, gm = gpt6
-    schedule = get_schedule("1f1b", n_stages=3, n_ranks=3, n_microbatches=6)
+    schedule = get_schedule("1f1b", num_stages=3, num_ranks=3, num_microbatches=6)
     plan = plan_partition(gm, 3, "flops", schedule=schedule, pins={"blocks.5": 1}, module_paths=cap.module_paths)
     where = plan.assignment()
     assert {where[n.name] for n in compute_nodes(gm) if _in_module(n, "blocks.5")} == {1}
@@ -431,7 +431,7 @@ def test_unknown_ops_reported_with_a_schedule():
 # ------------------------------------------------------------------------- interleaved
 def test_interleaved_plan_runs_exactly(gpt6):
     model, idx, _, _ = gpt6
-    prog = pipesplit.compile(model, idx, num_stages=4, schedule="interleaved_1f1b", n_ranks=2, n_microbatches=4,
+    prog = pipesplit.compile(model, idx, num_stages=4, schedule="interleaved_1f1b", num_ranks=2, num_microbatches=4,
                              progress=False)
     assert prog.num_stages == 4 and prog.plan.schedule == "interleaved_1f1b"
     assert 0 < prog.plan.ideal_step_s <= prog.plan.predicted_step_s
@@ -451,7 +451,7 @@ def test_stages_that_do_not_set_the_bottleneck_are_balanced(big_head, sched, k):
     """The head is the bottleneck of every split; the blocks still spread evenly over the
     other stages instead of piling up on one (each holds 8 / (k - 1) blocks, give or take one)."""
     _, _, _, gm = big_head
-    schedule = get_schedule(sched, n_stages=k, n_ranks=k, n_microbatches=4 * k) if sched else None
+    schedule = get_schedule(sched, num_stages=k, num_ranks=k, num_microbatches=4 * k) if sched else None
     plan = plan_partition(gm, k, "flops", schedule=schedule)
     costs = plan.stage_costs
     head = max(range(k), key=lambda s: costs[s])
@@ -488,7 +488,7 @@ def test_late_order_keeps_an_early_branch_off_the_cuts(sched):
     torch.manual_seed(0)
     model = EarlyBranch()
     x = torch.randn(16, 64)
-    kw = dict(num_stages=3, schedule=sched, n_microbatches=4, progress=False,
+    kw = dict(num_stages=3, schedule=sched, num_microbatches=4, progress=False,
               comm=CommModel(latency_s=1e-5, bandwidth=1e6))  # a slow link: bytes matter
     auto = pipesplit.compile(model, x, **kw)
     program = pipesplit.compile(model, x, order="program", **kw)
@@ -500,7 +500,7 @@ def test_late_order_keeps_an_early_branch_off_the_cuts(sched):
         assert auto.plan.predicted_step_s < program.plan.predicted_step_s
     check_exact(model, (x,), {}, auto, (torch.randn(5, 64),), {})
     loss_fn = lambda out, y: torch.nn.functional.mse_loss(out, y)  # noqa: E731
-    pipe = pipesplit.Pipeline(auto, "1f1b", n_microbatches=4, loss_fn=loss_fn)
+    pipe = pipesplit.Pipeline(auto, "1f1b", num_microbatches=4, loss_fn=loss_fn)
     xb, y = torch.randn(16, 64), torch.randn(16, 64)
     assert_close(pipe.step(xb, target=y), loss_fn(model(xb), y).detach(), name="loss")
 
@@ -509,7 +509,7 @@ def test_late_order_keeps_an_early_branch_off_the_cuts(sched):
 def test_auto_order_is_never_worse_than_the_program_order(gpt6, sched):
     _, _, _, gm = gpt6
     for k in (2, 3, 5):
-        schedule = get_schedule(sched, n_stages=k, n_ranks=k, n_microbatches=2 * k) if sched else None
+        schedule = get_schedule(sched, num_stages=k, num_ranks=k, num_microbatches=2 * k) if sched else None
         auto = plan_partition(gm, k, "flops", schedule=schedule)
         program = plan_partition(gm, k, "flops", schedule=schedule, order="program")
         if sched:
@@ -570,7 +570,7 @@ def test_refine_progress_ends_at_the_rounds_it_ran(monkeypatch, converges):
 
     from tqdm import tqdm as real_tqdm
 
-    import pipesplit.api as api
+    import pipesplit.bench.refine as refine
     from pipesplit.passes.annotate.profile import profile_nodes
 
     shown, bars = io.StringIO(), []
@@ -579,7 +579,7 @@ def test_refine_progress_ends_at_the_rounds_it_ran(monkeypatch, converges):
         bars.append(real_tqdm(*args, file=shown, mininterval=0, **kwargs))
         return bars[-1]
 
-    monkeypatch.setattr(api, "tqdm", tqdm)
+    monkeypatch.setattr(refine, "tqdm", tqdm)
     torch.manual_seed(0)
     case = CASE_BY_NAME["mlp"]
     (x,), _ = case.inputs(4)
@@ -593,8 +593,8 @@ def test_refine_progress_ends_at_the_rounds_it_ran(monkeypatch, converges):
         i = 3 if converges else next(cuts)
         return Plan([names[:i], names[i:]], cost_name="profile")
 
-    best = api.refine_plan(gm, cap, replan(), replan, ["cpu", "cpu"], (x,), {}, rounds=3, schedule=None,
-                           comm=CommModel(), progress=True)
+    best = refine.refine_plan(gm, cap, replan(), replan, ["cpu", "cpu"], (x,), {}, rounds=3, schedule=None,
+                              comm=CommModel(), progress=True)
     assert best.measured_s is not None
     (bar,) = bars
     assert bar.n == bar.total == (1 if converges else 4), (bar.n, bar.total)

@@ -19,7 +19,7 @@ def build(name: str, p: int, m: int, v: int = 2) -> Schedule:
     spr = schedule_info(name).constraints.stages_per_rank or v
     if schedule_info(name).constraints.microbatches_multiple_of_ranks:
         m = p * max(1, m // p)
-    return get_schedule(name, n_stages=spr * p, n_ranks=p, n_microbatches=m)
+    return get_schedule(name, num_stages=spr * p, num_ranks=p, num_microbatches=m)
 
 
 def ops_text(step: Step) -> list[str]:
@@ -38,7 +38,7 @@ def test_builtins_are_proven_under_rendezvous(name: str, p: int, m: int) -> None
 @pytest.mark.parametrize("p", [1, 2, 3, 4, 8])
 @pytest.mark.parametrize("extra", [0, 1, 5])
 def test_dualpipe_v_is_proven_under_rendezvous(p: int, extra: int) -> None:
-    schedule = get_schedule("dualpipe_v", n_stages=2 * p, n_ranks=p, n_microbatches=2 * p + extra)
+    schedule = get_schedule("dualpipe_v", num_stages=2 * p, num_ranks=p, num_microbatches=2 * p + extra)
     assert validate(schedule, semantics="rendezvous") is schedule
 
 
@@ -48,14 +48,14 @@ def test_dualpipe_v_is_proven_under_rendezvous(p: int, extra: int) -> None:
 def test_builtins_are_proven_with_skip_edges(name: str, p: int, m: int, v: int, skips: list[tuple[int, int]]) -> None:
     """Long skips (stage s to s + k) and several tensors per cut, as real programs have."""
     schedule = build(name, p, m, v)
-    n = schedule.n_stages
+    n = schedule.num_stages
     edges = [Edge(f"h{s}", s, s + 1) for s in range(n - 1)] + [Edge(f"mask{s}", s, s + 1, grad=False) for s in range(n - 1)]
     edges += [Edge(f"skip{s}_{k}", s, s + k) for s, k in skips if s + k < n]
     validate(schedule, semantics="rendezvous", edges=sorted(edges, key=lambda e: (e.src, e.name, e.dst)))
 
 
 def test_1f1b_plan_posts_what_two_neighbours_exchange_in_one_batch() -> None:
-    plan = comm_plan(get_schedule("1f1b", n_stages=2, n_microbatches=3))
+    plan = comm_plan(get_schedule("1f1b", num_stages=2, num_microbatches=3))
     assert [(str(s.action), ops_text(s)) for s in plan[0]] == [
         ("0F0", []), ("0F1", ["SF0@1"]), ("0B0", ["RB0@1", "SF1@1"]), ("0F2", []),
         ("0B1", ["RB1@1", "SF2@1"]), ("0B2", ["RB2@1"]),
@@ -67,7 +67,7 @@ def test_1f1b_plan_posts_what_two_neighbours_exchange_in_one_batch() -> None:
 
 
 def test_same_rank_hand_offs_are_not_communication() -> None:
-    plan = comm_plan(get_schedule("zb_v", n_stages=4, n_ranks=2, n_microbatches=2))
+    plan = comm_plan(get_schedule("zb_v", num_stages=4, num_ranks=2, num_microbatches=2))
     for rank, steps in enumerate(plan):
         for step in steps:
             assert all(op.peer != rank for op in step.ops)
@@ -76,12 +76,12 @@ def test_same_rank_hand_offs_are_not_communication() -> None:
 
 
 def test_explicit_send_recv_actions_do_not_change_the_plan() -> None:
-    schedule = get_schedule("1f1b", n_stages=4, n_microbatches=4)
+    schedule = get_schedule("1f1b", num_stages=4, num_microbatches=4)
     assert comm_plan(with_communication(schedule)) == comm_plan(schedule)
 
 
 def test_naive_order_deadlocks_under_rendezvous_but_not_buffered() -> None:
-    schedule = validate(get_schedule("1f1b", n_stages=2, n_microbatches=4))  # fine with buffered sends
+    schedule = validate(get_schedule("1f1b", num_stages=2, num_microbatches=4))  # fine with buffered sends
     with pytest.raises(ScheduleError) as info:
         check_rendezvous(schedule, comm_plan(schedule, batched=False))
     text = str(info.value)
@@ -90,7 +90,7 @@ def test_naive_order_deadlocks_under_rendezvous_but_not_buffered() -> None:
 
 
 def test_naive_order_is_fine_without_crossing_traffic() -> None:
-    gpipe = get_schedule("gpipe", n_stages=3, n_microbatches=4)  # every forward, then every backward
+    gpipe = get_schedule("gpipe", num_stages=3, num_microbatches=4)  # every forward, then every backward
     check_rendezvous(gpipe, comm_plan(gpipe, batched=False))
 
 
@@ -100,7 +100,7 @@ def _plan(*ranks: list[Step]) -> tuple[tuple[Step, ...], ...]:
 
 def test_messages_paired_out_of_order_are_reported() -> None:
     a, b = Message("F", "x", 0, 1, 0), Message("F", "x", 0, 1, 1)
-    schedule = get_schedule("gpipe", n_stages=2, n_microbatches=2)
+    schedule = get_schedule("gpipe", num_stages=2, num_microbatches=2)
     plan = _plan([Step((Op(True, a, 1), Op(True, b, 1)), None)],
                  [Step((Op(False, b, 0),), None), Step((Op(False, a, 0),), None)])
     with pytest.raises(ScheduleError, match="by order, not by tag") as info:
@@ -109,7 +109,7 @@ def test_messages_paired_out_of_order_are_reported() -> None:
 
 
 def test_a_send_without_its_receive_is_reported() -> None:
-    schedule = get_schedule("gpipe", n_stages=2, n_microbatches=1)
+    schedule = get_schedule("gpipe", num_stages=2, num_microbatches=1)
     plan = _plan([Step((Op(True, Message("F", "x", 0, 1, 0), 1),), None)], [])
     with pytest.raises(ScheduleError, match="sends 1 message"):
         check_rendezvous(schedule, plan)
@@ -120,12 +120,12 @@ def test_user_schedule_is_proven_and_its_order_respected() -> None:
     order, and the plan has rank 0 receive them in that order too."""
 
     @register_schedule("test_reversed_tail", replace=True)
-    def reversed_tail(n_stages: int, n_ranks: int, n_microbatches: int) -> list[list[str]]:
-        mbs = range(n_microbatches)
-        return [[f"{r}F{m}" for m in mbs] + [f"{r}B{m}" for m in reversed(mbs)] for r in range(n_ranks)]
+    def reversed_tail(num_stages: int, num_ranks: int, num_microbatches: int) -> list[list[str]]:
+        mbs = range(num_microbatches)
+        return [[f"{r}F{m}" for m in mbs] + [f"{r}B{m}" for m in reversed(mbs)] for r in range(num_ranks)]
 
     try:
-        schedule = get_schedule("test_reversed_tail", n_stages=3, n_microbatches=4)
+        schedule = get_schedule("test_reversed_tail", num_stages=3, num_microbatches=4)
         validate(schedule, semantics="rendezvous")
         received = [op.message.microbatch for step in comm_plan(schedule)[0] for op in step.ops if not op.send]
         assert received == [3, 2, 1, 0]
@@ -135,7 +135,7 @@ def test_user_schedule_is_proven_and_its_order_respected() -> None:
 
 def test_unknown_semantics_is_refused() -> None:
     with pytest.raises(ScheduleError, match="rendezvous"):
-        validate(get_schedule("1f1b", n_stages=2, n_microbatches=2), semantics="nccl")
+        validate(get_schedule("1f1b", num_stages=2, num_microbatches=2), semantics="nccl")
 
 
 # ------------------------------------------------------------------ what each rank issues (schedules/issue.py)
@@ -144,7 +144,7 @@ def posts_text(turn) -> list[list[str]]:
 
 
 def test_gpipe_posts_receives_ahead_and_never_waits_for_a_send() -> None:
-    gpipe = get_schedule("gpipe", n_stages=2, n_microbatches=4)
+    gpipe = get_schedule("gpipe", num_stages=2, num_microbatches=4)
     program = proven(gpipe, comm_plan(gpipe))
     last = program[1]
     assert str(last[0].action) == "1F0" and posts_text(last[0]) == [["RF0"], ["RF1"]]  # F1's input is on its way
@@ -158,7 +158,7 @@ def test_receives_ahead_everywhere_would_deadlock_1f1b_on_nccl() -> None:
     """Posted ahead on both ranks, a receive holds up the rank's later sends on NCCL's one stream:
     rank 0 waits for a gradient rank 1 posted behind its early receive, which waits for rank 0's
     send behind the early receive of that gradient. The proof finds it; proven() keeps only what holds."""
-    schedule = get_schedule("1f1b", n_stages=2, n_microbatches=4)
+    schedule = get_schedule("1f1b", num_stages=2, num_microbatches=4)
     plan = comm_plan(schedule)
     with pytest.raises(ScheduleError, match="deadlocks") as info:
         check_issued(schedule, issue(plan, lookahead=1))
@@ -182,7 +182,7 @@ def received_ahead(turns) -> list[str]:
 
 def test_the_plans_own_points_are_the_fallback() -> None:
     """lookahead=0 without early sends issues exactly the plan's batches at the plan's steps."""
-    schedule = get_schedule("zb_v", n_stages=4, n_ranks=2, n_microbatches=4)
+    schedule = get_schedule("zb_v", num_stages=4, num_ranks=2, num_microbatches=4)
     plan = comm_plan(schedule)
     program = issue(plan, lookahead=0, early_sends=False)
     for steps, turns in zip(plan, program):

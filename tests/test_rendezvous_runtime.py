@@ -29,7 +29,7 @@ def _pipe(model_name: str, schedule: str, stages: int = 4, **kw):
     model = case.build()
     args, kwargs = case.inputs(2)
     prog = pipesplit.compile(model, args, example_kwargs=kwargs, num_stages=stages, progress=False)
-    kw.setdefault("n_ranks", 2 if schedule in MULTI else None)
+    kw.setdefault("num_ranks", 2 if schedule in MULTI else None)
     pipe = pipesplit.Pipeline(prog, schedule, loss_fn=dot_loss, loss_reduction="sum", **kw)
     return model, case, pipe
 
@@ -40,7 +40,7 @@ def _pipe(model_name: str, schedule: str, stages: int = 4, **kw):
 def test_every_schedule_trains_through_the_rendezvous_transport(schedule, model_name):
     """A send waits for its receive and messages pair in order: the runtime's plan neither deadlocks
     nor mismatches, and the step still equals gradient accumulation (skip edges, tied weights)."""
-    model, case, pipe = _pipe(model_name, schedule, n_microbatches=4, transport="rendezvous", timeout=60)
+    model, case, pipe = _pipe(model_name, schedule, num_microbatches=4, transport="rendezvous", timeout=60)
     assert isinstance(pipe.transport, RendezvousTransport)
     check_training(model, pipe, [case.inputs(8), case.inputs(8)], m=4)
     pipe.eval()
@@ -52,7 +52,7 @@ def test_every_schedule_trains_through_the_rendezvous_transport(schedule, model_
 def test_naive_order_times_out_in_the_rendezvous_transport():
     """The order the runtime used before (each send alone, right after its producer) deadlocks 1F1B
     under NCCL's semantics: the validator says so, and the transport fails instead of hanging."""
-    _, case, pipe = _pipe("mlp", "1f1b", stages=2, n_microbatches=4, transport="rendezvous", timeout=1.0)
+    _, case, pipe = _pipe("mlp", "1f1b", stages=2, num_microbatches=4, transport="rendezvous", timeout=1.0)
     naive = comm_plan(pipe.schedule, program_edges(pipe.prog), batched=False)
     with pytest.raises(pipesplit.ScheduleError, match="deadlocks"):
         pipesplit.schedules.issue.check_rendezvous(pipe.schedule, naive)
@@ -70,7 +70,7 @@ def test_naive_order_times_out_in_the_rendezvous_transport():
 def test_receives_ahead_on_every_rank_time_out_as_the_proof_says():
     """What proven() refuses (1F1B with every rank posting receives ahead) hangs under NCCL's semantics:
     the transport that imposes them fails within the timeout instead."""
-    _, case, pipe = _pipe("mlp", "1f1b", stages=2, n_microbatches=4, transport="rendezvous", timeout=1.0)
+    _, case, pipe = _pipe("mlp", "1f1b", stages=2, num_microbatches=4, transport="rendezvous", timeout=1.0)
     plan = comm_plan(pipe.schedule, program_edges(pipe.prog))
     with pytest.raises(pipesplit.ScheduleError, match="deadlocks"):
         pipesplit.schedules.issue.check_issued(pipe.schedule, issue(plan, lookahead=1))
@@ -170,7 +170,7 @@ class Tracking:
 
 @pytest.mark.parametrize("transport", ["auto", "rendezvous"])
 def test_nothing_keeps_sent_tensors_alive_after_the_step(transport):
-    _, case, pipe = _pipe("long_skip", "1f1b", n_microbatches=4, transport=transport)
+    _, case, pipe = _pipe("long_skip", "1f1b", num_microbatches=4, transport=transport)
     pipe.transport = tracking = Tracking(pipe.transport)
     pipe.step(*case.inputs(8)[0], target=torch.randn(8, 16))
     assert tracking.sent, "nothing was sent"

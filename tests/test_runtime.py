@@ -56,8 +56,8 @@ def test_schedule_matches_full_batch(schedule, model_name):
     model = case.build()
     stages = 4
     prog = pipesplit.compile(model, case.inputs(2)[0], example_kwargs=case.inputs(2)[1], num_stages=stages)
-    pipe = pipesplit.Pipeline(prog, schedule, n_microbatches=4, loss_fn=dot_loss, loss_reduction="sum",
-                              n_ranks=2 if schedule in MULTI else None)
+    pipe = pipesplit.Pipeline(prog, schedule, num_microbatches=4, loss_fn=dot_loss, loss_reduction="sum",
+                              num_ranks=2 if schedule in MULTI else None)
     args, kwargs = case.inputs(8)
     target = make_target(model(*args, **kwargs))
     ref, want = reference(model, args, kwargs, target)
@@ -84,7 +84,7 @@ def test_several_optimizer_steps_stay_equal(schedule):
     def ce(out, y):
         return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
 
-    pipe = pipesplit.Pipeline(prog, schedule, n_microbatches=4, loss_fn=ce, n_ranks=2 if schedule in MULTI else None)
+    pipe = pipesplit.Pipeline(prog, schedule, num_microbatches=4, loss_fn=ce, num_ranks=2 if schedule in MULTI else None)
     ref = copy.deepcopy(model)
     held = dict(pipe.named_parameters())
     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
@@ -119,7 +119,7 @@ def test_stage_forward_hooks_with_kwargs_run_under_every_backward(schedule):
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)])
     prog = pipesplit.compile(model, torch.randn(2, 8), num_stages=2)
-    pipe = pipesplit.Pipeline(prog, schedule, n_microbatches=2, loss_fn=F.mse_loss)
+    pipe = pipesplit.Pipeline(prog, schedule, num_microbatches=2, loss_fn=F.mse_loss)
     seen = []
     for s in prog.stages:
         s.module.register_forward_pre_hook(lambda m, args, kwargs: seen.append(("pre", kwargs)), with_kwargs=True)
@@ -137,7 +137,7 @@ def test_gradient_accumulation_across_steps():
     case = CASE_BY_NAME["long_skip"]
     model = case.build()
     prog = pipesplit.compile(model, case.inputs(2)[0], num_stages=3)
-    pipe = pipesplit.Pipeline(prog, "1f1b", n_microbatches=2, loss_fn=dot_loss, loss_reduction="sum")
+    pipe = pipesplit.Pipeline(prog, "1f1b", num_microbatches=2, loss_fn=dot_loss, loss_reduction="sum")
     ref = copy.deepcopy(model)
     for _ in range(2):
         (x,), _ = case.inputs(4)
@@ -153,7 +153,7 @@ def test_batchnorm_stats_follow_the_microbatches():
     case = CASE_BY_NAME["conv_bn"]
     model = case.build()
     prog = pipesplit.compile(model, case.inputs(2)[0], num_stages=3)
-    pipe = pipesplit.Pipeline(prog, "gpipe", n_microbatches=2, loss_fn=dot_loss, loss_reduction="sum")
+    pipe = pipesplit.Pipeline(prog, "gpipe", num_microbatches=2, loss_fn=dot_loss, loss_reduction="sum")
     (x,), _ = case.inputs(8)
     t = torch.randn(8, 10)
     pipe.step(x, target=t)
@@ -171,7 +171,7 @@ def test_eval_merges_outputs_like_the_model():
     case = CASE_BY_NAME["dict_tuple_out"]
     model = case.build()
     prog = pipesplit.compile(model, case.inputs(2)[0], num_stages=3)
-    pipe = pipesplit.Pipeline(prog, "1f1b", n_microbatches=4)
+    pipe = pipesplit.Pipeline(prog, "1f1b", num_microbatches=4)
     (x,), _ = case.inputs(8)
     got, want = pipe.eval(x), model(x)
     assert_tree_close(got, want, name="eval outputs")
@@ -181,7 +181,7 @@ def test_activation_checkpointing_keeps_gradients():
     torch.manual_seed(0)
     model = CASE_BY_NAME["gpt_tied"].build()
     prog = pipesplit.compile(model, torch.randint(0, 64, (2, 16)), num_stages=2)
-    pipe = pipesplit.Pipeline(prog, "1f1b", n_microbatches=2, loss_fn=dot_loss, loss_reduction="sum", checkpoint=True)
+    pipe = pipesplit.Pipeline(prog, "1f1b", num_microbatches=2, loss_fn=dot_loss, loss_reduction="sum", checkpoint=True)
     x = torch.randint(0, 64, (4, 16))
     t = torch.randn(4, 16, 64)
     ref, want = reference(model, (x,), {}, t)
@@ -193,14 +193,14 @@ def test_checkpointing_refuses_stages_that_update_buffers():
     case = CASE_BY_NAME["conv_bn"]
     prog = pipesplit.compile(case.build(), case.inputs(2)[0], num_stages=2)
     with pytest.raises(pipesplit.PipesplitError, match="checkpoint"):
-        pipesplit.Pipeline(prog, "1f1b", n_microbatches=2, loss_fn=dot_loss, checkpoint=True)
+        pipesplit.Pipeline(prog, "1f1b", num_microbatches=2, loss_fn=dot_loss, checkpoint=True)
 
 
 def test_dropout_trains():
     torch.manual_seed(0)
     model = pipesplit.models.GPT(pipesplit.models.GPTConfig(vocab=64, dim=32, layers=2, heads=2, seq=16, dropout=0.5))
     prog = pipesplit.compile(model, torch.randint(0, 64, (2, 16)), num_stages=2)
-    pipe = pipesplit.Pipeline(prog, "1f1b", n_microbatches=2, loss_fn=dot_loss, loss_reduction="sum")
+    pipe = pipesplit.Pipeline(prog, "1f1b", num_microbatches=2, loss_fn=dot_loss, loss_reduction="sum")
     x = torch.randint(0, 64, (4, 16))
     outs = [pipe.forward(x) for _ in range(2)]
     assert not torch.equal(outs[0], outs[1]), "dropout should make two training-mode passes differ"
@@ -219,7 +219,7 @@ def _mlp_pipe(**kw):
 
 
 def test_batch_that_does_not_split_is_refused_before_work():
-    pipe = _mlp_pipe(schedule="1f1b", n_microbatches=4)
+    pipe = _mlp_pipe(schedule="1f1b", num_microbatches=4)
     with pytest.raises(pipesplit.InputError, match=r"batch of 6 does not split into 4"):
         pipe.step(torch.randn(6, 16), target=torch.randn(6, 4))
     assert all(p.grad is None for p in pipe.parameters())
@@ -227,24 +227,24 @@ def test_batch_that_does_not_split_is_refused_before_work():
 
 def test_too_few_microbatches_for_a_schedule():
     with pytest.raises(pipesplit.ScheduleError) as info:
-        _mlp_pipe(schedule="interleaved_1f1b", n_microbatches=1, n_ranks=2)
+        _mlp_pipe(schedule="interleaved_1f1b", num_microbatches=1, num_ranks=2)
     assert "microbatch" in str(info.value)
 
 
 def test_unknown_and_invalid_custom_schedules():
     with pytest.raises(pipesplit.ScheduleError, match="1f1b"):
-        _mlp_pipe(schedule="1f1c", n_microbatches=4)
+        _mlp_pipe(schedule="1f1c", num_microbatches=4)
     broken = Schedule.from_lists(
         "broken",
         [["0F0", "0B0"], ["1F0", "1B0"], ["2F0", "2B0"], ["3B0", "3F0"]],  # stage 3 backward before forward
-        n_stages=4, n_microbatches=1,
+        num_stages=4, num_microbatches=1,
     )
     with pytest.raises(pipesplit.ScheduleError, match="3B0"):
-        _mlp_pipe(schedule=broken, n_microbatches=1)
+        _mlp_pipe(schedule=broken, num_microbatches=1)
 
 
 def test_wrong_input_shape_is_refused():
-    pipe = _mlp_pipe(schedule="gpipe", n_microbatches=2)
+    pipe = _mlp_pipe(schedule="gpipe", num_microbatches=2)
     with pytest.raises(pipesplit.InputError, match="dimension 1 must be 16"):
         pipe.step(torch.randn(4, 15), target=torch.randn(4, 4))
 
@@ -257,7 +257,7 @@ def test_a_stuck_stage_times_out_naming_the_rank():
         time.sleep(3)
         return dot_loss(out, target)
 
-    pipe = pipesplit.Pipeline(prog, "1f1b", n_microbatches=2, loss_fn=slow_loss, timeout=0.5)
+    pipe = pipesplit.Pipeline(prog, "1f1b", num_microbatches=2, loss_fn=slow_loss, timeout=0.5)
     start = time.monotonic()
     with pytest.raises(pipesplit.RuntimeCommError, match="rank 1") as info:
         pipe.step(torch.randn(4, 16), target=torch.randn(4, 4))
@@ -283,7 +283,7 @@ def test_batch_dimension_is_configurable():
     model = SeqFirst()
     prog = pipesplit.compile(model, torch.randn(5, 2, 8), num_stages=3, batch_dim=1)
     assert prog.inputs[0].shape == (5, 2, 8) and prog.inputs[0].batched  # captured at the example's batch
-    pipe = pipesplit.Pipeline(prog, "1f1b", n_microbatches=2, loss_fn=dot_loss, loss_reduction="sum")
+    pipe = pipesplit.Pipeline(prog, "1f1b", num_microbatches=2, loss_fn=dot_loss, loss_reduction="sum")
     x, t = torch.randn(5, 6, 8), torch.randn(5, 6, 3)
     ref, want = reference(model, (x,), {}, t)
     assert_close(pipe.step(x, target=t), want, name="loss")
@@ -291,4 +291,4 @@ def test_batch_dimension_is_configurable():
     assert prog.inputs[0].shape == (5, None, 8)  # microbatches of 3: captured again with a dynamic batch
     assert_close(pipe.eval(x), model(x), name="eval output")
     with pytest.raises(pipesplit.PipesplitError, match="batch_dim=0"):
-        pipesplit.Pipeline(prog, "1f1b", n_microbatches=2, loss_fn=dot_loss, batch_dim=0)
+        pipesplit.Pipeline(prog, "1f1b", num_microbatches=2, loss_fn=dot_loss, batch_dim=0)

@@ -45,7 +45,7 @@ def edit(schedule: Schedule, rank: int, actions: str) -> Schedule:
 def build(name: str, p: int, m: int, v: int = 2) -> Schedule:
     """The built-in ``name`` for p ranks and m microbatches (v stages per rank where free)."""
     spr = schedule_info(name).constraints.stages_per_rank or v
-    return get_schedule(name, n_stages=spr * p, n_ranks=p, n_microbatches=m)
+    return get_schedule(name, num_stages=spr * p, num_ranks=p, num_microbatches=m)
 
 
 def valid_m(name: str, p: int, m: int) -> int:
@@ -97,7 +97,7 @@ def test_comm_peer_is_derived_from_the_chain(text: str, peer: int, match: str) -
 
 
 def test_peer_rank_follows_stage_to_rank() -> None:
-    s = get_schedule("zb_v", n_ranks=2, n_microbatches=1)  # stages 0,1,2,3 on ranks 0,1,1,0
+    s = get_schedule("zb_v", num_ranks=2, num_microbatches=1)  # stages 0,1,2,3 on ranks 0,1,1,0
     assert s.peer_rank(Action.parse("2SEND_F0")) == 0
     assert s.peer_rank(Action.parse("1RECV_F0")) == 0
     assert s.peer_rank(Action.parse("1F0")) is None
@@ -109,7 +109,7 @@ def test_peer_rank_follows_stage_to_rank() -> None:
 
 
 def test_1f1b_golden_p4_m8() -> None:
-    assert rows(get_schedule("1f1b", n_stages=4, n_ranks=4, n_microbatches=8)) == [
+    assert rows(get_schedule("1f1b", num_stages=4, num_ranks=4, num_microbatches=8)) == [
         "0F0 0F1 0F2 0F3 0B0 0F4 0B1 0F5 0B2 0F6 0B3 0F7 0B4 0B5 0B6 0B7",
         "1F0 1F1 1F2 1B0 1F3 1B1 1F4 1B2 1F5 1B3 1F6 1B4 1F7 1B5 1B6 1B7",
         "2F0 2F1 2B0 2F2 2B1 2F3 2B2 2F4 2B3 2F5 2B4 2F6 2B5 2F7 2B6 2B7",
@@ -118,7 +118,7 @@ def test_1f1b_golden_p4_m8() -> None:
 
 
 def test_gpipe_golden_all_forwards_then_all_backwards() -> None:
-    assert rows(get_schedule("gpipe", n_ranks=3, n_microbatches=3)) == [
+    assert rows(get_schedule("gpipe", num_ranks=3, num_microbatches=3)) == [
         "0F0 0F1 0F2 0B0 0B1 0B2", "1F0 1F1 1F2 1B0 1B1 1B2", "2F0 2F1 2F2 2B0 2B1 2B2",
     ]
 
@@ -126,7 +126,7 @@ def test_gpipe_golden_all_forwards_then_all_backwards() -> None:
 def test_interleaved_golden_p2_v2_m4() -> None:
     # Hand-derived from Megatron's rule: rank r warms up with 2(p-1-r) + (v-1)p forwards,
     # chunks advance every p microbatches, backwards start from the last chunk.
-    s = get_schedule("interleaved_1f1b", n_stages=4, n_ranks=2, n_microbatches=4)
+    s = get_schedule("interleaved_1f1b", num_stages=4, num_ranks=2, num_microbatches=4)
     assert s.stage_to_rank == (0, 1, 0, 1)
     assert rows(s) == [
         "0F0 0F1 2F0 2F1 0F2 2B0 0F3 2B1 2F2 0B0 2F3 0B1 2B2 2B3 0B2 0B3",
@@ -135,13 +135,13 @@ def test_interleaved_golden_p2_v2_m4() -> None:
 
 
 def test_looped_bfs_golden_p2_v2_m2() -> None:
-    s = get_schedule("looped_bfs", n_stages=4, n_ranks=2, n_microbatches=2)
+    s = get_schedule("looped_bfs", num_stages=4, num_ranks=2, num_microbatches=2)
     assert rows(s) == ["0F0 0F1 2F0 2F1 2B1 2B0 0B1 0B0", "1F0 1F1 3F0 3F1 3B1 3B0 1B1 1B0"]
 
 
 def test_zb_h1_golden_p3_m4() -> None:
     # Rank r: 1F1B order of F and I; W starts after the r-th I; deferred W's at the end.
-    assert rows(get_schedule("zb_h1", n_ranks=3, n_microbatches=4)) == [
+    assert rows(get_schedule("zb_h1", num_ranks=3, num_microbatches=4)) == [
         "0F0 0F1 0F2 0I0 0W0 0F3 0I1 0W1 0I2 0W2 0I3 0W3",
         "1F0 1F1 1I0 1F2 1I1 1W0 1F3 1I2 1W1 1I3 1W2 1W3",
         "2F0 2I0 2F1 2I1 2F2 2I2 2W0 2F3 2I3 2W1 2W2 2W3",
@@ -149,8 +149,8 @@ def test_zb_h1_golden_p3_m4() -> None:
 
 
 def test_zb_v_golden_p2_m4() -> None:
-    s = get_schedule("zb_v", n_ranks=2, n_microbatches=4)
-    assert s.n_stages == 4 and s.stage_to_rank == (0, 1, 1, 0)
+    s = get_schedule("zb_v", num_ranks=2, num_microbatches=4)
+    assert s.num_stages == 4 and s.stage_to_rank == (0, 1, 1, 0)
     assert rows(s) == [
         "0F0 0F1 0F2 3F0 3I0 3W0 3F1 3I1 3W1 0F3 0I0 0W0 3F2 3I2 3W2 0I1 0W1 3F3 3I3 3W3 0I2 0W2 0I3 0W3",
         "1F0 2F0 1F1 2F1 2I0 2W0 1F2 1I0 1W0 2F2 2I1 2W1 1F3 1I1 1W1 2F3 2I2 2W2 1I2 2I3 1I3 1W2 2W3 1W3",
@@ -189,7 +189,7 @@ def test_builtins_validate_for_random_sizes(name: str, p: int, m: int, v: int) -
     s = build(name, p, valid_m(name, p, m), v)
     validate(s)
     validate(with_communication(s))
-    assert sum(len(r) for r in s.actions) == s.n_stages * s.n_microbatches * (
+    assert sum(len(r) for r in s.actions) == s.num_stages * s.num_microbatches * (
         3 if name.startswith("zb") else 2
     )
 
@@ -198,22 +198,22 @@ def test_builtins_validate_for_random_sizes(name: str, p: int, m: int, v: int) -
 
 
 def test_with_communication_golden_p2_m2() -> None:
-    s = with_communication(get_schedule("1f1b", n_ranks=2, n_microbatches=2))
+    s = with_communication(get_schedule("1f1b", num_ranks=2, num_microbatches=2))
     assert rows(s) == [
         "0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 0RECV_B1 0B1",
         "1RECV_F0 1F0 1B0 1SEND_B0 1RECV_F1 1F1 1B1 1SEND_B1",
     ]
     assert with_communication(s) == s
-    assert s.compute_only() == get_schedule("1f1b", n_ranks=2, n_microbatches=2)
+    assert s.compute_only() == get_schedule("1f1b", num_ranks=2, num_microbatches=2)
 
 
 def test_with_communication_keeps_same_rank_handoffs_local() -> None:
     # ZB-V puts stages p-1 and p on the same rank: no send/recv between them.
-    s = with_communication(get_schedule("zb_v", n_ranks=2, n_microbatches=2))
+    s = with_communication(get_schedule("zb_v", num_ranks=2, num_microbatches=2))
     comm = {str(a) for rank in s.actions for a in rank if a.is_comm}
     assert {"0SEND_F0", "1RECV_F0", "2SEND_F0", "3RECV_F0", "1SEND_B0", "0RECV_B0"} <= comm
     assert not {"1SEND_F0", "2RECV_F0", "2SEND_B0", "1RECV_B0"} & comm
-    assert not with_communication(get_schedule("looped_bfs", n_stages=3, n_ranks=1, n_microbatches=2)).has_communication
+    assert not with_communication(get_schedule("looped_bfs", num_stages=3, num_ranks=1, num_microbatches=2)).has_communication
 
 
 # --- overlapped pairs ----------------------------------------------------------------------
@@ -225,7 +225,7 @@ def paired(schedule: Schedule, *pairs: str) -> Schedule:
 
 
 def test_overlapped_pair_validates_round_trips_and_lowers_as_one_unit(tmp_path) -> None:
-    s = validate(paired(get_schedule("1f1b", n_ranks=2, n_microbatches=2), "0F1&0B0"))
+    s = validate(paired(get_schedule("1f1b", num_ranks=2, num_microbatches=2), "0F1&0B0"))
     assert s.overlap == ((Action.parse("0F1"), Action.parse("0B0")),)
     assert s.overlap_partner == {Action.parse("0F1"): Action.parse("0B0")}
     assert schedule_to_text(s).splitlines()[-2:] == ["0F0 0F1&0B0 0B1", "1F0 1B0 1F1 1B1"]
@@ -251,13 +251,13 @@ def test_overlapped_pair_validates_round_trips_and_lowers_as_one_unit(tmp_path) 
 )
 def test_validate_rejects_bad_overlapped_pairs(pairs: list[str], message: str) -> None:
     with pytest.raises(ScheduleError, match=message):
-        validate(paired(get_schedule("1f1b", n_ranks=2, n_microbatches=2), *pairs))
+        validate(paired(get_schedule("1f1b", num_ranks=2, num_microbatches=2), *pairs))
 
 
 def test_validate_rejects_a_pair_that_deadlocks_only_when_overlapped() -> None:
     # Run one after the other this order is fine; overlapped, 0F1 would wait for 0B0's input 1B0,
     # which rank 1 only runs after 1F1, which needs 0F1.
-    s = get_schedule("gpipe", n_ranks=2, n_microbatches=2)
+    s = get_schedule("gpipe", num_ranks=2, num_microbatches=2)
     with pytest.raises(ScheduleError, match=r"0F1 \(rank 0, position 1\) \(overlapped with 0B0\) can never run: "
                        r"it waits on 1B0, .*rank 1 is stuck at 1F1 \(rank 1, position 1\), which waits on 0F1"):
         validate(paired(s, "0F1&0B0"))
@@ -273,7 +273,7 @@ def test_pair_tokens_join_exactly_two_actions() -> None:
 
 @pytest.fixture
 def one_f_one_b() -> Schedule:
-    return get_schedule("1f1b", n_ranks=4, n_microbatches=8)
+    return get_schedule("1f1b", num_ranks=4, num_microbatches=8)
 
 
 def test_validate_rejects_missing_action(one_f_one_b: Schedule) -> None:
@@ -319,7 +319,7 @@ def test_validate_rejects_action_on_wrong_rank(one_f_one_b: Schedule) -> None:
 
 
 def test_validate_rejects_deadlocking_send_recv_order() -> None:
-    s = with_communication(get_schedule("1f1b", n_ranks=2, n_microbatches=1))
+    s = with_communication(get_schedule("1f1b", num_ranks=2, num_microbatches=1))
     assert rows(s)[0] == "0F0 0SEND_F0 0RECV_B0 0B0"
     # Waiting for the gradient before sending the activation that produces it: a cycle.
     broken = edit(s, 0, "0RECV_B0 0F0 0SEND_F0 0B0")
@@ -329,10 +329,10 @@ def test_validate_rejects_deadlocking_send_recv_order() -> None:
 
 
 def test_validate_rejects_missing_and_needless_comm() -> None:
-    s = with_communication(get_schedule("1f1b", n_ranks=2, n_microbatches=1))
+    s = with_communication(get_schedule("1f1b", num_ranks=2, num_microbatches=1))
     with pytest.raises(ScheduleError, match="missing 1RECV_F0"):
         validate(edit(s, 1, "1F0 1B0 1SEND_B0"))
-    local = with_communication(get_schedule("zb_v", n_ranks=2, n_microbatches=1))
+    local = with_communication(get_schedule("zb_v", num_ranks=2, num_microbatches=1))
     text = rows(local)[1].replace("1F0", "1F0 1SEND_F0", 1)
     needless = r"1SEND_F0 \(rank 1, position \d+\) is not needed: stages 1 and 2 are both on rank 1"
     with pytest.raises(ScheduleError, match=needless):
@@ -340,7 +340,7 @@ def test_validate_rejects_missing_and_needless_comm() -> None:
 
 
 def test_validate_rejects_mixed_and_half_split_backwards() -> None:
-    z = get_schedule("zb_h1", n_ranks=2, n_microbatches=2)
+    z = get_schedule("zb_h1", num_ranks=2, num_microbatches=2)
     with pytest.raises(ScheduleError, match="0B1 .* is mixed with 0I1"):
         validate(edit(z, 0, rows(z)[0] + " 0B1"))
     with pytest.raises(ScheduleError, match="missing 0W1"):
@@ -355,9 +355,9 @@ def test_validate_rejects_out_of_range_indices(one_f_one_b: Schedule) -> None:
 
 
 def test_schedule_rejects_inconsistent_shape() -> None:
-    with pytest.raises(ScheduleError, match="stage_to_rank has 2 entries but n_stages is 3"):
+    with pytest.raises(ScheduleError, match="stage_to_rank has 2 entries but num_stages is 3"):
         Schedule("x", 3, 2, 1, (0, 1), ((), ()))
-    with pytest.raises(ScheduleError, match="1 action lists for n_ranks=2"):
+    with pytest.raises(ScheduleError, match="1 action lists for num_ranks=2"):
         Schedule("x", 2, 2, 1, (0, 1), ((),))
     with pytest.raises(ScheduleError, match="stage 1 appears on rank 0 and on rank 1"):
         Schedule.from_lists("x", [["0F0", "1F0"], ["1B0"]])
@@ -372,20 +372,20 @@ def test_list_schedules_has_the_builtins() -> None:
 
 def test_unknown_schedule_lists_names_and_suggests() -> None:
     with pytest.raises(ScheduleError, match=r"Unknown schedule '1fb1'. Did you mean '1f1b'\? Known schedules: .*gpipe"):
-        get_schedule("1fb1", n_ranks=2, n_microbatches=2)
+        get_schedule("1fb1", num_ranks=2, num_microbatches=2)
 
 
 @pytest.mark.parametrize(
     "name, kwargs, message",
     [
-        ("1f1b", dict(n_stages=6, n_ranks=4, n_microbatches=4),
-         r"exactly 1 stage\(s\) per rank.*n_stages=6, n_ranks=4"),
-        ("zb_v", dict(n_stages=6, n_ranks=4, n_microbatches=4), r"exactly 2 stage\(s\) per rank.*Use n_stages=8"),
-        ("looped_bfs", dict(n_stages=6, n_ranks=4, n_microbatches=4), r"multiple of n_ranks.*Use n_stages=4 or 8"),
-        ("interleaved_1f1b", dict(n_stages=8, n_ranks=4, n_microbatches=6),
-         r"n_microbatches=6, n_ranks=4.*Use n_microbatches=4 or 8"),
-        ("interleaved_1f1b", dict(n_ranks=4, n_microbatches=4), "give both n_stages and n_ranks"),
-        ("gpipe", dict(n_ranks=2, n_microbatches=0), "n_microbatches must be an int >= 1, got 0"),
+        ("1f1b", dict(num_stages=6, num_ranks=4, num_microbatches=4),
+         r"exactly 1 stage\(s\) per rank.*num_stages=6, num_ranks=4"),
+        ("zb_v", dict(num_stages=6, num_ranks=4, num_microbatches=4), r"exactly 2 stage\(s\) per rank.*Use num_stages=8"),
+        ("looped_bfs", dict(num_stages=6, num_ranks=4, num_microbatches=4), r"multiple of num_ranks.*Use num_stages=4 or 8"),
+        ("interleaved_1f1b", dict(num_stages=8, num_ranks=4, num_microbatches=6),
+         r"num_microbatches=6, num_ranks=4.*Use num_microbatches=4 or 8"),
+        ("interleaved_1f1b", dict(num_ranks=4, num_microbatches=4), "give both num_stages and num_ranks"),
+        ("gpipe", dict(num_ranks=2, num_microbatches=0), "num_microbatches must be an int >= 1, got 0"),
     ],
 )
 def test_constraints_are_checked_before_building(name: str, kwargs: dict[str, int], message: str) -> None:
@@ -397,20 +397,20 @@ def test_user_registered_schedule_end_to_end() -> None:
     calls: list[tuple[int, int, int]] = []
 
     @register_schedule("test_user_gpipe_reversed", min_microbatches=2)
-    def reversed_gpipe(n_stages: int, n_ranks: int, n_microbatches: int) -> list[list[str]]:
+    def reversed_gpipe(num_stages: int, num_ranks: int, num_microbatches: int) -> list[list[str]]:
         """GPipe with the backwards in reverse microbatch order."""
-        calls.append((n_stages, n_ranks, n_microbatches))
-        mbs = range(n_microbatches)
-        return [[f"{r}F{m}" for m in mbs] + [f"{r}B{m}" for m in reversed(mbs)] for r in range(n_ranks)]
+        calls.append((num_stages, num_ranks, num_microbatches))
+        mbs = range(num_microbatches)
+        return [[f"{r}F{m}" for m in mbs] + [f"{r}B{m}" for m in reversed(mbs)] for r in range(num_ranks)]
 
     try:
         assert "test_user_gpipe_reversed" in list_schedules()
         assert schedule_info("test_user_gpipe_reversed").description.startswith("GPipe with the backwards")
-        s = get_schedule("test_user_gpipe_reversed", n_ranks=3, n_microbatches=4)
+        s = get_schedule("test_user_gpipe_reversed", num_ranks=3, num_microbatches=4)
         assert s.name == "test_user_gpipe_reversed" and s.stage_to_rank == (0, 1, 2)
         assert rows(s)[2] == "2F0 2F1 2F2 2F3 2B3 2B2 2B1 2B0"
-        with pytest.raises(ScheduleError, match="needs n_microbatches >= 2, got 1"):
-            get_schedule("test_user_gpipe_reversed", n_ranks=3, n_microbatches=1)
+        with pytest.raises(ScheduleError, match="needs num_microbatches >= 2, got 1"):
+            get_schedule("test_user_gpipe_reversed", num_ranks=3, num_microbatches=1)
         assert calls == [(3, 3, 4)]  # the constraint failed before the function ran
         with pytest.raises(ScheduleError, match="already registered"):
             register_schedule("test_user_gpipe_reversed")(reversed_gpipe)
@@ -421,20 +421,20 @@ def test_user_registered_schedule_end_to_end() -> None:
 
 def test_user_schedule_that_is_invalid_or_wrong_size_is_rejected() -> None:
     @register_schedule("test_user_broken")
-    def broken(n_stages: int, n_ranks: int, n_microbatches: int) -> list[list[str]]:
-        return [[f"{r}B0", f"{r}F0"] for r in range(n_ranks)]  # ignores n_microbatches too
+    def broken(num_stages: int, num_ranks: int, num_microbatches: int) -> list[list[str]]:
+        return [[f"{r}B0", f"{r}F0"] for r in range(num_ranks)]  # ignores num_microbatches too
 
     @register_schedule("test_user_wrong_size")
-    def wrong_size(n_stages: int, n_ranks: int, n_microbatches: int) -> Schedule:
-        return Schedule.from_lists("w", [[f"{r}F0", f"{r}B0"] for r in range(n_ranks)])
+    def wrong_size(num_stages: int, num_ranks: int, num_microbatches: int) -> Schedule:
+        return Schedule.from_lists("w", [[f"{r}F0", f"{r}B0"] for r in range(num_ranks)])
 
     try:
         with pytest.raises(ScheduleError, match=r"0B0 \(rank 0, position 0\) can never run: it waits on 0F0"):
-            get_schedule("test_user_broken", n_ranks=2, n_microbatches=1)
+            get_schedule("test_user_broken", num_ranks=2, num_microbatches=1)
         with pytest.raises(ScheduleError, match=r"returned .* = \(2, 2, 1\), but \(2, 2, 3\) were requested"):
-            get_schedule("test_user_wrong_size", n_ranks=2, n_microbatches=3)
+            get_schedule("test_user_wrong_size", num_ranks=2, num_microbatches=3)
         with pytest.raises(ScheduleError, match="missing 0F1: rank 0 never runs the forward of microbatch 1"):
-            get_schedule("test_user_broken", n_ranks=2, n_microbatches=2)
+            get_schedule("test_user_broken", num_ranks=2, num_microbatches=2)
     finally:
         unregister_schedule("test_user_broken")
         unregister_schedule("test_user_wrong_size")
@@ -458,7 +458,7 @@ def test_hand_written_text_infers_sizes_and_accepts_commas(tmp_path) -> None:
     path = tmp_path / "mine.txt"
     path.write_text("0F0, 0F1, 0B0, 0B1\n\n1F0 1B0,1F1 1B1\n")
     s = load_schedule(path)
-    assert (s.name, s.n_stages, s.n_ranks, s.n_microbatches, s.stage_to_rank) == ("mine", 2, 2, 2, (0, 1))
+    assert (s.name, s.num_stages, s.num_ranks, s.num_microbatches, s.stage_to_rank) == ("mine", 2, 2, 2, (0, 1))
     (tmp_path / "bad.csv").write_text("0F0,0B0\n1F0,1Q0\n")
     with pytest.raises(ScheduleError, match=r"bad.csv.*Rank 1, position 1: Cannot parse action '1Q0'"):
         load_schedule(tmp_path / "bad.csv")

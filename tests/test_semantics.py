@@ -48,21 +48,21 @@ def test_dropout_is_bit_identical_across_runs_schedules_and_checkpointing(dropou
     results = {}
     for schedule, ckpt in [("gpipe", False), ("1f1b", False), ("zb_h1", False), ("interleaved_1f1b", False),
                            ("1f1b", True), ("zb_h1", True)]:
-        pipe = pipesplit.Pipeline(dropout_prog, schedule, n_microbatches=4, loss_fn=dot_loss, loss_reduction="sum",
-                                  checkpoint=ckpt, n_ranks=2 if schedule == "interleaved_1f1b" else None)
+        pipe = pipesplit.Pipeline(dropout_prog, schedule, num_microbatches=4, loss_fn=dot_loss, loss_reduction="sum",
+                                  checkpoint=ckpt, num_ranks=2 if schedule == "interleaved_1f1b" else None)
         results[(schedule, ckpt)] = [_run(pipe, x, t) for _ in range(2)]
     first = results[("gpipe", False)][0]
     for key, (a, b) in results.items():
         _same(a, b)  # the same seed twice
         _same(first, a)  # every schedule, with and without checkpointing
-    other = _run(pipesplit.Pipeline(dropout_prog, "1f1b", n_microbatches=4, loss_fn=dot_loss), x, t, seed=124)
+    other = _run(pipesplit.Pipeline(dropout_prog, "1f1b", num_microbatches=4, loss_fn=dot_loss), x, t, seed=124)
     assert not torch.equal(other[0], first[0]), "another seed must draw other masks"
 
 
 def test_dropout_pipeline_equals_the_stages_run_one_after_another(dropout_prog):
     """An independent reference: the root graph interpreted per microbatch, each stage on its stream."""
     x, t = _ids(8), torch.randn(8, 16, 64)
-    pipe = pipesplit.Pipeline(dropout_prog, "zb_h1", n_microbatches=4, loss_fn=dot_loss, loss_reduction="sum")
+    pipe = pipesplit.Pipeline(dropout_prog, "zb_h1", num_microbatches=4, loss_fn=dot_loss, loss_reduction="sum")
     loss, grads = _run(pipe, x, t, seed=5)
     torch.manual_seed(5)
     seed = int(torch.randint(0, 2**62, ()).item())
@@ -79,7 +79,7 @@ def test_one_stage_dropout_equals_the_model_seeded_per_microbatch():
 
     model = _dropout_gpt()
     prog = pipesplit.compile(model, _ids(2), num_stages=1, progress=False)
-    pipe = pipesplit.Pipeline(prog, "1f1b", n_microbatches=2, loss_fn=dot_loss, loss_reduction="sum")
+    pipe = pipesplit.Pipeline(prog, "1f1b", num_microbatches=2, loss_fn=dot_loss, loss_reduction="sum")
     x, t = _ids(4), torch.randn(4, 16, 64)
     loss, grads = _run(pipe, x, t, seed=9)
     torch.manual_seed(9)
@@ -107,7 +107,7 @@ def test_the_split_program_draws_like_the_model():
 
 
 def test_a_step_takes_one_draw_from_the_users_generator(dropout_prog):
-    pipe = pipesplit.Pipeline(dropout_prog, "1f1b", n_microbatches=2, loss_fn=dot_loss)
+    pipe = pipesplit.Pipeline(dropout_prog, "1f1b", num_microbatches=2, loss_fn=dot_loss)
     x, t = _ids(4), torch.randn(4, 16, 64)
     torch.manual_seed(0)
     pipe.step(x, target=t)
@@ -134,14 +134,14 @@ def test_eval_mode_equals_model_eval(name):
     assert_close(prog(*batch), want, name="eval output, again (no dropout, stats untouched)")
     for k, v in prog.state_dict().items():
         assert torch.equal(v, state[k]), f"eval mode changed {k}"
-    pipe = pipesplit.Pipeline(prog, "1f1b", n_microbatches=2)
+    pipe = pipesplit.Pipeline(prog, "1f1b", num_microbatches=2)
     assert not pipe.training
     assert_close(pipe.forward(*batch), want, name="pipelined eval output")
     assert_close(pipe(*batch), want, name="pipe(x)")
     pipe.train()
     assert prog.training
     if name == "conv_bn":  # back in training mode: batch statistics again, running stats move
-        check_training(model, pipesplit.Pipeline(prog, "1f1b", n_microbatches=2, loss_fn=dot_loss,
+        check_training(model, pipesplit.Pipeline(prog, "1f1b", num_microbatches=2, loss_fn=dot_loss,
                                                  loss_reduction="sum"), [case.inputs(4)], m=2, steps=1)
 
 
@@ -164,7 +164,7 @@ def test_autocast_around_step_reaches_every_stage():
         seen.append(out.dtype)
         return dot_loss(out, target)
 
-    pipe = pipesplit.Pipeline(prog, "1f1b", n_microbatches=2, loss_fn=loss_fn, loss_reduction="sum")
+    pipe = pipesplit.Pipeline(prog, "1f1b", num_microbatches=2, loss_fn=loss_fn, loss_reduction="sum")
     x, t = _ids(4), torch.randn(4, 16, 64)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss = pipe.step(x, target=t)
@@ -201,7 +201,7 @@ def test_sizes_outside_exports_range_are_refused_naming_input_and_range():
     with pytest.raises(pipesplit.InputError, match=r"input 'x' has size 2 in dimension 0.*sizes >= 3") as info:
         prog(torch.randn(2, 8))
     assert "example" in str(info.value)
-    pipe = pipesplit.Pipeline(prog, "1f1b", n_microbatches=2, loss_fn=dot_loss)
+    pipe = pipesplit.Pipeline(prog, "1f1b", num_microbatches=2, loss_fn=dot_loss)
     with pytest.raises(pipesplit.InputError, match=r"size 2 in dimension 0 \(a microbatch"):
         pipe.step(torch.randn(4, 8), target=torch.randn(4, 8))
     assert all(p.grad is None for p in pipe.parameters())
@@ -230,7 +230,7 @@ class ScaleByBatch(nn.Module):
 def test_batch_derived_floats_and_ints_cross_cuts_in_a_pipeline():
     model = ScaleByBatch()
     prog = pipesplit.compile(model, torch.randn(4, 8), split_points=["b"], progress=False)
-    pipe = pipesplit.Pipeline(prog, "1f1b", n_microbatches=2, loss_fn=dot_loss, loss_reduction="sum")
+    pipe = pipesplit.Pipeline(prog, "1f1b", num_microbatches=2, loss_fn=dot_loss, loss_reduction="sum")
     check_training(model, pipe, [((torch.randn(6, 8),), {})], m=2, steps=2)
     assert {b.kind for b in prog.boundaries} >= {"float", "int"}  # microbatches of 3: a dynamic batch
 
@@ -256,7 +256,7 @@ def test_unbatched_inputs_go_whole_to_every_microbatch(vocab):
     prog = pipesplit.compile(model, (torch.randint(0, vocab, (2,)), table), num_stages=3, unbatched=["table"],
                              progress=False)
     assert prog.inputs[1].shape == (vocab, 8)
-    pipe = pipesplit.Pipeline(prog, "1f1b", n_microbatches=4, loss_fn=dot_loss, loss_reduction="sum")
+    pipe = pipesplit.Pipeline(prog, "1f1b", num_microbatches=4, loss_fn=dot_loss, loss_reduction="sum")
     batches = [((torch.randint(0, vocab, (8,)), table), {})]
     ref = copy.deepcopy(model)
     idx = batches[0][0][0]
@@ -269,7 +269,7 @@ def test_unbatched_inputs_go_whole_to_every_microbatch(vocab):
 
 def test_disagreeing_batch_sizes_name_the_input_and_the_fix():
     prog = pipesplit.compile(Lookup(), (torch.randint(0, 5, (2,)), torch.randn(5, 8)), num_stages=2, progress=False)
-    pipe = pipesplit.Pipeline(prog, "1f1b", n_microbatches=2, loss_fn=dot_loss)
+    pipe = pipesplit.Pipeline(prog, "1f1b", num_microbatches=2, loss_fn=dot_loss)
     with pytest.raises(pipesplit.InputError, match=r"'table'.*unbatched=") as info:
         pipe.step(torch.randint(0, 5, (4,)), torch.randn(6, 8), target=torch.randn(4, 8))
     assert "'idx': 4" in str(info.value)
@@ -287,8 +287,8 @@ def test_targets_without_a_batch_dimension():
 
     x = torch.randn(6, 16)
     with pytest.raises(pipesplit.InputError, match="target_batch_dim=None"):
-        pipesplit.Pipeline(prog, "1f1b", n_microbatches=2, loss_fn=loss_fn).step(x, target=weights)
-    pipe = pipesplit.Pipeline(prog, "1f1b", n_microbatches=2, loss_fn=loss_fn, loss_reduction="sum",
+        pipesplit.Pipeline(prog, "1f1b", num_microbatches=2, loss_fn=loss_fn).step(x, target=weights)
+    pipe = pipesplit.Pipeline(prog, "1f1b", num_microbatches=2, loss_fn=loss_fn, loss_reduction="sum",
                               target_batch_dim=None)
     want = loss_fn(model(x), weights)
     assert_close(pipe.step(x, target=weights), want.detach(), name="loss")

@@ -32,12 +32,12 @@ def batch():
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb_h1", "looped_bfs"])
 def test_every_action_is_recorded_once_in_schedule_order(prog, batch, schedule):
     x, y = batch
-    pipe = pipesplit.Pipeline(prog, schedule, n_microbatches=4, loss_fn=mse)
+    pipe = pipesplit.Pipeline(prog, schedule, num_microbatches=4, loss_fn=mse)
     with pipe.trace() as tr:
         pipe.step(x, target=y)
         pipe.step(x, target=y)
     pipe.zero_grad()
-    assert tr.n_steps == 2
+    assert tr.num_steps == 2
     compute = [[a for a in rank if a.is_compute] for rank in pipe.schedule.actions]
     for step in range(2):
         mine = [r for r in tr.records if r.step == step]
@@ -56,7 +56,7 @@ def test_every_action_is_recorded_once_in_schedule_order(prog, batch, schedule):
 
 def test_compute_starts_after_its_inputs_were_produced(prog, batch):
     x, y = batch
-    pipe = pipesplit.Pipeline(prog, "gpipe", n_microbatches=4, loss_fn=mse)
+    pipe = pipesplit.Pipeline(prog, "gpipe", num_microbatches=4, loss_fn=mse)
     with pipe.trace() as tr:
         pipe.step(x, target=y)
     pipe.zero_grad()
@@ -73,7 +73,7 @@ def test_compute_starts_after_its_inputs_were_produced(prog, batch):
 
 def test_tracing_changes_neither_loss_nor_gradients(prog, batch):
     x, y = batch
-    pipe = pipesplit.Pipeline(prog, "1f1b", n_microbatches=4, loss_fn=mse)
+    pipe = pipesplit.Pipeline(prog, "1f1b", num_microbatches=4, loss_fn=mse)
     pipe.zero_grad()  # the program is shared with the other tests
     plain = pipe.step(x, target=y)
     grads = [p.grad.clone() for p in pipe.parameters()]
@@ -89,18 +89,18 @@ def test_tracing_changes_neither_loss_nor_gradients(prog, batch):
 
 def test_nothing_is_recorded_outside_the_block(prog, batch):
     x, y = batch
-    pipe = pipesplit.Pipeline(prog, "1f1b", n_microbatches=2, loss_fn=mse)
+    pipe = pipesplit.Pipeline(prog, "1f1b", num_microbatches=2, loss_fn=mse)
     with pipe.trace() as tr:
         pipe.step(x, target=y)
     n = len(tr.records)
     pipe.step(x, target=y)
     pipe.zero_grad()
-    assert len(tr.records) == n and tr.n_steps == 1
+    assert len(tr.records) == n and tr.num_steps == 1
 
 
 def test_chrome_trace(prog, batch, tmp_path):
     x, y = batch
-    pipe = pipesplit.Pipeline(prog, "zb_h1", n_microbatches=4, loss_fn=mse)
+    pipe = pipesplit.Pipeline(prog, "zb_h1", num_microbatches=4, loss_fn=mse)
     with pipe.trace() as tr:
         pipe.step(x, target=y)
     pipe.zero_grad()
@@ -121,14 +121,14 @@ def test_chrome_trace(prog, batch, tmp_path):
 
 def test_eval_steps_are_traced_too(prog, batch):
     x, _ = batch
-    pipe = pipesplit.Pipeline(prog, "1f1b", n_microbatches=2, loss_fn=mse)
+    pipe = pipesplit.Pipeline(prog, "1f1b", num_microbatches=2, loss_fn=mse)
     with pipe.trace() as tr:
         pipe.eval(x)
     assert {r.action.kind for r in tr.records} == {ActionKind.FORWARD} and len(tr.records) == 6
 
 
 def test_an_empty_trace_says_what_to_do(prog):
-    pipe = pipesplit.Pipeline(prog, "1f1b", n_microbatches=2, loss_fn=mse)
+    pipe = pipesplit.Pipeline(prog, "1f1b", num_microbatches=2, loss_fn=mse)
     with pipe.trace() as tr:
         pass
     with pytest.raises(pipesplit.PipesplitError, match=r"pipe.step\(...\) inside"):
@@ -141,10 +141,29 @@ def test_an_empty_trace_says_what_to_do(prog):
 def test_cuda_actions_are_timed_to_their_end():
     torch.manual_seed(0)
     prog = pipesplit.compile(MLP(), torch.randn(8, 16), num_stages=2, devices=["cuda", "cuda"])
-    pipe = pipesplit.Pipeline(prog, "1f1b", n_microbatches=4, loss_fn=mse)
+    pipe = pipesplit.Pipeline(prog, "1f1b", num_microbatches=4, loss_fn=mse)
     x, y = torch.randn(8, 16), torch.randn(8, 4, device="cuda")
     with pipe.trace() as tr:
         pipe.step(x, target=y)
     assert len(tr.records) == 16 and all(r.start <= r.ready <= r.end for r in tr.records)
     assert [[e.action for e in rank] for rank in tr.timeline().events] == [
         [a for a in rank if a.is_compute] for rank in pipe.schedule.actions]
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])
+def test_stage_costs_are_the_medians_of_each_stages_traced_actions(prog, batch, schedule):
+    """What the benchmark reports as measured per stage: F, and the backward whole (B) or split (I, W)."""
+    x, y = batch
+    pipe = pipesplit.Pipeline(prog, schedule, num_microbatches=4, loss_fn=mse)
+    with pipe.trace() as tr:
+        pipe.step(x, target=y)
+    pipe.zero_grad()
+    costs = tr.stage_costs()
+    assert len(costs) == prog.num_stages
+    for s, c in enumerate(costs):
+        assert c.forward == tr.median(s, "F") > 0
+        if schedule == "1f1b":
+            assert (c.backward_input, c.backward_weight) == (tr.median(s, "B"), 0.0)
+        else:
+            assert (c.backward_input, c.backward_weight) == (tr.median(s, "I"), tr.median(s, "W"))
+            assert c.backward_weight > 0

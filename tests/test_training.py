@@ -25,7 +25,7 @@ def _pipe(model, example, stages, schedule, m=4, **compile_kw):
     args, kwargs = example
     prog = pipesplit.compile(model, args, example_kwargs=kwargs, num_stages=stages, progress=False, **compile_kw)
     assert prog.num_stages == stages
-    return pipesplit.Pipeline(prog, schedule, n_microbatches=m, loss_fn=dot_loss, loss_reduction="sum")
+    return pipesplit.Pipeline(prog, schedule, num_microbatches=m, loss_fn=dot_loss, loss_reduction="sum")
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
@@ -104,7 +104,7 @@ def test_split_right_before_an_inplace_add():
     x = torch.randn(2, 8)
     prog = pipesplit.compile(model, x, split_points=["b"], progress=False)
     assert prog.stages[1].mutated_inputs, "the second stage writes its input in place"
-    pipe = pipesplit.Pipeline(prog, "1f1b", n_microbatches=2, loss_fn=dot_loss, loss_reduction="sum")
+    pipe = pipesplit.Pipeline(prog, "1f1b", num_microbatches=2, loss_fn=dot_loss, loss_reduction="sum")
     check_training(model, pipe, [((torch.randn(4, 8),), {})], m=2, steps=3)
 
 

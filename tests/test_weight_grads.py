@@ -56,7 +56,7 @@ def _stage_grads(module: torch.fx.GraphModule, weights: WeightGraph, args: tuple
     for p in module.parameters():
         p.grad = None
     outs = tuple(weights.module(*args))
-    own, extras = list(outs[:weights.n_outputs]), list(outs[weights.n_outputs:])
+    own, extras = list(outs[:weights.num_outputs]), list(outs[weights.num_outputs:])
     roots = [o for o in own if isinstance(o, torch.Tensor) and o.requires_grad]
     grads = [torch.full_like(r, 0.5) + torch.arange(r.numel(), dtype=r.dtype).reshape(r.shape) / r.numel()
              for r in roots]
@@ -76,7 +76,7 @@ def test_direct_weight_gradients_equal_autograd_ones(dtype):
     weights = weight_graph(module)
     assert weights is not None
     ops = {}
-    outputs = [n for n in weights.module.graph.nodes if n.op == "output"][0].args[0][weights.n_outputs:]
+    outputs = [n for n in weights.module.graph.nodes if n.op == "output"][0].args[0][weights.num_outputs:]
     for (outs, _), d in zip(weights.groups, weights.direct):
         ops[outputs[outs[0]].target] = ops.get(outputs[outs[0]].target, 0) + (d is not None)
     assert ops == {aten.embedding.default: 1, aten.layer_norm.default: 2, aten.linear.default: 2}, ops

@@ -40,7 +40,7 @@ def accumulation(schedule: str, rank: int, world: int) -> None:
     torch.manual_seed(0)
     model = CASE_BY_NAME["gpt_tied"].build()
     prog = pipesplit.compile(model, torch.randint(0, 64, (2, 16)), num_stages=_stages(schedule, world), progress=False)
-    pipe = pipesplit.Pipeline(prog, schedule, n_microbatches=4, loss_fn=dot_loss, loss_reduction="sum", timeout=60)
+    pipe = pipesplit.Pipeline(prog, schedule, num_microbatches=4, loss_fn=dot_loss, loss_reduction="sum", timeout=60)
     ref = copy.deepcopy(model)
     before = dict(pipe.named_parameters())
     # no zero_grad in between: the gradients of both steps add up. The second step's microbatches
@@ -66,10 +66,10 @@ def dropout_matches_local(schedule: str, rank: int, world: int) -> None:
     stages = _stages(schedule, world)
     ex = torch.randint(0, 64, (2, 16))
     local = pipesplit.Pipeline(pipesplit.compile(model, ex, num_stages=stages, progress=False), schedule,
-                               n_microbatches=4, loss_fn=dot_loss, loss_reduction="sum", executor="local",
-                               n_ranks=world)
+                               num_microbatches=4, loss_fn=dot_loss, loss_reduction="sum", executor="local",
+                               num_ranks=world)
     pipe = pipesplit.Pipeline(pipesplit.compile(model, ex, num_stages=stages, progress=False), schedule,
-                              n_microbatches=4, loss_fn=dot_loss, loss_reduction="sum", timeout=60)
+                              num_microbatches=4, loss_fn=dot_loss, loss_reduction="sum", timeout=60)
     x, t = torch.randint(0, 64, (8, 16)), torch.randn(8, 16, 64)
     for step in range(2):
         torch.manual_seed(100 + step)
@@ -90,7 +90,7 @@ def resnet_inplace(schedule: str, rank: int, world: int) -> None:
     torch.manual_seed(0)
     model = ResNet()
     prog = pipesplit.compile(model, torch.randn(2, 3, 8, 8), num_stages=_stages(schedule, world), progress=False)
-    pipe = pipesplit.Pipeline(prog, schedule, n_microbatches=2, loss_fn=dot_loss, loss_reduction="sum", timeout=60)
+    pipe = pipesplit.Pipeline(prog, schedule, num_microbatches=2, loss_fn=dot_loss, loss_reduction="sum", timeout=60)
     ref = copy.deepcopy(model)
     x, t = torch.randn(4, 3, 8, 8), torch.randn(4, 10)
     loss = pipe.step(x, target=t)

@@ -96,9 +96,9 @@ def in_flight_per_stage(schedule: Schedule) -> list[int]:
     A microbatch is held from its forward until its full backward (B) or, for split
     backwards, its weight-gradient pass (W) on that stage.
     """
-    peak = [0] * schedule.n_stages
+    peak = [0] * schedule.num_stages
     for actions in schedule.actions:
-        held = [0] * schedule.n_stages
+        held = [0] * schedule.num_stages
         for a in actions:
             if a.kind is ActionKind.FORWARD:
                 held[a.stage] += 1
@@ -117,13 +117,13 @@ def activation_units_per_stage(schedule: Schedule) -> list[int]:
     per such microbatch). Measured against a real step in ``tests/memory_check.py``.
 
     >>> from pipesplit.schedules import get_schedule
-    >>> one_f_one_b = get_schedule("1f1b", n_stages=4, n_microbatches=8)
+    >>> one_f_one_b = get_schedule("1f1b", num_stages=4, num_microbatches=8)
     >>> in_flight_per_stage(one_f_one_b), activation_units_per_stage(one_f_one_b)
     ([4, 3, 2, 1], [5, 4, 3, 2])
     """
-    peak = [0] * schedule.n_stages
+    peak = [0] * schedule.num_stages
     for actions in schedule.actions:
-        held, waiting = [0] * schedule.n_stages, [0] * schedule.n_stages  # waiting: I ran, W not yet
+        held, waiting = [0] * schedule.num_stages, [0] * schedule.num_stages  # waiting: I ran, W not yet
         for a in actions:
             s = a.stage
             if a.kind is ActionKind.FORWARD:

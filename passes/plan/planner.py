@@ -215,7 +215,7 @@ def _solve_order(
             chain, seconds, schedule, comm=comm, memory=memory, mem_cap=max_stage_memory,
             limits=limits, device_kind=device_kind,
         )
-        extra = dict(schedule=schedule.name, n_microbatches=schedule.n_microbatches,
+        extra = dict(schedule=schedule.name, num_microbatches=schedule.num_microbatches,
                      predicted_step_s=best.step_s, ideal_step_s=ideal)
         return _Solved(label, chain, best.starts, largest_stage(chain, best.starts), best.cut_bytes, best.step_s,
                        [int(m) for m in best.figures.memory], extra)

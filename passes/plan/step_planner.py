@@ -110,7 +110,7 @@ def best_for_schedule(
     device_kind: str,
 ) -> tuple[Candidate, float]:
     """The candidate split with the lowest simulated step time, and a lower bound on any split's."""
-    k = schedule.n_stages
+    k = schedule.num_stages
     in_flight = in_flight_per_stage(schedule)
     # what multiplies one microbatch's activations: its inputs' count when checkpointed, else the units
     held = in_flight if memory.checkpoint else activation_units_per_stage(schedule)
@@ -196,8 +196,8 @@ def _memory_message(
     units = in_flight if units is None else units
     pinned = " (and the pins)" if limits.start_lo is not None else ""
     head = (
-        f"no split into {schedule.n_stages} stages keeps every stage under max_stage_memory={cap:,} bytes under "
-        f"{schedule.name!r} with {schedule.n_microbatches} microbatches{pinned}"
+        f"no split into {schedule.num_stages} stages keeps every stage under max_stage_memory={cap:,} bytes under "
+        f"{schedule.name!r} with {schedule.num_microbatches} microbatches{pinned}"
     )
     largest = f"the largest single operation holds {int(chain.node_memory().max(initial=0)):,} bytes with its parameters"
     if checkpoint:
@@ -211,7 +211,7 @@ def _memory_message(
         f"{head}: the stages keep {list(in_flight)} microbatches of activations in flight, and with a running "
         f"backward's gradients hold {list(units)} microbatches' worth at their peak; the model's training "
         f"state (parameters, gradients, optimizer) is {state:,} bytes and one microbatch's activations {one:,} "
-        f"bytes, so some stage holds at least {(state + one * min(units)) // schedule.n_stages:,} bytes; "
+        f"bytes, so some stage holds at least {(state + one * min(units)) // schedule.num_stages:,} bytes; "
         f"{largest}. Use more stages, fewer microbatches in flight (a schedule that holds fewer, or smaller "
         "microbatches), activation checkpointing, or a larger max_stage_memory."
     )
@@ -223,4 +223,4 @@ def step_lower_bound(seconds: np.ndarray, schedule: Schedule, checkpoint: bool =
     Checkpointing adds the recomputed forward to the work (before each backward)."""
     f, i, w = seconds.sum(axis=0)
     redo = f if checkpoint else 0.0
-    return float(max(schedule.n_microbatches * (f + redo + i + w) / schedule.n_ranks, f + redo + i))
+    return float(max(schedule.num_microbatches * (f + redo + i + w) / schedule.num_ranks, f + redo + i))

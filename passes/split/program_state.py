@@ -80,7 +80,7 @@ class ProgramState:
         return out
 
     @property
-    def n_state_entries(self) -> int:
+    def num_state_entries(self) -> int:
         return len(self._state)
 
     def held_state(self) -> Iterator[tuple[Any, torch.Tensor]]:

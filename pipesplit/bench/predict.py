@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -76,18 +76,18 @@ def stage_seconds(prog: SplitProgram, cost: Any, scale: float) -> list[StageCost
     return out
 
 
-def boundary_bytes_per_step(prog: SplitProgram, batch: int, n_microbatches: int, training: bool = True) -> int:
+def boundary_bytes_per_step(prog: SplitProgram, batch: int, num_microbatches: int, training: bool = True) -> int:
     """Bytes all boundaries carry in one step: activations forward and, in training, gradients back."""
-    mb = batch // n_microbatches
+    mb = batch // num_microbatches
     total = 0
     for b in prog.boundaries:
         if b.kind == "tensor":
-            total += int(microbatch_bytes(prog, b, mb, n_microbatches)) * n_microbatches * (
+            total += int(microbatch_bytes(prog, b, mb, num_microbatches)) * num_microbatches * (
                 2 if training and b.requires_grad else 1)
     return total
 
 
-def microbatch_bytes(prog: SplitProgram, b: Any, mb: int, n_microbatches: int) -> float:
+def microbatch_bytes(prog: SplitProgram, b: Any, mb: int, num_microbatches: int) -> float:
     """Bytes boundary tensor ``b`` carries for one microbatch of ``mb``.
 
     A program still captured at the example's batch knows its boundaries at that batch only:
@@ -99,22 +99,22 @@ def microbatch_bytes(prog: SplitProgram, b: Any, mb: int, n_microbatches: int) -
         numel = float(np.prod(prog.resolve_shape(b, mb)))
         return numel * (torch.empty((), dtype=b.dtype).element_size() if b.dtype else 4)
     except InputError:  # a size that is not a function of the batch: fall back to the example's bytes
-        return float(b.nbytes / max(n_microbatches, 1))
+        return float(b.nbytes / max(num_microbatches, 1))
 
 
-def cut_seconds(prog: SplitProgram, batch: int, n_microbatches: int, comm: CommModel) -> list[float]:
+def cut_seconds(prog: SplitProgram, batch: int, num_microbatches: int, comm: CommModel) -> list[float]:
     """Per cut ``s -> s+1``, seconds to move one microbatch's values across it.
 
     Stages on one device hand values over in memory, which costs nothing here.
     """
-    mb = batch // n_microbatches
+    mb = batch // num_microbatches
     out = []
     for s in range(prog.num_stages - 1):
         src, dst = prog.stages[s].device, prog.stages[s + 1].device
         if src == dst:
             out.append(0.0)
             continue
-        nbytes = sum(microbatch_bytes(prog, b, mb, n_microbatches) for b in prog.boundaries
+        nbytes = sum(microbatch_bytes(prog, b, mb, num_microbatches) for b in prog.boundaries
                      if b.kind == "tensor" and b.src <= s < b.dst)
         out.append(comm.seconds(nbytes, str(src), str(dst)))
     return out
@@ -175,12 +175,19 @@ def predict(
 
     ``local``: the ranks are threads of this process (the local executor), so CPU stages of
     different ranks share this host's cores (:func:`shared_host`)."""
-    m = schedule.n_microbatches
+    m = schedule.num_microbatches
     example = prog.example_batch or batch
     scale = (batch / m) / example
     costs = split_backward(prog, schedule, stage_seconds(prog, cost, scale))
     costs = shared_host(prog, schedule, costs) if local else costs
-    comm_s = cut_seconds(prog, batch, m, comm or CommModel())
-    timeline = simulate(schedule, costs, comm_cost=comm_s if comm_s else 0.0)
+    comm_s, timeline = step_timeline(prog, schedule, costs, batch, comm or CommModel())
     mem = memory_estimate(prog, schedule, scale, memory or MemoryModel(optimizer_factor=0.0))
     return Prediction(costs, comm_s, timeline, mem)
+
+
+def step_timeline(prog: SplitProgram, schedule: Schedule, costs: Sequence[StageCost], batch: int,
+                  comm: CommModel) -> tuple[list[float], Timeline]:
+    """``schedule``'s step over ``prog``'s stages at ``costs`` (predicted or measured), with the
+    seconds each cut takes to carry a microbatch of a ``batch``: (those seconds, the timeline)."""
+    comm_s = cut_seconds(prog, batch, schedule.num_microbatches, comm)
+    return comm_s, simulate(schedule, list(costs), comm_cost=comm_s if comm_s else 0.0)

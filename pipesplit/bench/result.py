@@ -19,9 +19,9 @@ class BenchRow:
 
     num_stages: int
     schedule: str
-    n_microbatches: int
+    num_microbatches: int
     cost: str
-    n_ranks: int
+    num_ranks: int
     devices: str
     batch: int
     predicted_fwd_s: tuple[float, ...]
@@ -58,7 +58,7 @@ class BenchRow:
 
     @property
     def label(self) -> str:
-        return f"{self.num_stages} stages, {self.schedule}, m={self.n_microbatches}, {self.cost}"
+        return f"{self.num_stages} stages, {self.schedule}, m={self.num_microbatches}, {self.cost}"
 
     @property
     def measured_stage_s(self) -> tuple[float, ...]:
@@ -83,7 +83,7 @@ def _stages_ms(xs: Sequence[float]) -> str:
 _COLUMNS = [  # (header, cell) for the printed and Markdown tables
     ("stages", lambda r: str(r.num_stages)),
     ("schedule", lambda r: r.schedule),
-    ("m", lambda r: str(r.n_microbatches)),
+    ("m", lambda r: str(r.num_microbatches)),
     ("cost", lambda r: r.cost),
     ("pred step ms", lambda r: _ms(r.predicted_step_s)),
     ("meas step ms", lambda r: f"{_ms(r.measured_step_s)} ± {_ms(r.measured_step_spread_s)}"),
@@ -149,15 +149,15 @@ class BenchmarkResult:
                 out.append(busy)
         cores = int(self.meta.get("load", {}).get("cores", 0) or 0)
         threads = int(self.meta.get("torch_threads", 1) or 1)
-        shared = [r for r in self.rows if "cuda" not in r.devices and r.n_ranks > 1]
+        shared = [r for r in self.rows if "cuda" not in r.devices and r.num_ranks > 1]
         if shared:
-            r = max(shared, key=lambda r: r.n_ranks)
-            over = r.n_ranks * threads > cores > 0
-            out.append(f"up to {r.n_ranks} ranks run as threads of one process on the CPU"
-                       + (f", {r.n_ranks} x {threads} torch thread(s) on {cores} core(s)" if over else "")
+            r = max(shared, key=lambda r: r.num_ranks)
+            over = r.num_ranks * threads > cores > 0
+            out.append(f"up to {r.num_ranks} ranks run as threads of one process on the CPU"
+                       + (f", {r.num_ranks} x {threads} torch thread(s) on {cores} core(s)" if over else "")
                        + ": they contend for the cores and for Python's GIL between ops. The prediction slows "
                        "their stages by what that many threads running matrix multiplies at once measured here "
-                       f"(x{concurrent_slowdown(r.n_ranks):.2f} for {r.n_ranks}), not for the GIL, so read those "
+                       f"(x{concurrent_slowdown(r.num_ranks):.2f} for {r.num_ranks}), not for the GIL, so read those "
                        "rows for balance and bubbles, not for the step time a device per stage would give.")
         wide = [r for r in self.rows if r.measured_step_spread_s > 0.1 * r.measured_step_s]
         if wide:

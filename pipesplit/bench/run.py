@@ -26,6 +26,7 @@ from pipesplit.runtime.microbatch import batch_size
 from pipesplit.runtime.pipeline import Pipeline
 from pipesplit.runtime.trace import Trace
 from pipesplit.schedules import schedule_info
+from pipesplit.deprecation import num_keywords
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +72,7 @@ def _check(schedules: list[Any], costs: list[Any], stages: list[Any], micro: lis
         schedule_info(name)  # unknown names raise with the known ones listed
     for c in costs:
         cost_function(c)
-    for what, values in (("num_stages", stages), ("n_microbatches", micro)):
+    for what, values in (("num_stages", stages), ("num_microbatches", micro)):
         bad = [v for v in values if not isinstance(v, int) or isinstance(v, bool) or v < 1]
         if bad:
             raise PipesplitError(f"benchmark: {what} must be integers >= 1, got {bad}.")
@@ -80,7 +81,7 @@ def _check(schedules: list[Any], costs: list[Any], stages: list[Any], micro: lis
         if uneven:
             raise InputError(
                 f"benchmark: a batch of {batch} does not split into {uneven} equal microbatches; use "
-                f"n_microbatches among {[d for d in range(1, batch + 1) if batch % d == 0]} or another batch."
+                f"num_microbatches among {[d for d in range(1, batch + 1) if batch % d == 0]} or another batch."
             )
     if repeats < 1 or warmup < 0:
         raise PipesplitError(f"benchmark: need repeats >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}.")
@@ -110,15 +111,6 @@ def _measure(pipe: Pipeline, args: tuple[Any, ...], kwargs: dict[str, Any], targ
     return times, tr, peaks
 
 
-def _stage_measured(tr: Trace, n_stages: int) -> tuple[list[float], list[float]]:
-    fwd, bwd = [], []
-    for s in range(n_stages):
-        fwd.append(tr.median(s, "F") or 0.0)
-        full = tr.median(s, "B")
-        bwd.append(full if full is not None else (tr.median(s, "I") or 0.0) + (tr.median(s, "W") or 0.0))
-    return fwd, bwd
-
-
 def _balance(stage_s: Sequence[float]) -> tuple[int, float]:
     top = max(range(len(stage_s)), key=stage_s.__getitem__)
     mean = sum(stage_s) / len(stage_s)
@@ -128,7 +120,8 @@ def _balance(stage_s: Sequence[float]) -> tuple[int, float]:
 def _row(prog: SplitProgram, pipe: Pipeline, cost_name: str, batch: int, pred: Prediction,
          times: list[float], tr: Trace, peaks: list[float] | None) -> tuple[BenchRow, int]:
     k, sched = prog.num_stages, pipe.schedule
-    fwd, bwd = _stage_measured(tr, k)
+    measured = tr.stage_costs()
+    fwd, bwd = [c.forward for c in measured], [c.backward for c in measured]
     pf = [c.forward for c in pred.costs]
     pb = [c.backward for c in pred.costs]
     top, balance = _balance([f + b for f, b in zip(fwd, bwd)])
@@ -137,11 +130,11 @@ def _row(prog: SplitProgram, pipe: Pipeline, cost_name: str, batch: int, pred: P
     median_step = min(range(len(times)), key=lambda i: abs(times[i] - step))
     predicted_step = pred.timeline.step_time
     row = BenchRow(
-        num_stages=k, schedule=sched.name, n_microbatches=sched.n_microbatches, cost=cost_name,
-        n_ranks=sched.n_ranks, devices=",".join(sorted({str(s.device) for s in prog.stages})), batch=batch,
+        num_stages=k, schedule=sched.name, num_microbatches=sched.num_microbatches, cost=cost_name,
+        num_ranks=sched.num_ranks, devices=",".join(sorted({str(s.device) for s in prog.stages})), batch=batch,
         predicted_fwd_s=tuple(pf), predicted_bwd_s=tuple(pb), measured_fwd_s=tuple(fwd), measured_bwd_s=tuple(bwd),
         bottleneck_stage=top, predicted_bottleneck_stage=ptop, balance=balance, predicted_balance=pbalance,
-        boundary_bytes=boundary_bytes_per_step(prog, batch, sched.n_microbatches),
+        boundary_bytes=boundary_bytes_per_step(prog, batch, sched.num_microbatches),
         predicted_step_s=predicted_step, measured_step_s=step,
         measured_step_spread_s=(max(times) - min(times)) / 2,
         step_ratio=step / predicted_step if predicted_step > 0 else float("inf"),
@@ -153,6 +146,7 @@ def _row(prog: SplitProgram, pipe: Pipeline, cost_name: str, batch: int, pred: P
     return row, median_step
 
 
+@num_keywords
 def benchmark(
     model: nn.Module | SplitProgram,
     example_input: Any = (),
@@ -162,7 +156,7 @@ def benchmark(
     target: Any = None,
     num_stages: int | Sequence[int] | None = None,
     schedules: str | Sequence[str] = "1f1b",
-    n_microbatches: int | Sequence[int] = 4,
+    num_microbatches: int | Sequence[int] = 4,
     cost: Any = None,
     devices: Sequence[str | torch.device] | None = None,
     warmup: int = 2,
@@ -178,7 +172,7 @@ def benchmark(
         example_input, example_kwargs: one full training batch; every step trains on it.
         loss_fn, target: the loss ``loss_fn(output, target)``; default: the mean of every
             floating-point output (target ignored).
-        num_stages, schedules, n_microbatches, cost: a value or a list of values each
+        num_stages, schedules, num_microbatches, cost: a value or a list of values each
             (defaults 2, ``"1f1b"``, 4, ``"flops"``); the sweep is their product.
             Configurations a schedule cannot run (e.g. ``zb_v`` with an odd stage
             count) are skipped and listed in ``res.skipped``.
@@ -199,7 +193,7 @@ def benchmark(
     >>> import torch, pipesplit
     >>> model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(4)])
     >>> res = pipesplit.benchmark(model, torch.randn(8, 16), num_stages=2, schedules=["gpipe", "1f1b"],
-    ...                           n_microbatches=4, warmup=1, repeats=2, progress=False)
+    ...                           num_microbatches=4, warmup=1, repeats=2, progress=False)
     >>> [(r.schedule, r.num_stages) for r in res.rows]
     [('gpipe', 2), ('1f1b', 2)]
     """
@@ -218,7 +212,7 @@ def benchmark(
                     else _as_list(2 if num_stages is None else num_stages, "num_stages"))
     costs = [given.plan.cost_name] if given is not None else _as_list("flops" if cost is None else cost, "cost")
     scheds = _as_list(schedules, "schedules")
-    micro = _as_list(n_microbatches, "n_microbatches")
+    micro = _as_list(num_microbatches, "num_microbatches")
     dim = given.batch_dim if given is not None else int(compile_options.get("batch_dim", 0))
     _check(scheds, [] if is_prog else costs, stage_counts, micro, _example_batch(args, kwargs, dim), warmup, repeats)
     configs = list(itertools.product(stage_counts, costs, scheds, micro))

@@ -76,7 +76,7 @@ def run_split(args: argparse.Namespace) -> int:
     model, inputs = _model_and_inputs(args)
     devices = None if args.devices is None else [args.devices[s % len(args.devices)] for s in range(args.stages)]
     prog = pipesplit.compile(model, inputs, num_stages=args.stages, cost=args.cost, devices=devices,
-                             schedule=args.schedule, n_microbatches=args.microbatches, plan=args.plan)
+                             schedule=args.schedule, num_microbatches=args.microbatches, plan=args.plan)
     print(prog.report())
     t = prog.timings
     print(f"\ncompile: export {t['export']:.2f}s, annotate {t['annotate'] * 1e3:.1f} ms, "
@@ -117,7 +117,7 @@ def run_bench(args: argparse.Namespace) -> int:
 
     model, inputs = _model_and_inputs(args)
     res = pipesplit.benchmark(model, inputs, num_stages=args.stages, schedules=args.schedules,
-                              n_microbatches=args.microbatches, cost=args.cost, devices=args.devices,
+                              num_microbatches=args.microbatches, cost=args.cost, devices=args.devices,
                               warmup=args.warmup, repeats=args.repeats, progress=not args.no_progress)
     print(res)
     out = args.out

@@ -57,7 +57,7 @@ def run_demo(args: argparse.Namespace) -> int:
     tokens = torch.randint(0, vocab, (args.batch, seq + 1))
     x, y = tokens[:, :-1], tokens[:, 1:]
     if args.steps > 0:
-        pipe = pipesplit.Pipeline(prog, "1f1b", n_microbatches=args.microbatches, loss_fn=_loss)
+        pipe = pipesplit.Pipeline(prog, "1f1b", num_microbatches=args.microbatches, loss_fn=_loss)
         opt = torch.optim.AdamW(pipe.parameters(), lr=3e-3)
         losses, start = [], time.perf_counter()
         for _ in range(args.steps):
@@ -71,7 +71,7 @@ def run_demo(args: argparse.Namespace) -> int:
     if args.bench:
         print(f"\nbenchmark (batch {args.batch}, {args.microbatches} microbatches; medians of 2 steps):")
         res = pipesplit.benchmark(prog, x, loss_fn=_loss, target=y, schedules=args.bench,
-                                  n_microbatches=args.microbatches, warmup=1, repeats=2, progress=False)
+                                  num_microbatches=args.microbatches, warmup=1, repeats=2, progress=False)
         print(res.to_markdown(per_stage=False))
         best = res.best()
         print(f"fastest: {best.label}, {best.throughput:.4g} samples/s")

@@ -32,7 +32,7 @@ def local_rank() -> int:
         raise PipesplitError(f"LOCAL_RANK must be an integer (torchrun sets it), got {value!r}.") from None
 
 
-def pick_device(backend: str | None, cuda_available: bool, n_gpus: int, rank: int) -> torch.device:
+def pick_device(backend: str | None, cuda_available: bool, num_gpus: int, rank: int) -> torch.device:
     """The device a rank with local index ``rank`` computes on; pure, so it can be tested without a GPU.
 
     ``cuda:rank`` when the backend includes NCCL (``"nccl"``, ``"cpu:gloo,cuda:nccl"``), or
@@ -43,13 +43,13 @@ def pick_device(backend: str | None, cuda_available: bool, n_gpus: int, rank: in
     """
     if not ((backend is not None and "nccl" in backend) or (backend is None and cuda_available)):
         return torch.device("cpu")
-    if not cuda_available or n_gpus == 0:
+    if not cuda_available or num_gpus == 0:
         raise PipesplitError("the NCCL backend needs a GPU per rank, but CUDA sees none here; use the gloo backend "
                              "on CPU (dist.init_process_group('gloo')).")
-    if not 0 <= rank < n_gpus:
+    if not 0 <= rank < num_gpus:
         raise PipesplitError(
-            f"LOCAL_RANK={rank} but this machine has {n_gpus} GPU(s) visible, and NCCL needs one GPU per rank (one "
-            f"GPU cannot host two NCCL ranks). Launch at most --nproc-per-node {n_gpus}, or check CUDA_VISIBLE_DEVICES."
+            f"LOCAL_RANK={rank} but this machine has {num_gpus} GPU(s) visible, and NCCL needs one GPU per rank (one "
+            f"GPU cannot host two NCCL ranks). Launch at most --nproc-per-node {num_gpus}, or check CUDA_VISIBLE_DEVICES."
         )
     return torch.device("cuda", rank)
 

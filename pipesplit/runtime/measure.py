@@ -81,7 +81,7 @@ def _reduce(samples: Sequence[float], how: str) -> float:
 def measure_stage_costs(
     prog: SplitProgram,
     *example_args: Any,
-    n_microbatches: int = 1,
+    num_microbatches: int = 1,
     repeats: int = 5,
     warmup: int = 2,
     reduce: str = "median",
@@ -97,8 +97,8 @@ def measure_stage_costs(
     Args:
         prog: the split program (every stage present, i.e. not a rank's ``keep_only`` copy).
         example_args, example_kwargs: a full batch, as passed to ``Pipeline.step``; it is
-            cut into ``n_microbatches`` and the first microbatch is timed.
-        n_microbatches: how the pipeline will cut the batch (sets the microbatch size).
+            cut into ``num_microbatches`` and the first microbatch is timed.
+        num_microbatches: how the pipeline will cut the batch (sets the microbatch size).
         repeats: timed runs per stage after ``warmup`` untimed ones.
         reduce: ``"median"`` (default) or ``"min"`` of the repeats.
         backward: ``"split"`` (I and W as separate passes) or ``"fused"`` (``I + W`` is the
@@ -115,7 +115,7 @@ def measure_stage_costs(
     >>> from pipesplit.runtime.measure import measure_stage_costs
     >>> model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(4)])
     >>> prog = pipesplit.compile(model, torch.randn(4, 16), num_stages=2)
-    >>> costs = measure_stage_costs(prog, torch.randn(8, 16), n_microbatches=2, repeats=3)
+    >>> costs = measure_stage_costs(prog, torch.randn(8, 16), num_microbatches=2, repeats=3)
     >>> len(costs), all(c.forward > 0 for c in costs)
     (2, True)
     """
@@ -133,9 +133,9 @@ def measure_stage_costs(
             "by a distributed Pipeline. Measure before building the Pipeline, or on a fresh compile."
         )
     flat = prog.flatten_inputs(tuple(example_args), example_kwargs, whole_batch=True)
-    mb_inputs = split_microbatches(flat, prog.inputs, n_microbatches, batch_dim)[0]
+    mb_inputs = split_microbatches(flat, prog.inputs, num_microbatches, batch_dim)[0]
     prog.ensure_batch(int(batch_size(mb_inputs, prog.inputs, batch_dim)))
-    mb_target = split_target(target, n_microbatches, batch_dim)[0] if target is not None else None
+    mb_target = split_target(target, num_microbatches, batch_dim)[0] if target is not None else None
     prog.sync_tied()
 
     buffers = [(b, b.detach().clone()) for s in prog.stages for b in s.module.buffers()]
@@ -195,7 +195,7 @@ def _measure_stage(
         with torch.enable_grad():
             outs = tuple(module(*args))
             if weights is not None:
-                outs, extras[:] = outs[:weights.n_outputs], list(outs[weights.n_outputs:])
+                outs, extras[:] = outs[:weights.num_outputs], list(outs[weights.num_outputs:])
             if is_last and loss_fn is not None:
                 tree = pytree.tree_unflatten(prog.assemble_outputs(outs), prog.out_spec)
                 return leaves, outs, [loss_fn(tree, target)]

@@ -38,39 +38,39 @@ def _is_batched(value: Any, info: InputInfo, batch_dim: int) -> bool:
 
 
 def split_microbatches(
-    flat: Sequence[Any], infos: Sequence[InputInfo], n_microbatches: int, batch_dim: int = 0
+    flat: Sequence[Any], infos: Sequence[InputInfo], num_microbatches: int, batch_dim: int = 0
 ) -> list[list[Any]]:
-    """``n_microbatches`` lists of flat inputs; non-batched inputs are shared by all.
+    """``num_microbatches`` lists of flat inputs; non-batched inputs are shared by all.
 
-    The batch must divide into ``n_microbatches`` equal parts: uneven microbatches
+    The batch must divide into ``num_microbatches`` equal parts: uneven microbatches
     would make the pipeline's gradient differ from the full batch's for losses that
     average over the batch.
     """
-    if n_microbatches < 1:
-        raise InputError(f"n_microbatches must be at least 1, got {n_microbatches}.")
+    if num_microbatches < 1:
+        raise InputError(f"num_microbatches must be at least 1, got {num_microbatches}.")
     size = batch_size(flat, infos, batch_dim)
-    if size % n_microbatches:
+    if size % num_microbatches:
         raise InputError(
-            f"a batch of {size} does not split into {n_microbatches} equal microbatches "
-            f"({size} % {n_microbatches} = {size % n_microbatches}). Use a batch that is a multiple of "
-            f"{n_microbatches}, or n_microbatches among {[d for d in range(1, size + 1) if size % d == 0]}."
+            f"a batch of {size} does not split into {num_microbatches} equal microbatches "
+            f"({size} % {num_microbatches} = {size % num_microbatches}). Use a batch that is a multiple of "
+            f"{num_microbatches}, or num_microbatches among {[d for d in range(1, size + 1) if size % d == 0]}."
         )
-    per = size // n_microbatches
+    per = size // num_microbatches
     for value, info in zip(flat, infos):
         if _is_batched(value, info, batch_dim) and batch_dim in info.ranges:
-            check_range(info, batch_dim, per, f" (a microbatch: a batch of {size} in {n_microbatches} microbatches)")
-    out: list[list[Any]] = [[] for _ in range(n_microbatches)]
+            check_range(info, batch_dim, per, f" (a microbatch: a batch of {size} in {num_microbatches} microbatches)")
+    out: list[list[Any]] = [[] for _ in range(num_microbatches)]
     for value, info in zip(flat, infos):
         if _is_batched(value, info, batch_dim):
             for m, piece in enumerate(value.split(per, dim=batch_dim)):
                 out[m].append(piece)
         else:
-            for m in range(n_microbatches):
+            for m in range(num_microbatches):
                 out[m].append(value)
     return out
 
 
-def split_target(target: Any, n_microbatches: int, batch_dim: int | None = 0, batch: int | None = None) -> list[Any]:
+def split_target(target: Any, num_microbatches: int, batch_dim: int | None = 0, batch: int | None = None) -> list[Any]:
     """Split a loss target (a tensor or a pytree of tensors) along the batch dimension.
 
     ``batch_dim=None`` hands the whole target to every microbatch. With ``batch`` given,
@@ -78,7 +78,7 @@ def split_target(target: Any, n_microbatches: int, batch_dim: int | None = 0, ba
     size is refused (a multiple is a flattened batch, e.g. ``(batch * seq,)`` token labels).
     """
     leaves, spec = torch.utils._pytree.tree_flatten_with_path(target)
-    pieces: list[list[Any]] = [[] for _ in range(n_microbatches)]
+    pieces: list[list[Any]] = [[] for _ in range(num_microbatches)]
     for path, leaf in leaves:
         where = "the target" + torch.utils._pytree.keystr(path)
         if batch_dim is not None and isinstance(leaf, torch.Tensor) and leaf.dim() > batch_dim:
@@ -90,12 +90,12 @@ def split_target(target: Any, n_microbatches: int, batch_dim: int | None = 0, ba
                     f"takes its slice of the target. If the target has no batch dimension, pass "
                     f"Pipeline(..., target_batch_dim=None) so every microbatch gets it whole."
                 )
-            if size % n_microbatches:
-                raise InputError(f"{where}'s batch of {size} does not split into {n_microbatches} microbatches.")
-            for m, piece in enumerate(leaf.chunk(n_microbatches, dim=batch_dim)):
+            if size % num_microbatches:
+                raise InputError(f"{where}'s batch of {size} does not split into {num_microbatches} microbatches.")
+            for m, piece in enumerate(leaf.chunk(num_microbatches, dim=batch_dim)):
                 pieces[m].append(piece)
         else:
-            for m in range(n_microbatches):
+            for m in range(num_microbatches):
                 pieces[m].append(leaf)
     return [torch.utils._pytree.tree_unflatten(p, spec) for p in pieces]
 

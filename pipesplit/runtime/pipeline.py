@@ -28,6 +28,7 @@ from pipesplit.runtime.worker import StageWorker, StepData
 from pipesplit.schedules import ActionKind, Schedule, resolve_schedule
 from pipesplit.schedules.issue import Program, issue, proven
 from pipesplit.schedules.rendezvous import comm_plan, receiver_stage
+from pipesplit.deprecation import num_keywords, renamed_attribute
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 
@@ -65,19 +66,22 @@ class Pipeline:
     >>> import torch, pipesplit
     >>> model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)])
     >>> prog = pipesplit.compile(model, torch.randn(4, 8), num_stages=2)
-    >>> pipe = pipesplit.Pipeline(prog, "1f1b", n_microbatches=2,
+    >>> pipe = pipesplit.Pipeline(prog, "1f1b", num_microbatches=2,
     ...                           loss_fn=lambda out, y: torch.nn.functional.mse_loss(out, y))
     >>> loss = pipe.step(torch.randn(4, 8), target=torch.randn(4, 8))
     """
 
+    n_microbatches = renamed_attribute("n_microbatches", "num_microbatches")
+
+    @num_keywords
     def __init__(
         self,
         prog: SplitProgram,
         schedule: str | Schedule = "1f1b",
-        n_microbatches: int = 4,
+        num_microbatches: int = 4,
         loss_fn: LossFn | None = None,
         *,
-        n_ranks: int | None = None,
+        num_ranks: int | None = None,
         batch_dim: int | None = None,  # default: the program's (compile(..., batch_dim=...))
         loss_reduction: str = "mean",  # "mean": loss_fn averages over the batch; "sum": it sums
         checkpoint: bool | Sequence[int] | None = None,  # default: as planned (compile(memory=MemoryModel(checkpoint=True)))
@@ -115,33 +119,33 @@ class Pipeline:
             )
         self.target_batch_dim: int | None = (
             self.batch_dim if target_batch_dim == "same" else cast(Optional[int], target_batch_dim))
-        self.n_microbatches, self.loss_reduction, self.timeout = n_microbatches, loss_reduction, timeout
+        self.num_microbatches, self.loss_reduction, self.timeout = num_microbatches, loss_reduction, timeout
         self.executor = executor
         self.layout: Layout | None = None
         self.dp_size, self.dp_rank = 1, 0
         if executor == "distributed":
             self.layout = Layout(mesh, pp_group, dp_group)
             world = self.layout.pp_size
-            if n_ranks is not None and n_ranks != world:
-                raise ScheduleError(f"n_ranks={n_ranks} but the pipeline's process group has {world} ranks.")
-            n_ranks, self.rank = world, self.layout.rank
+            if num_ranks is not None and num_ranks != world:
+                raise ScheduleError(f"num_ranks={num_ranks} but the pipeline's process group has {world} ranks.")
+            num_ranks, self.rank = world, self.layout.rank
             self.dp_size, self.dp_rank = self.layout.dp_size, self.layout.dp_rank
         else:
             self.rank = None  # type: ignore[assignment]  # the local executor runs every rank
-        self.schedule = resolve_schedule(schedule, prog.num_stages, n_ranks, n_microbatches)
-        if executor == "distributed" and self.schedule.n_ranks != n_ranks:
+        self.schedule = resolve_schedule(schedule, prog.num_stages, num_ranks, num_microbatches)
+        if executor == "distributed" and self.schedule.num_ranks != num_ranks:
             raise ScheduleError(
-                f"schedule {self.schedule.name!r} for {prog.num_stages} stages needs {self.schedule.n_ranks} ranks, "
-                f"but {n_ranks} are running; launch with --nproc-per-node {self.schedule.n_ranks}."
+                f"schedule {self.schedule.name!r} for {prog.num_stages} stages needs {self.schedule.num_ranks} ranks, "
+                f"but {num_ranks} are running; launch with --nproc-per-node {self.schedule.num_ranks}."
             )
         shared = prog.shared_mutated_state()
-        if shared and n_microbatches > 1:
+        if shared and num_microbatches > 1:
             name, stages = next(iter(shared.items()))
             raise PipesplitError(
                 f"buffer {name!r} is written in place and used by stages {stages} ({len(shared)} such buffer(s)). "
                 "With several microbatches in flight a stage would see another microbatch's write, so the "
                 "pipeline could not equal gradient accumulation. Keep its users in one stage "
-                "(compile(..., no_split=[...]) or pins={...}), or use n_microbatches=1."
+                "(compile(..., no_split=[...]) or pins={...}), or use num_microbatches=1."
             )
         rank_of = self.schedule.stage_to_rank
         local = [s for s in prog.stages if self.rank is None or rank_of[s.index] == self.rank]
@@ -250,7 +254,7 @@ class Pipeline:
         if self.prog.uninitialised:
             check_initialised(self.prog)
         flat = self.prog.flatten_inputs(args, kwargs, whole_batch=True)
-        m, first = self.n_microbatches, self.dp_rank * self.n_microbatches  # this replica's share
+        m, first = self.num_microbatches, self.dp_rank * self.num_microbatches  # this replica's share
         total = m * self.dp_size
         inputs = split_microbatches(flat, self.prog.inputs, total, self.batch_dim)[first:first + m]
         mb = batch_size(inputs[0], self.prog.inputs, self.batch_dim)
@@ -336,7 +340,7 @@ class Pipeline:
         self._run("forward", data)
         if not data.outputs:
             return None
-        per_mb = [data.outputs[m] for m in range(self.n_microbatches)]
+        per_mb = [data.outputs[m] for m in range(self.num_microbatches)]
         merged = merge_outputs(per_mb, self.prog.output_batched, self.batch_dim)
         return pytree.tree_unflatten(merged, self.prog.out_spec)
 

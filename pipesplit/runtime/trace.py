@@ -10,10 +10,10 @@ while tracing. Without a trace the workers do nothing extra.
 >>> import torch, pipesplit
 >>> model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)])
 >>> prog = pipesplit.compile(model, torch.randn(4, 8), num_stages=2)
->>> pipe = pipesplit.Pipeline(prog, "1f1b", n_microbatches=2, loss_fn=lambda o, y: o.square().mean())
+>>> pipe = pipesplit.Pipeline(prog, "1f1b", num_microbatches=2, loss_fn=lambda o, y: o.square().mean())
 >>> with pipe.trace() as tr:
 ...     _ = pipe.step(torch.randn(4, 8))
->>> tr.n_steps, len(tr.records)
+>>> tr.num_steps, len(tr.records)
 (1, 8)
 >>> [str(e.action) for e in tr.timeline().events[1]]
 ['1F0', '1B0', '1F1', '1B1']
@@ -29,7 +29,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipesplit.errors import PipesplitError
-from pipesplit.schedules import Action, ActionKind, Schedule, TimedAction, Timeline
+from pipesplit.schedules import Action, ActionKind, Schedule, StageCost, TimedAction, Timeline
+from pipesplit.deprecation import renamed_attribute
 
 
 @dataclass(frozen=True)
@@ -80,8 +81,10 @@ class Trace:
             self.records.append(rec)
 
     # --------------------------------------------------------------- reading
+    n_steps = renamed_attribute("n_steps", "num_steps")
+
     @property
-    def n_steps(self) -> int:
+    def num_steps(self) -> int:
         return len(self.steps)
 
     def step_time(self, step: int = -1) -> float:
@@ -104,7 +107,7 @@ class Trace:
         """
         index = self._step(step)
         begin = self.steps[index][0]
-        ranks: list[list[TimedAction]] = [[] for _ in range(self.schedule.n_ranks)]
+        ranks: list[list[TimedAction]] = [[] for _ in range(self.schedule.num_ranks)]
         for r in self.records:
             if r.step == index and r.rank < len(ranks):
                 ranks[r.rank].append(TimedAction(r.action, r.ready - begin, r.end - begin))
@@ -120,6 +123,21 @@ class Trace:
         """Median compute seconds of ``kind`` actions on ``stage``; None if none ran."""
         found = self.durations(stage, kind)
         return statistics.median(found) if found else None
+
+    def stage_costs(self) -> list[StageCost]:
+        """Per stage, the median seconds of its traced F, I and W: the stage costs as the pipeline
+        ran them (:func:`~pipesplit.runtime.measure.measure_stage_costs` times them in isolation).
+
+        A backward that ran fused (``B``) is reported whole as ``backward_input`` (the trace
+        cannot part it), so ``.backward`` is right either way; a kind that never ran counts 0.
+        """
+        out = []
+        for s in range(self.schedule.num_stages):
+            full = self.median(s, "B")
+            i = full if full is not None else self.median(s, "I") or 0.0
+            w = 0.0 if full is not None else self.median(s, "W") or 0.0
+            out.append(StageCost(self.median(s, "F") or 0.0, i, w))
+        return out
 
     def to_chrome(self, path: str | os.PathLike[str] | None = None) -> dict[str, Any]:
         """The trace in Chrome's trace-event format (chrome://tracing, https://ui.perfetto.dev).
@@ -137,12 +155,12 @@ class Trace:
 
         events: list[dict[str, Any]] = []
         rank_of = self.schedule.stage_to_rank
-        for rank in range(self.schedule.n_ranks):
+        for rank in range(self.schedule.num_ranks):
             events.append({"ph": "M", "name": "process_name", "pid": rank, "args": {"name": f"rank {rank}"}})
-            for stage in (s for s in range(self.schedule.n_stages) if rank_of[s] == rank):
+            for stage in (s for s in range(self.schedule.num_stages) if rank_of[s] == rank):
                 events.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": stage,
                                "args": {"name": f"stage {stage}"}})
-        steps_pid = self.schedule.n_ranks
+        steps_pid = self.schedule.num_ranks
         events.append({"ph": "M", "name": "process_name", "pid": steps_pid, "args": {"name": "steps"}})
         for i, (begin, end) in enumerate(self.steps):
             events.append({"ph": "X", "name": f"step {i}", "cat": "step", "pid": steps_pid, "tid": 0,
@@ -156,7 +174,7 @@ class Trace:
                            "ts": us(r.ready), "dur": round(r.compute * 1e6, 3),
                            "args": {"step": r.step, "microbatch": r.action.microbatch}})
         trace = {"traceEvents": events, "displayTimeUnit": "ms",
-                 "otherData": {"schedule": self.schedule.name, "n_microbatches": self.schedule.n_microbatches}}
+                 "otherData": {"schedule": self.schedule.name, "num_microbatches": self.schedule.num_microbatches}}
         if path is not None:
             with open(path, "w") as f:
                 json.dump(trace, f)

@@ -111,7 +111,7 @@ class WeightGraph:
     consumed, each through an alias of its own (so W reaches the weights through that op alone)."""
 
     module: fx.GraphModule
-    n_outputs: int  # the stage's own outputs come first
+    num_outputs: int  # the stage's own outputs come first
     groups: list[tuple[list[int], list[int]]]  # per op: (its outputs, its weight aliases) as indices in the extras
     direct: list[Direct | None]  # per op: how W computes its weight gradients without autograd, if it can
     weights: list[list[torch.Tensor]]  # per op: the weights behind its aliases (each once)

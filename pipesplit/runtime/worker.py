@@ -194,7 +194,7 @@ class StageWorker:
                 outs = run_stage(*args)
             outs = tuple(outs)
             if weights is not None:  # the weight consumers' outputs ride behind the stage's own
-                outs, saved.inters = outs[:weights.n_outputs], list(outs[weights.n_outputs:])
+                outs, saved.inters = outs[:weights.num_outputs], list(outs[weights.num_outputs:])
             if self.is_last:
                 flat = self.prog.assemble_outputs(outs)
                 if data.training and data.loss_fn is not None:

@@ -81,7 +81,7 @@ class Action:
     """
 
     stage: int
-    """Index of the pipeline stage (stages form a chain 0..n_stages-1)."""
+    """Index of the pipeline stage (stages form a chain 0..num_stages-1)."""
     kind: ActionKind
     """What the action does."""
     microbatch: int

@@ -15,48 +15,48 @@ def bwd(stage: int, microbatch: int) -> Action:
     return Action(stage, ActionKind.FULL_BACKWARD, microbatch)
 
 
-def looped_stage_to_rank(n_stages: int, n_ranks: int) -> tuple[int, ...]:
-    """Stage s on rank s % n_ranks: each rank holds every n_ranks-th stage."""
-    return tuple(s % n_ranks for s in range(n_stages))
+def looped_stage_to_rank(num_stages: int, num_ranks: int) -> tuple[int, ...]:
+    """Stage s on rank s % num_ranks: each rank holds every num_ranks-th stage."""
+    return tuple(s % num_ranks for s in range(num_stages))
 
 
 @register_schedule("gpipe")
-def gpipe(n_stages: int, n_ranks: int, n_microbatches: int) -> Schedule:
+def gpipe(num_stages: int, num_ranks: int, num_microbatches: int) -> Schedule:
     """GPipe (Huang et al. 2019): every forward, then every backward.
 
     Rank r holds stage r and keeps all m microbatches' activations alive.
     """
-    mbs = range(n_microbatches)
-    per_rank = [[fwd(r, m) for m in mbs] + [bwd(r, m) for m in mbs] for r in range(n_ranks)]
-    return Schedule("gpipe", n_stages, n_ranks, n_microbatches, tuple(range(n_stages)), tuple(map(tuple, per_rank)))
+    mbs = range(num_microbatches)
+    per_rank = [[fwd(r, m) for m in mbs] + [bwd(r, m) for m in mbs] for r in range(num_ranks)]
+    return Schedule("gpipe", num_stages, num_ranks, num_microbatches, tuple(range(num_stages)), tuple(map(tuple, per_rank)))
 
 
 @register_schedule("1f1b")
-def one_f_one_b(n_stages: int, n_ranks: int, n_microbatches: int) -> Schedule:
+def one_f_one_b(num_stages: int, num_ranks: int, num_microbatches: int) -> Schedule:
     """1F1B (PipeDream-Flush): warm up with forwards, then alternate one forward, one backward.
 
     Rank r runs p-1-r warm-up forwards, so it holds at most p-r microbatches' activations.
     """
     per_rank = []
-    for r in range(n_ranks):
-        warmup = min(n_ranks - 1 - r, n_microbatches)
+    for r in range(num_ranks):
+        warmup = min(num_ranks - 1 - r, num_microbatches)
         actions = [fwd(r, m) for m in range(warmup)]
-        for k in range(n_microbatches - warmup):
+        for k in range(num_microbatches - warmup):
             actions += [fwd(r, warmup + k), bwd(r, k)]
-        actions += [bwd(r, m) for m in range(n_microbatches - warmup, n_microbatches)]
+        actions += [bwd(r, m) for m in range(num_microbatches - warmup, num_microbatches)]
         per_rank.append(actions)
-    return Schedule("1f1b", n_stages, n_ranks, n_microbatches, tuple(range(n_stages)), tuple(map(tuple, per_rank)))
+    return Schedule("1f1b", num_stages, num_ranks, num_microbatches, tuple(range(num_stages)), tuple(map(tuple, per_rank)))
 
 
 @register_schedule("interleaved_1f1b", stages_per_rank=None, microbatches_multiple_of_ranks=True)
-def interleaved_1f1b(n_stages: int, n_ranks: int, n_microbatches: int) -> Schedule:
-    """Interleaved 1F1B (Narayanan et al. 2021, Megatron-LM): v = n_stages / n_ranks chunks per rank.
+def interleaved_1f1b(num_stages: int, num_ranks: int, num_microbatches: int) -> Schedule:
+    """Interleaved 1F1B (Narayanan et al. 2021, Megatron-LM): v = num_stages / num_ranks chunks per rank.
 
     Stage s lives on rank s % p. Microbatches go in groups of p: a rank runs the group's
     forwards on chunk 0, then chunk 1, ... (backwards on the last chunk first). Rank r
     warms up with 2(p-1-r) + (v-1)p forwards, then alternates forward and backward.
     """
-    p, v, m = n_ranks, n_stages // n_ranks, n_microbatches
+    p, v, m = num_ranks, num_stages // num_ranks, num_microbatches
 
     def slot(r: int, i: int, backward: bool) -> Action:
         group, within = divmod(i, p * v)
@@ -75,21 +75,21 @@ def interleaved_1f1b(n_stages: int, n_ranks: int, n_microbatches: int) -> Schedu
         actions += [slot(r, i, True) for i in range(total - warmup, total)]
         per_rank.append(actions)
     return Schedule(
-        "interleaved_1f1b", n_stages, p, m, looped_stage_to_rank(n_stages, p), tuple(map(tuple, per_rank))
+        "interleaved_1f1b", num_stages, p, m, looped_stage_to_rank(num_stages, p), tuple(map(tuple, per_rank))
     )
 
 
 @register_schedule("looped_bfs", stages_per_rank=None)
-def looped_bfs(n_stages: int, n_ranks: int, n_microbatches: int) -> Schedule:
+def looped_bfs(num_stages: int, num_ranks: int, num_microbatches: int) -> Schedule:
     """Looped breadth-first (Lamy-Poirier 2022): stage s on rank s % p; each local stage
     runs all its forwards before the next, then backwards in reverse (last stage first,
     latest microbatch first)."""
-    mbs = range(n_microbatches)
-    stage_to_rank = looped_stage_to_rank(n_stages, n_ranks)
+    mbs = range(num_microbatches)
+    stage_to_rank = looped_stage_to_rank(num_stages, num_ranks)
     per_rank = []
-    for r in range(n_ranks):
-        local = [s for s in range(n_stages) if stage_to_rank[s] == r]
+    for r in range(num_ranks):
+        local = [s for s in range(num_stages) if stage_to_rank[s] == r]
         actions = [fwd(s, m) for s in local for m in mbs]
         actions += [bwd(s, m) for s in reversed(local) for m in reversed(mbs)]
         per_rank.append(actions)
-    return Schedule("looped_bfs", n_stages, n_ranks, n_microbatches, stage_to_rank, tuple(map(tuple, per_rank)))
+    return Schedule("looped_bfs", num_stages, num_ranks, num_microbatches, stage_to_rank, tuple(map(tuple, per_rank)))

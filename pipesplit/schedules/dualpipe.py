@@ -87,8 +87,8 @@ def dualpipe_v_rank(p: int, m: int, r: int) -> tuple[list[Action], list[tuple[Ac
 
 
 @register_schedule("dualpipe_v", stages_per_rank=2, microbatches_at_least_stages=True)
-def dualpipe_v(n_stages: int, n_ranks: int, n_microbatches: int) -> Schedule:
-    """DualPipeV (DeepSeek 2024): a V of two stages per rank, F&B pairs overlapped; m >= n_stages.
+def dualpipe_v(num_stages: int, num_ranks: int, num_microbatches: int) -> Schedule:
+    """DualPipeV (DeepSeek 2024): a V of two stages per rank, F&B pairs overlapped; m >= num_stages.
 
     Rank r holds stages r and 2p-1-r. After warming up both chunks (chunk 1 already
     splitting its backward into I and W), the steady state runs a forward of one chunk
@@ -100,8 +100,8 @@ def dualpipe_v(n_stages: int, n_ranks: int, n_microbatches: int) -> Schedule:
     ``ScheduleDualPipeV`` action for action.
     """
     per_rank, pairs = [], []
-    for r in range(n_ranks):
-        actions, overlapped = dualpipe_v_rank(n_ranks, n_microbatches, r)
+    for r in range(num_ranks):
+        actions, overlapped = dualpipe_v_rank(num_ranks, num_microbatches, r)
         per_rank.append(actions)
         pairs += overlapped
-    return Schedule("dualpipe_v", n_stages, n_ranks, n_microbatches, v_stage_to_rank(n_ranks), tuple(map(tuple, per_rank)), tuple(pairs))
+    return Schedule("dualpipe_v", num_stages, num_ranks, num_microbatches, v_stage_to_rank(num_ranks), tuple(map(tuple, per_rank)), tuple(pairs))

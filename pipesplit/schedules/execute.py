@@ -45,7 +45,7 @@ def requirements(
     """
     s, m, kind = action.stage, action.microbatch, action.kind
     comm = schedule.has_communication
-    last = schedule.n_stages - 1
+    last = schedule.num_stages - 1
 
     def grad_of(stage: int) -> Action:
         return backward_of.get((stage, m), Action(stage, B, m))
@@ -125,10 +125,10 @@ def execute(
     backward_of = backward_index(schedule)
     end: dict[Action, float] = {}
     timed: list[list[tuple[Action, float, float]]] = [[] for _ in schedule.actions]
-    pointer = [0] * schedule.n_ranks
-    free = [0.0] * schedule.n_ranks
+    pointer = [0] * schedule.num_ranks
+    free = [0.0] * schedule.num_ranks
     waiting: dict[Action, list[int]] = {}  # missing requirement -> ranks whose head waits on it
-    ready_ranks = deque(range(schedule.n_ranks))
+    ready_ranks = deque(range(schedule.num_ranks))
     while ready_ranks:
         rank = ready_ranks.popleft()
         actions = schedule.actions[rank]

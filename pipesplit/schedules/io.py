@@ -12,12 +12,13 @@ from pipesplit.errors import ScheduleError
 from pipesplit.schedules.actions import Action
 from pipesplit.schedules.schedule import Schedule
 from pipesplit.schedules.validate import validate
+from pipesplit.deprecation import NUM_RENAMES, num_keywords
 
 _EMPTY_RANK = "-"
 """Stands for a rank with no actions, so blank lines can be ignored."""
 _PAIR = "&"
 """Joins an overlapped pair into one token: ``0F3&3B1`` (see ``Schedule.overlap``)."""
-_HEADER_KEYS = ("name", "n_stages", "n_microbatches", "stage_to_rank")
+_HEADER_KEYS = ("name", "num_stages", "num_microbatches", "stage_to_rank")
 
 
 def schedule_to_text(schedule: Schedule) -> str:
@@ -26,25 +27,26 @@ def schedule_to_text(schedule: Schedule) -> str:
     An overlapped pair is one token, forward and backward joined by ``&`` (``0F3&3B1``).
 
     >>> from pipesplit.schedules import get_schedule
-    >>> print(schedule_to_text(get_schedule("gpipe", n_ranks=2, n_microbatches=2)))
+    >>> print(schedule_to_text(get_schedule("gpipe", num_ranks=2, num_microbatches=2)))
     # name: gpipe
-    # n_stages: 2
-    # n_microbatches: 2
+    # num_stages: 2
+    # num_microbatches: 2
     # stage_to_rank: 0 1
     0F0 0F1 0B0 0B1
     1F0 1F1 1B0 1B1
     """
     lines = [f"# {key}: {value}" for key, value in _header(schedule)]
-    lines += [" ".join(tokens(schedule, rank)) or _EMPTY_RANK for rank in range(schedule.n_ranks)]
+    lines += [" ".join(tokens(schedule, rank)) or _EMPTY_RANK for rank in range(schedule.num_ranks)]
     return "\n".join(lines)
 
 
+@num_keywords
 def schedule_from_text(
     text: str,
     *,
     name: str | None = None,
-    n_stages: int | None = None,
-    n_microbatches: int | None = None,
+    num_stages: int | None = None,
+    num_microbatches: int | None = None,
     stage_to_rank: Sequence[int] | None = None,
     check: bool = True,
 ) -> Schedule:
@@ -54,11 +56,11 @@ def schedule_from_text(
     (arguments win over the header). With ``check`` the result is validated.
 
     >>> s = schedule_from_text("0F0, 0B0\\n1F0 1B0")
-    >>> s.n_ranks, s.stage_to_rank
+    >>> s.num_ranks, s.stage_to_rank
     (2, (0, 1))
     """
     rows, header = _split_text(text)
-    return _build(rows, header, name, n_stages, n_microbatches, stage_to_rank, check)
+    return _build(rows, header, name, num_stages, num_microbatches, stage_to_rank, check)
 
 
 def schedule_to_csv(schedule: Schedule) -> str:
@@ -67,23 +69,24 @@ def schedule_to_csv(schedule: Schedule) -> str:
     writer = csv.writer(buffer, lineterminator="\n")
     for key, value in _header(schedule):
         writer.writerow([f"# {key}: {value}"])
-    for rank in range(schedule.n_ranks):
+    for rank in range(schedule.num_ranks):
         writer.writerow(tokens(schedule, rank) or [_EMPTY_RANK])
     return buffer.getvalue()
 
 
+@num_keywords
 def schedule_from_csv(
     text: str,
     *,
     name: str | None = None,
-    n_stages: int | None = None,
-    n_microbatches: int | None = None,
+    num_stages: int | None = None,
+    num_microbatches: int | None = None,
     stage_to_rank: Sequence[int] | None = None,
     check: bool = True,
 ) -> Schedule:
     """Parse the CSV form (see :func:`schedule_to_csv`); empty cells are ignored."""
     rows, header = _split_csv(text)
-    return _build(rows, header, name, n_stages, n_microbatches, stage_to_rank, check)
+    return _build(rows, header, name, num_stages, num_microbatches, stage_to_rank, check)
 
 
 def save_schedule(schedule: Schedule, path: str | Path) -> Path:
@@ -91,7 +94,7 @@ def save_schedule(schedule: Schedule, path: str | Path) -> Path:
 
     >>> import tempfile, os
     >>> from pipesplit.schedules import get_schedule
-    >>> s = get_schedule("1f1b", n_ranks=4, n_microbatches=8)
+    >>> s = get_schedule("1f1b", num_ranks=4, num_microbatches=8)
     >>> load_schedule(save_schedule(s, os.path.join(tempfile.mkdtemp(), "s.csv"))) == s
     True
     """
@@ -101,12 +104,13 @@ def save_schedule(schedule: Schedule, path: str | Path) -> Path:
     return out
 
 
+@num_keywords
 def load_schedule(
     path: str | Path,
     *,
     name: str | None = None,
-    n_stages: int | None = None,
-    n_microbatches: int | None = None,
+    num_stages: int | None = None,
+    num_microbatches: int | None = None,
     stage_to_rank: Sequence[int] | None = None,
     check: bool = True,
 ) -> Schedule:
@@ -123,7 +127,7 @@ def load_schedule(
     rows, header = (_split_csv if source.suffix.lower() == ".csv" else _split_text)(text)
     name = name or header.get("name") or source.stem
     try:
-        return _build(rows, header, name, n_stages, n_microbatches, stage_to_rank, check)
+        return _build(rows, header, name, num_stages, num_microbatches, stage_to_rank, check)
     except ScheduleError as err:
         raise ScheduleError(f"In {str(source)!r}: {err}") from err
 
@@ -171,34 +175,35 @@ def _split_csv(text: str) -> tuple[list[list[str]], dict[str, str]]:
 def _header(schedule: Schedule) -> list[tuple[str, str]]:
     return [
         ("name", schedule.name),
-        ("n_stages", str(schedule.n_stages)),
-        ("n_microbatches", str(schedule.n_microbatches)),
+        ("num_stages", str(schedule.num_stages)),
+        ("num_microbatches", str(schedule.num_microbatches)),
         ("stage_to_rank", " ".join(map(str, schedule.stage_to_rank))),
     ]
 
 
 def _read_header(line: str, header: dict[str, str]) -> None:
     key, sep, value = line.lstrip("#").strip().partition(":")
-    if sep and key.strip() in _HEADER_KEYS:
-        header[key.strip()] = value.strip()
+    key = NUM_RENAMES.get(key.strip(), key.strip())  # files saved before 0.2 say n_stages, n_microbatches
+    if sep and key in _HEADER_KEYS:
+        header[key] = value.strip()
 
 
 def _build(
     rows: list[list[str]],
     header: dict[str, str],
     name: str | None,
-    n_stages: int | None,
-    n_microbatches: int | None,
+    num_stages: int | None,
+    num_microbatches: int | None,
     stage_to_rank: Sequence[int] | None,
     check: bool,
 ) -> Schedule:
     if not rows:
         raise ScheduleError("The schedule text has no rank lines; write one line of actions per rank.")
     try:
-        if n_stages is None and "n_stages" in header:
-            n_stages = int(header["n_stages"])
-        if n_microbatches is None and "n_microbatches" in header:
-            n_microbatches = int(header["n_microbatches"])
+        if num_stages is None and "num_stages" in header:
+            num_stages = int(header["num_stages"])
+        if num_microbatches is None and "num_microbatches" in header:
+            num_microbatches = int(header["num_microbatches"])
         if stage_to_rank is None and "stage_to_rank" in header:
             stage_to_rank = [int(t) for t in re.split(r"[\s,]+", header["stage_to_rank"]) if t]
     except ValueError as err:
@@ -217,7 +222,7 @@ def _build(
             actions[-1] += parsed
     schedule = Schedule.from_lists(
         name or header.get("name") or "loaded", actions,
-        n_stages=n_stages, n_microbatches=n_microbatches, stage_to_rank=stage_to_rank, overlap=pairs,
+        num_stages=num_stages, num_microbatches=num_microbatches, stage_to_rank=stage_to_rank, overlap=pairs,
     )
     return validate(schedule) if check else schedule
 

@@ -73,7 +73,7 @@ def issue(plan: Plan, lookahead: int | Sequence[int] = LOOKAHEAD,
 
     >>> from pipesplit.schedules import get_schedule
     >>> from pipesplit.schedules.rendezvous import comm_plan
-    >>> turns = issue(comm_plan(get_schedule("1f1b", n_stages=2, n_microbatches=2)))[1]
+    >>> turns = issue(comm_plan(get_schedule("1f1b", num_stages=2, num_microbatches=2)))[1]
     >>> [(len(t.post), t.wait, str(t.action)) for t in turns]
     [(1, (0,), '1F0'), (1, (), '1B0'), (1, (1,), '1F1'), (0, (), '1B1'), (1, (), 'None'), (0, (2, 3), 'None')]
     """
@@ -138,7 +138,7 @@ def proven(schedule: Schedule, plan: Plan, lookahead: int = LOOKAHEAD) -> Progra
 
     >>> from pipesplit.schedules import get_schedule
     >>> from pipesplit.schedules.rendezvous import comm_plan
-    >>> one_f_one_b = get_schedule("1f1b", n_stages=2, n_microbatches=4)
+    >>> one_f_one_b = get_schedule("1f1b", num_stages=2, num_microbatches=4)
     >>> [max((len(t.post) for t in turns)) for turns in proven(one_f_one_b, comm_plan(one_f_one_b))]
     [2, 1]
     """

@@ -11,10 +11,11 @@ from pipesplit.errors import ScheduleError, did_you_mean
 from pipesplit.schedules.actions import Action
 from pipesplit.schedules.schedule import Schedule
 from pipesplit.schedules.validate import validate
+from pipesplit.deprecation import num_keywords
 
 ScheduleResult = Union[Schedule, Sequence[Sequence[Union[Action, str]]]]
 ScheduleFn = Callable[[int, int, int], ScheduleResult]
-"""``fn(n_stages, n_ranks, n_microbatches)`` returning a Schedule or per-rank action lists."""
+"""``fn(num_stages, num_ranks, num_microbatches)`` returning a Schedule or per-rank action lists."""
 
 
 @dataclass(frozen=True)
@@ -22,52 +23,52 @@ class ScheduleConstraints:
     """What a schedule needs of its sizes; checked before the schedule function runs."""
 
     stages_per_rank: int | None = 1
-    """Exact number of stages each rank holds; ``None``: any whole number (n_stages % n_ranks == 0)."""
+    """Exact number of stages each rank holds; ``None``: any whole number (num_stages % num_ranks == 0)."""
     microbatches_multiple_of_ranks: bool = False
-    """Whether n_microbatches must be a multiple of n_ranks (interleaved 1F1B)."""
+    """Whether num_microbatches must be a multiple of num_ranks (interleaved 1F1B)."""
     min_microbatches: int = 1
-    """Smallest n_microbatches the schedule supports."""
+    """Smallest num_microbatches the schedule supports."""
     microbatches_at_least_stages: bool = False
-    """Whether n_microbatches must be >= n_stages (DualPipeV fills its V with them)."""
+    """Whether num_microbatches must be >= num_stages (DualPipeV fills its V with them)."""
 
-    def check(self, name: str, n_stages: int, n_ranks: int, n_microbatches: int) -> None:
+    def check(self, name: str, num_stages: int, num_ranks: int, num_microbatches: int) -> None:
         """Raise ScheduleError naming the violated constraint, the numbers and a fix."""
-        for field, value in (("n_stages", n_stages), ("n_ranks", n_ranks), ("n_microbatches", n_microbatches)):
+        for field, value in (("num_stages", num_stages), ("num_ranks", num_ranks), ("num_microbatches", num_microbatches)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ScheduleError(f"Schedule {name!r}: {field} must be an int >= 1, got {value!r}.")
         v = self.stages_per_rank
-        if v is not None and n_stages != v * n_ranks:
+        if v is not None and num_stages != v * num_ranks:
             raise ScheduleError(
-                f"Schedule {name!r} needs exactly {v} stage(s) per rank (n_stages == {v} * n_ranks), "
-                f"got n_stages={n_stages}, n_ranks={n_ranks}. Use n_stages={v * n_ranks} for "
-                f"n_ranks={n_ranks}"
-                + (f", or n_ranks={n_stages // v} for n_stages={n_stages}." if n_stages % v == 0 else ".")
+                f"Schedule {name!r} needs exactly {v} stage(s) per rank (num_stages == {v} * num_ranks), "
+                f"got num_stages={num_stages}, num_ranks={num_ranks}. Use num_stages={v * num_ranks} for "
+                f"num_ranks={num_ranks}"
+                + (f", or num_ranks={num_stages // v} for num_stages={num_stages}." if num_stages % v == 0 else ".")
             )
-        if v is None and n_stages % n_ranks:
-            lower = n_stages - n_stages % n_ranks
+        if v is None and num_stages % num_ranks:
+            lower = num_stages - num_stages % num_ranks
             raise ScheduleError(
-                f"Schedule {name!r} needs n_stages to be a multiple of n_ranks, got n_stages={n_stages}, "
-                f"n_ranks={n_ranks} ({n_stages} % {n_ranks} = {n_stages % n_ranks}). Use n_stages="
-                + (f"{lower} or {lower + n_ranks}." if lower else f"{n_ranks}.")
+                f"Schedule {name!r} needs num_stages to be a multiple of num_ranks, got num_stages={num_stages}, "
+                f"num_ranks={num_ranks} ({num_stages} % {num_ranks} = {num_stages % num_ranks}). Use num_stages="
+                + (f"{lower} or {lower + num_ranks}." if lower else f"{num_ranks}.")
             )
-        if self.microbatches_multiple_of_ranks and n_microbatches % n_ranks:
-            lower = n_microbatches - n_microbatches % n_ranks
+        if self.microbatches_multiple_of_ranks and num_microbatches % num_ranks:
+            lower = num_microbatches - num_microbatches % num_ranks
             raise ScheduleError(
-                f"Schedule {name!r} needs n_microbatches to be a multiple of n_ranks, got "
-                f"n_microbatches={n_microbatches}, n_ranks={n_ranks}. Use n_microbatches="
-                + (f"{lower} or {lower + n_ranks}." if lower else f"{n_ranks}.")
+                f"Schedule {name!r} needs num_microbatches to be a multiple of num_ranks, got "
+                f"num_microbatches={num_microbatches}, num_ranks={num_ranks}. Use num_microbatches="
+                + (f"{lower} or {lower + num_ranks}." if lower else f"{num_ranks}.")
             )
-        if self.microbatches_at_least_stages and n_microbatches < n_stages:
-            fewer = (f", or n_ranks={n_microbatches // v} (n_stages={n_microbatches // v * v}) for "
-                     f"n_microbatches={n_microbatches}" if v and n_microbatches >= v else "")
+        if self.microbatches_at_least_stages and num_microbatches < num_stages:
+            fewer = (f", or num_ranks={num_microbatches // v} (num_stages={num_microbatches // v * v}) for "
+                     f"num_microbatches={num_microbatches}" if v and num_microbatches >= v else "")
             raise ScheduleError(
-                f"Schedule {name!r} needs at least as many microbatches as stages (n_microbatches >= "
-                f"n_stages), got n_microbatches={n_microbatches} for n_stages={n_stages} (n_ranks={n_ranks}). "
-                f"Use n_microbatches={n_stages} or more{fewer}."
+                f"Schedule {name!r} needs at least as many microbatches as stages (num_microbatches >= "
+                f"num_stages), got num_microbatches={num_microbatches} for num_stages={num_stages} (num_ranks={num_ranks}). "
+                f"Use num_microbatches={num_stages} or more{fewer}."
             )
-        if n_microbatches < self.min_microbatches:
+        if num_microbatches < self.min_microbatches:
             raise ScheduleError(
-                f"Schedule {name!r} needs n_microbatches >= {self.min_microbatches}, got {n_microbatches}. "
+                f"Schedule {name!r} needs num_microbatches >= {self.min_microbatches}, got {num_microbatches}. "
                 f"Use at least {self.min_microbatches} microbatches."
             )
 
@@ -95,17 +96,17 @@ def register_schedule(
     microbatches_at_least_stages: bool = False,
     replace: bool = False,
 ) -> Callable[[ScheduleFn], ScheduleFn]:
-    """Register ``fn(n_stages, n_ranks, n_microbatches)`` under ``name``; returns ``fn`` unchanged.
+    """Register ``fn(num_stages, num_ranks, num_microbatches)`` under ``name``; returns ``fn`` unchanged.
 
     The function returns a :class:`Schedule` or per-rank action lists (Actions or text
     such as ``"0F1"``); :func:`get_schedule` checks the declared constraints before
     calling it and validates what it returns.
 
     >>> @register_schedule("doc_fwd_then_bwd", replace=True)
-    ... def fwd_then_bwd(n_stages, n_ranks, n_microbatches):
-    ...     mbs = range(n_microbatches)
-    ...     return [[f"{s}F{m}" for m in mbs] + [f"{s}B{m}" for m in mbs] for s in range(n_stages)]
-    >>> get_schedule("doc_fwd_then_bwd", n_ranks=2, n_microbatches=2).actions[1][2]
+    ... def fwd_then_bwd(num_stages, num_ranks, num_microbatches):
+    ...     mbs = range(num_microbatches)
+    ...     return [[f"{s}F{m}" for m in mbs] + [f"{s}B{m}" for m in mbs] for s in range(num_stages)]
+    >>> get_schedule("doc_fwd_then_bwd", num_ranks=2, num_microbatches=2).actions[1][2]
     Action(stage=1, kind=<ActionKind.FULL_BACKWARD: 'B'>, microbatch=0)
     """
     if not isinstance(name, str) or not name:
@@ -154,75 +155,77 @@ def _lookup(name: str) -> RegisteredSchedule:
     raise ScheduleError(f"Unknown schedule {name!r}.{hint} Known schedules: {', '.join(list_schedules())}.")
 
 
-def _complete_sizes(name: str, v: int | None, n_stages: int | None, n_ranks: int | None) -> tuple[int, int]:
-    """Fill in whichever of n_stages / n_ranks is missing from the stages-per-rank rule."""
-    if n_stages is not None and n_ranks is not None:
-        return n_stages, n_ranks
-    if v is None or (n_stages is None and n_ranks is None):
+def _complete_sizes(name: str, v: int | None, num_stages: int | None, num_ranks: int | None) -> tuple[int, int]:
+    """Fill in whichever of num_stages / num_ranks is missing from the stages-per-rank rule."""
+    if num_stages is not None and num_ranks is not None:
+        return num_stages, num_ranks
+    if v is None or (num_stages is None and num_ranks is None):
         raise ScheduleError(
-            f"Schedule {name!r}: give both n_stages and n_ranks (got n_stages={n_stages}, n_ranks={n_ranks})"
+            f"Schedule {name!r}: give both num_stages and num_ranks (got num_stages={num_stages}, num_ranks={num_ranks})"
             + ("; it holds a variable number of stages per rank." if v is None else ".")
         )
-    given = n_stages if n_ranks is None else n_ranks
+    given = num_stages if num_ranks is None else num_ranks
     if not isinstance(given, int) or isinstance(given, bool) or given < 1:
         raise ScheduleError(f"Schedule {name!r}: sizes must be ints >= 1, got {given!r}.")
-    if n_stages is None:
+    if num_stages is None:
         return v * given, given
     if given % v:
         raise ScheduleError(
-            f"Schedule {name!r} holds {v} stages per rank, so n_stages must be a multiple of {v}; "
-            f"got n_stages={given}. Use n_stages={given - given % v or v}."
+            f"Schedule {name!r} holds {v} stages per rank, so num_stages must be a multiple of {v}; "
+            f"got num_stages={given}. Use num_stages={given - given % v or v}."
         )
     return given, given // v
 
 
+@num_keywords
 def get_schedule(
     name: str,
     *,
-    n_stages: int | None = None,
-    n_ranks: int | None = None,
-    n_microbatches: int,
+    num_stages: int | None = None,
+    num_ranks: int | None = None,
+    num_microbatches: int,
 ) -> Schedule:
     """Build the registered schedule ``name`` for the given sizes and validate it.
 
-    For schedules with a fixed number of stages per rank, either of ``n_stages`` and
-    ``n_ranks`` may be left out and is derived from the other.
+    For schedules with a fixed number of stages per rank, either of ``num_stages`` and
+    ``num_ranks`` may be left out and is derived from the other.
 
-    >>> s = get_schedule("1f1b", n_stages=4, n_ranks=4, n_microbatches=8)
+    >>> s = get_schedule("1f1b", num_stages=4, num_ranks=4, num_microbatches=8)
     >>> " ".join(map(str, s.actions[0][:7]))
     '0F0 0F1 0F2 0F3 0B0 0F4 0B1'
     """
     entry = _lookup(name)
-    n_stages, n_ranks = _complete_sizes(name, entry.constraints.stages_per_rank, n_stages, n_ranks)
-    entry.constraints.check(name, n_stages, n_ranks, n_microbatches)
-    result = entry.fn(n_stages, n_ranks, n_microbatches)
+    num_stages, num_ranks = _complete_sizes(name, entry.constraints.stages_per_rank, num_stages, num_ranks)
+    entry.constraints.check(name, num_stages, num_ranks, num_microbatches)
+    result = entry.fn(num_stages, num_ranks, num_microbatches)
     schedule = result if isinstance(result, Schedule) else Schedule.from_lists(
-        name, result, n_stages=n_stages, n_microbatches=n_microbatches
+        name, result, num_stages=num_stages, num_microbatches=num_microbatches
     )
-    got = (schedule.n_stages, schedule.n_ranks, schedule.n_microbatches)
-    if got != (n_stages, n_ranks, n_microbatches):
+    got = (schedule.num_stages, schedule.num_ranks, schedule.num_microbatches)
+    if got != (num_stages, num_ranks, num_microbatches):
         raise ScheduleError(
-            f"Schedule function for {name!r} returned n_stages, n_ranks, n_microbatches = {got}, but "
-            f"{(n_stages, n_ranks, n_microbatches)} were requested. Fix the function to honour its arguments."
+            f"Schedule function for {name!r} returned num_stages, num_ranks, num_microbatches = {got}, but "
+            f"{(num_stages, num_ranks, num_microbatches)} were requested. Fix the function to honour its arguments."
         )
     return validate(dataclasses.replace(schedule, name=name))
 
 
-def resolve_schedule(schedule: str | Schedule, n_stages: int, n_ranks: int | None, n_microbatches: int) -> Schedule:
-    """``schedule`` (a name or a built Schedule) for ``n_stages`` stages and ``n_microbatches``: a name is
-    built (``n_ranks`` defaulting to half the stages where the schedule leaves it free); a Schedule is
+@num_keywords
+def resolve_schedule(schedule: str | Schedule, num_stages: int, num_ranks: int | None, num_microbatches: int) -> Schedule:
+    """``schedule`` (a name or a built Schedule) for ``num_stages`` stages and ``num_microbatches``: a name is
+    built (``num_ranks`` defaulting to half the stages where the schedule leaves it free); a Schedule is
     checked against the stage and microbatch counts and validated."""
     if isinstance(schedule, Schedule):
-        if schedule.n_stages != n_stages:
+        if schedule.num_stages != num_stages:
             raise ScheduleError(
-                f"schedule {schedule.name!r} is for {schedule.n_stages} stages but the program has {n_stages}."
+                f"schedule {schedule.name!r} is for {schedule.num_stages} stages but the program has {num_stages}."
             )
-        if schedule.n_microbatches != n_microbatches:
+        if schedule.num_microbatches != num_microbatches:
             raise ScheduleError(
-                f"schedule {schedule.name!r} runs {schedule.n_microbatches} microbatches but n_microbatches="
-                f"{n_microbatches}; make them agree."
+                f"schedule {schedule.name!r} runs {schedule.num_microbatches} microbatches but num_microbatches="
+                f"{num_microbatches}; make them agree."
             )
         return validate(schedule)
-    if n_ranks is None and schedule_info(schedule).constraints.stages_per_rank is None:
-        n_ranks = max(1, n_stages // 2)
-    return get_schedule(schedule, n_stages=n_stages, n_ranks=n_ranks, n_microbatches=n_microbatches)
+    if num_ranks is None and schedule_info(schedule).constraints.stages_per_rank is None:
+        num_ranks = max(1, num_stages // 2)
+    return get_schedule(schedule, num_stages=num_stages, num_ranks=num_ranks, num_microbatches=num_microbatches)

@@ -50,9 +50,9 @@ class Edge:
     grad: bool = True
 
 
-def chain_edges(n_stages: int) -> tuple[Edge, ...]:
+def chain_edges(num_stages: int) -> tuple[Edge, ...]:
     """One tensor from each stage to the next: the traffic when the program is not known."""
-    return tuple(Edge(f"x{s}", s, s + 1) for s in range(n_stages - 1))
+    return tuple(Edge(f"x{s}", s, s + 1) for s in range(num_stages - 1))
 
 
 @dataclass(frozen=True)
@@ -130,11 +130,11 @@ def comm_plan(schedule: Schedule, edges: Sequence[Edge] | None = None, *, batche
     valid (:func:`pipesplit.schedules.validate`).
 
     >>> from pipesplit.schedules import get_schedule
-    >>> plan = comm_plan(get_schedule("1f1b", n_stages=2, n_microbatches=2))
+    >>> plan = comm_plan(get_schedule("1f1b", num_stages=2, num_microbatches=2))
     >>> [len(step.ops) for step in plan[0]], str(plan[0][2].action)
     ([0, 1, 2, 1], '0B0')
     """
-    edges = chain_edges(schedule.n_stages) if edges is None else tuple(edges)
+    edges = chain_edges(schedule.num_stages) if edges is None else tuple(edges)
     rank_of = schedule.stage_to_rank
     compute = schedule.compute_only()
     if not batched:

@@ -9,6 +9,7 @@ from functools import cached_property
 
 from pipesplit.errors import ScheduleError
 from pipesplit.schedules.actions import Action, ActionKind, as_action
+from pipesplit.deprecation import num_keywords, renamed_attribute
 
 
 @dataclass(frozen=True)
@@ -19,17 +20,17 @@ class Schedule:
     :func:`pipesplit.schedules.validate`.
 
     >>> s = Schedule.from_lists("tiny", [["0F0", "0B0"]])
-    >>> s.n_stages, s.n_ranks, s.n_microbatches
+    >>> s.num_stages, s.num_ranks, s.num_microbatches
     (1, 1, 1)
     """
 
     name: str
     """Name of the schedule (the registry name for built-ins)."""
-    n_stages: int
-    """Number of pipeline stages; they form a chain 0..n_stages-1."""
-    n_ranks: int
+    num_stages: int
+    """Number of pipeline stages; they form a chain 0..num_stages-1."""
+    num_ranks: int
     """Number of ranks (devices or processes)."""
-    n_microbatches: int
+    num_microbatches: int
     """Number of microbatches per step."""
     stage_to_rank: tuple[int, ...]
     """``stage_to_rank[s]`` is the rank that owns stage ``s``."""
@@ -41,8 +42,12 @@ class Schedule:
     forward first. Executors that cannot overlap run the pair in list order (always valid);
     ``simulate(..., overlap=x)`` prices it as overlapped. Sorted; ``()`` for most schedules."""
 
+    n_stages = renamed_attribute("n_stages", "num_stages")
+    n_ranks = renamed_attribute("n_ranks", "num_ranks")
+    n_microbatches = renamed_attribute("n_microbatches", "num_microbatches")
+
     def __post_init__(self) -> None:
-        for field in ("n_stages", "n_ranks", "n_microbatches"):
+        for field in ("num_stages", "num_ranks", "num_microbatches"):
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ScheduleError(f"Schedule {self.name!r}: {field} must be an int >= 1, got {value!r}.")
@@ -50,38 +55,39 @@ class Schedule:
         object.__setattr__(self, "stage_to_rank", tuple(self.stage_to_rank))
         object.__setattr__(self, "actions", tuple(tuple(as_action(a) for a in rank) for rank in self.actions))
         object.__setattr__(self, "overlap", _normalise_pairs(self.name, self.overlap))
-        if len(self.stage_to_rank) != self.n_stages:
+        if len(self.stage_to_rank) != self.num_stages:
             raise ScheduleError(
                 f"Schedule {self.name!r}: stage_to_rank has {len(self.stage_to_rank)} entries but "
-                f"n_stages is {self.n_stages}; give one rank per stage."
+                f"num_stages is {self.num_stages}; give one rank per stage."
             )
-        bad = [(s, r) for s, r in enumerate(self.stage_to_rank) if not (isinstance(r, int) and 0 <= r < self.n_ranks)]
+        bad = [(s, r) for s, r in enumerate(self.stage_to_rank) if not (isinstance(r, int) and 0 <= r < self.num_ranks)]
         if bad:
             stage, rank = bad[0]
             raise ScheduleError(
-                f"Schedule {self.name!r}: stage {stage} is mapped to rank {rank!r}, outside 0..{self.n_ranks - 1} "
-                f"(n_ranks={self.n_ranks}); fix stage_to_rank or n_ranks."
+                f"Schedule {self.name!r}: stage {stage} is mapped to rank {rank!r}, outside 0..{self.num_ranks - 1} "
+                f"(num_ranks={self.num_ranks}); fix stage_to_rank or num_ranks."
             )
-        if len(self.actions) != self.n_ranks:
+        if len(self.actions) != self.num_ranks:
             raise ScheduleError(
-                f"Schedule {self.name!r}: {len(self.actions)} action lists for n_ranks={self.n_ranks}; "
+                f"Schedule {self.name!r}: {len(self.actions)} action lists for num_ranks={self.num_ranks}; "
                 "give exactly one (possibly empty) list per rank."
             )
 
     @classmethod
+    @num_keywords
     def from_lists(
         cls,
         name: str,
         per_rank: Sequence[Sequence[Action | str]],
         *,
-        n_stages: int | None = None,
-        n_microbatches: int | None = None,
+        num_stages: int | None = None,
+        num_microbatches: int | None = None,
         stage_to_rank: Sequence[int] | None = None,
         overlap: Sequence[tuple[Action | str, Action | str]] = (),
     ) -> Schedule:
         """Build a schedule from per-rank lists, inferring what is not given.
 
-        ``n_stages`` and ``n_microbatches`` default to one more than the largest index
+        ``num_stages`` and ``num_microbatches`` default to one more than the largest index
         used; ``stage_to_rank`` defaults to the rank each stage's actions appear on;
         ``overlap`` lists ``(forward, backward)`` pairs (see :attr:`overlap`).
 
@@ -90,16 +96,16 @@ class Schedule:
         """
         lists = [[as_action(a) for a in rank] for rank in per_rank]
         flat = [a for rank in lists for a in rank]
-        if n_stages is None:
-            n_stages = max((a.stage for a in flat), default=-1) + 1
+        if num_stages is None:
+            num_stages = max((a.stage for a in flat), default=-1) + 1
             if stage_to_rank is not None:
-                n_stages = max(n_stages, len(stage_to_rank))
-        if n_microbatches is None:
-            n_microbatches = max((a.microbatch for a in flat), default=-1) + 1
+                num_stages = max(num_stages, len(stage_to_rank))
+        if num_microbatches is None:
+            num_microbatches = max((a.microbatch for a in flat), default=-1) + 1
         if stage_to_rank is None:
-            stage_to_rank = _infer_stage_to_rank(name, lists, n_stages)
+            stage_to_rank = _infer_stage_to_rank(name, lists, num_stages)
         return cls(
-            name, n_stages, len(lists), n_microbatches, tuple(stage_to_rank), tuple(map(tuple, lists)),
+            name, num_stages, len(lists), num_microbatches, tuple(stage_to_rank), tuple(map(tuple, lists)),
             tuple((as_action(f), as_action(b)) for f, b in overlap),
         )
 
@@ -109,8 +115,8 @@ class Schedule:
         >>> Schedule.from_lists("x", [["0F0", "3F0"], ["1F0"], ["2F0"]]).rank_stages(0)
         (0, 3)
         """
-        if not 0 <= rank < self.n_ranks:
-            raise ScheduleError(f"Schedule {self.name!r}: rank {rank} is outside 0..{self.n_ranks - 1}.")
+        if not 0 <= rank < self.num_ranks:
+            raise ScheduleError(f"Schedule {self.name!r}: rank {rank} is outside 0..{self.num_ranks - 1}.")
         return tuple(s for s, r in enumerate(self.stage_to_rank) if r == rank)
 
     @cached_property
@@ -138,9 +144,9 @@ class Schedule:
         peer = action.peer_stage
         if peer is None:
             return None
-        if not 0 <= peer < self.n_stages:
+        if not 0 <= peer < self.num_stages:
             raise ScheduleError(
-                f"Schedule {self.name!r}: {action} talks to stage {peer}, outside 0..{self.n_stages - 1}."
+                f"Schedule {self.name!r}: {action} talks to stage {peer}, outside 0..{self.num_stages - 1}."
             )
         return self.stage_to_rank[peer]
 
@@ -160,7 +166,7 @@ def _normalise_pairs(name: str, pairs: object) -> tuple[tuple[Action, Action], .
     return tuple(sorted(items))
 
 
-def _infer_stage_to_rank(name: str, lists: list[list[Action]], n_stages: int) -> tuple[int, ...]:
+def _infer_stage_to_rank(name: str, lists: list[list[Action]], num_stages: int) -> tuple[int, ...]:
     owner: dict[int, int] = {}
     for rank, actions in enumerate(lists):
         for pos, action in enumerate(actions):
@@ -171,13 +177,13 @@ def _infer_stage_to_rank(name: str, lists: list[list[Action]], n_stages: int) ->
                     f"({action} at position {pos}); a stage must live on one rank. Pass stage_to_rank "
                     "explicitly or move the action."
                 )
-    missing = [s for s in range(n_stages) if s not in owner]
+    missing = [s for s in range(num_stages) if s not in owner]
     if missing:
         raise ScheduleError(
             f"Schedule {name!r}: cannot infer the rank of stage(s) {missing}: they have no actions. "
             "Pass stage_to_rank explicitly."
         )
-    return tuple(owner[s] for s in range(n_stages))
+    return tuple(owner[s] for s in range(num_stages))
 
 
 def with_communication(schedule: Schedule) -> Schedule:
@@ -219,11 +225,11 @@ def with_communication(schedule: Schedule) -> Schedule:
 
 def _hand_offs(schedule: Schedule, action: Action) -> tuple[Action | None, Action | None]:
     """The RECV a compute action needs first and the SEND it makes after (None: local or none)."""
-    s, m, last = action.stage, action.microbatch, schedule.n_stages - 1
+    s, m, last = action.stage, action.microbatch, schedule.num_stages - 1
     if s > last:
         raise ScheduleError(
-            f"Schedule {schedule.name!r}: {action} names stage {s} but n_stages is "
-            f"{schedule.n_stages}; run validate() to find every such action."
+            f"Schedule {schedule.name!r}: {action} names stage {s} but num_stages is "
+            f"{schedule.num_stages}; run validate() to find every such action."
         )
     recv = send = None
     if action.kind is ActionKind.FORWARD:

@@ -85,7 +85,7 @@ def simulate(
     without pairs are unaffected.
 
     >>> from pipesplit.schedules import get_schedule
-    >>> t = simulate(get_schedule("1f1b", n_ranks=4, n_microbatches=8), 1.0)
+    >>> t = simulate(get_schedule("1f1b", num_ranks=4, num_microbatches=8), 1.0)
     >>> t.step_time, round(t.bubble_fraction, 4)
     (33.0, 0.2727)
     """
@@ -117,13 +117,13 @@ def simulate(
 
 def _stage_costs(schedule: Schedule, stage_costs: CostLike | Sequence[CostLike]) -> tuple[StageCost, ...]:
     items = (
-        [stage_costs] * schedule.n_stages
+        [stage_costs] * schedule.num_stages
         if isinstance(stage_costs, (int, float, StageCost))
         else list(stage_costs)
     )
-    if len(items) != schedule.n_stages:
+    if len(items) != schedule.num_stages:
         raise ScheduleError(
-            f"simulate: got {len(items)} stage costs for {schedule.n_stages} stages of {schedule.name!r}; "
+            f"simulate: got {len(items)} stage costs for {schedule.num_stages} stages of {schedule.name!r}; "
             "give one number or StageCost per stage (or a single value for all)."
         )
     out = []
@@ -141,11 +141,11 @@ def _stage_costs(schedule: Schedule, stage_costs: CostLike | Sequence[CostLike])
 
 
 def _cut_costs(schedule: Schedule, comm_cost: float | Sequence[float]) -> tuple[float, ...]:
-    n_cuts = schedule.n_stages - 1
-    items = [comm_cost] * n_cuts if isinstance(comm_cost, (int, float)) else list(comm_cost)
-    if len(items) != n_cuts:
+    num_cuts = schedule.num_stages - 1
+    items = [comm_cost] * num_cuts if isinstance(comm_cost, (int, float)) else list(comm_cost)
+    if len(items) != num_cuts:
         raise ScheduleError(
-            f"simulate: got {len(items)} comm costs for {n_cuts} stage boundaries of {schedule.name!r}; "
+            f"simulate: got {len(items)} comm costs for {num_cuts} stage boundaries of {schedule.name!r}; "
             "give one number, or one per boundary (entry s is between stages s and s+1)."
         )
     for cut, value in enumerate(items):

@@ -54,8 +54,8 @@ class Timeline:
 
     @property
     def bubble_fraction(self) -> float:
-        """Idle share of all rank-time: 1 - sum(busy) / (n_ranks x step_time)."""
-        total = self.schedule.n_ranks * self.step_time
+        """Idle share of all rank-time: 1 - sum(busy) / (num_ranks x step_time)."""
+        total = self.schedule.num_ranks * self.step_time
         return 0.0 if total == 0 else 1.0 - sum(self.busy) / total
 
     @cached_property
@@ -96,7 +96,7 @@ class Timeline:
         odd microbatches so neighbours stay distinguishable; ``.`` is idle.
 
         >>> from pipesplit.schedules import get_schedule, simulate
-        >>> print(simulate(get_schedule("gpipe", n_ranks=2, n_microbatches=2), 1.0).to_text(width=9))
+        >>> print(simulate(get_schedule("gpipe", num_ranks=2, num_microbatches=2), 1.0).to_text(width=9))
         ... # doctest: +NORMALIZE_WHITESPACE
         gpipe: 2 ranks, 2 stages, 2 microbatches; step 9, bubble 33.3%
         rank 0 |Ff...BBbb|
@@ -106,10 +106,10 @@ class Timeline:
             raise ScheduleError(f"to_text: width must be an int >= 1, got {width!r}.")
         s = self.schedule
         lines = [
-            f"{s.name}: {s.n_ranks} ranks, {s.n_stages} stages, {s.n_microbatches} microbatches; "
+            f"{s.name}: {s.num_ranks} ranks, {s.num_stages} stages, {s.num_microbatches} microbatches; "
             f"step {self.step_time:g}, bubble {100 * self.bubble_fraction:.1f}%"
         ]
-        label = len(str(s.n_ranks - 1))
+        label = len(str(s.num_ranks - 1))
         for rank, events in enumerate(self.events):
             lines.append(f"rank {rank:>{label}} |{self._row(events, width)}|")
         return "\n".join(lines)
@@ -143,7 +143,7 @@ class Timeline:
 
         >>> from pipesplit.schedules import get_schedule, simulate
         >>> import tempfile, os
-        >>> t = simulate(get_schedule("1f1b", n_ranks=2, n_microbatches=4), 1.0)
+        >>> t = simulate(get_schedule("1f1b", num_ranks=2, num_microbatches=4), 1.0)
         >>> t.plot(os.path.join(tempfile.mkdtemp(), "1f1b.png")).suffix
         '.png'
         """
@@ -151,7 +151,7 @@ class Timeline:
         from matplotlib.figure import Figure
 
         longest = max(map(len, self.events), default=0)
-        fig = Figure(figsize=(max(6.0, 0.12 * longest), 0.6 * self.schedule.n_ranks + 1.4))
+        fig = Figure(figsize=(max(6.0, 0.12 * longest), 0.6 * self.schedule.num_ranks + 1.4))
         FigureCanvasAgg(fig)
         self.draw(fig.add_subplot(), title=title)
         fig.tight_layout()
@@ -176,11 +176,11 @@ class Timeline:
                 if self.step_time and duration / self.step_time > 0.012:
                     ax.text(event.start + duration / 2, rank, str(event.action.microbatch),
                             ha="center", va="center", fontsize=6, color="white")
-        ax.set_yticks(range(s.n_ranks), [f"rank {r}" for r in range(s.n_ranks)])
-        ax.set_ylim(s.n_ranks - 0.5, -0.5)
+        ax.set_yticks(range(s.num_ranks), [f"rank {r}" for r in range(s.num_ranks)])
+        ax.set_ylim(s.num_ranks - 0.5, -0.5)
         ax.set_xlim(0, self.step_time or 1.0)
         ax.set_xlabel(xlabel)
-        ax.set_title(title or f"{s.name}: p={s.n_ranks}, m={s.n_microbatches}, "
+        ax.set_title(title or f"{s.name}: p={s.num_ranks}, m={s.num_microbatches}, "
                      f"bubble {100 * self.bubble_fraction:.1f}%")
         used = {e.action.kind for rank in self.events for e in rank if e.action.is_compute}
         ax.legend(handles=[Patch(color=c, label=k.name.lower()) for k, c in _COLOURS.items() if k in used],

@@ -12,6 +12,7 @@ from pipesplit.schedules.actions import Action, ActionKind
 from pipesplit.schedules.io import tokens
 from pipesplit.schedules.schedule import Schedule
 from pipesplit.schedules.validate import validate
+from pipesplit.deprecation import num_keywords
 
 OVERLAP = "OVERLAP_F_B"
 """torch's kind for a group of actions run together: ``(0F3;3B1)OVERLAP_F_B``."""
@@ -27,10 +28,10 @@ def to_torch_actions(schedule: Schedule) -> list[list[str]]:
     ``1SEND_B4``, and each overlapped pair as ``(0F3;3B1)OVERLAP_F_B``.
 
     >>> from pipesplit.schedules import get_schedule
-    >>> to_torch_actions(get_schedule("1f1b", n_ranks=2, n_microbatches=2))
+    >>> to_torch_actions(get_schedule("1f1b", num_ranks=2, num_microbatches=2))
     [['0F0', '0F1', '0B0', '0B1'], ['1F0', '1B0', '1F1', '1B1']]
     """
-    return [tokens(schedule, rank, pair=f"({{}};{{}}){OVERLAP}") for rank in range(schedule.n_ranks)]
+    return [tokens(schedule, rank, pair=f"({{}};{{}}){OVERLAP}") for rank in range(schedule.num_ranks)]
 
 
 def to_torch_csv(schedule: Schedule, path: str | Path) -> Path:
@@ -42,7 +43,7 @@ def to_torch_csv(schedule: Schedule, path: str | Path) -> Path:
 
     >>> import tempfile, os
     >>> from pipesplit.schedules import get_schedule
-    >>> s = get_schedule("dualpipe_v", n_ranks=2, n_microbatches=4)
+    >>> s = get_schedule("dualpipe_v", num_ranks=2, num_microbatches=4)
     >>> from_torch_csv(to_torch_csv(s, os.path.join(tempfile.mkdtemp(), "dualpipe_v.csv"))) == s
     True
     """
@@ -52,12 +53,13 @@ def to_torch_csv(schedule: Schedule, path: str | Path) -> Path:
     return out
 
 
+@num_keywords
 def from_torch_actions(
     rows: Iterable[Sequence[str]],
     *,
     name: str = "torch",
-    n_stages: int | None = None,
-    n_microbatches: int | None = None,
+    num_stages: int | None = None,
+    num_microbatches: int | None = None,
     stage_to_rank: Sequence[int] | None = None,
     drop_fsdp: bool = False,
     check: bool = True,
@@ -105,17 +107,18 @@ def from_torch_actions(
     if not actions:
         raise ScheduleError("The torch schedule has no rows; write one row of actions per rank.")
     schedule = Schedule.from_lists(
-        name, actions, n_stages=n_stages, n_microbatches=n_microbatches, stage_to_rank=stage_to_rank, overlap=pairs
+        name, actions, num_stages=num_stages, num_microbatches=num_microbatches, stage_to_rank=stage_to_rank, overlap=pairs
     )
     return validate(schedule) if check else schedule
 
 
+@num_keywords
 def from_torch_csv(
     path: str | Path,
     *,
     name: str | None = None,
-    n_stages: int | None = None,
-    n_microbatches: int | None = None,
+    num_stages: int | None = None,
+    num_microbatches: int | None = None,
     stage_to_rank: Sequence[int] | None = None,
     drop_fsdp: bool = False,
     check: bool = True,
@@ -133,7 +136,7 @@ def from_torch_csv(
         raise ScheduleError(f"Cannot read torch schedule file {str(source)!r}: {err}.") from err
     try:
         return from_torch_actions(
-            rows, name=name or source.stem, n_stages=n_stages, n_microbatches=n_microbatches,
+            rows, name=name or source.stem, num_stages=num_stages, num_microbatches=num_microbatches,
             stage_to_rank=stage_to_rank, drop_fsdp=drop_fsdp, check=check,
         )
     except ScheduleError as err:

@@ -42,7 +42,7 @@ def validate(schedule: Schedule, semantics: str = "buffered", edges: Sequence[Ed
     by default one per pair of consecutive stages.
 
     >>> from pipesplit.schedules import get_schedule
-    >>> validate(get_schedule("1f1b", n_stages=4, n_ranks=4, n_microbatches=8), semantics="rendezvous").name
+    >>> validate(get_schedule("1f1b", num_stages=4, num_ranks=4, num_microbatches=8), semantics="rendezvous").name
     '1f1b'
     """
     if semantics not in SEMANTICS:
@@ -72,15 +72,15 @@ def _check_placement(schedule: Schedule) -> Where:
     for rank, actions in enumerate(schedule.actions):
         for pos, action in enumerate(actions):
             here = f"{action} (rank {rank}, position {pos})"
-            if action.stage >= schedule.n_stages:
+            if action.stage >= schedule.num_stages:
                 raise ScheduleError(
                     f"Schedule {name!r}: {here} names stage {action.stage}, but stages are "
-                    f"0..{schedule.n_stages - 1} (n_stages={schedule.n_stages})."
+                    f"0..{schedule.num_stages - 1} (num_stages={schedule.num_stages})."
                 )
-            if action.microbatch >= schedule.n_microbatches:
+            if action.microbatch >= schedule.num_microbatches:
                 raise ScheduleError(
                     f"Schedule {name!r}: {here} names microbatch {action.microbatch}, but microbatches "
-                    f"are 0..{schedule.n_microbatches - 1} (n_microbatches={schedule.n_microbatches})."
+                    f"are 0..{schedule.num_microbatches - 1} (num_microbatches={schedule.num_microbatches})."
                 )
             owner = schedule.stage_to_rank[action.stage]
             if owner != rank:
@@ -101,9 +101,9 @@ def _check_placement(schedule: Schedule) -> Where:
 def _check_coverage(schedule: Schedule, where: Where) -> None:
     """Every forward once; every backward once, as B or as I + W."""
     name = schedule.name
-    for stage in range(schedule.n_stages):
+    for stage in range(schedule.num_stages):
         rank = schedule.stage_to_rank[stage]
-        for mb in range(schedule.n_microbatches):
+        for mb in range(schedule.num_microbatches):
             f, b, i, w = (Action(stage, k, mb) for k in (F, B, I, W))
             if f not in where:
                 raise ScheduleError(
@@ -175,20 +175,20 @@ def _check_communication(schedule: Schedule, where: Where) -> None:
         if not action.is_comm:
             continue
         peer = action.peer_stage
-        if peer is None or not 0 <= peer < schedule.n_stages:
+        if peer is None or not 0 <= peer < schedule.num_stages:
             raise ScheduleError(
                 f"Schedule {name!r}: {_at(action, where)} talks to stage {peer}, which does not exist "
-                f"(stages 0..{schedule.n_stages - 1}). Remove it."
+                f"(stages 0..{schedule.num_stages - 1}). Remove it."
             )
         if not schedule.crosses_ranks(action.stage, peer):
             raise ScheduleError(
                 f"Schedule {name!r}: {_at(action, where)} is not needed: stages {action.stage} and {peer} "
                 f"are both on rank {schedule.stage_to_rank[peer]}, so the hand-off is local. Remove it."
             )
-    for stage in range(schedule.n_stages - 1):
+    for stage in range(schedule.num_stages - 1):
         if not schedule.crosses_ranks(stage, stage + 1):
             continue
-        for mb in range(schedule.n_microbatches):
+        for mb in range(schedule.num_microbatches):
             for needed in (
                 Action(stage, ActionKind.SEND_F, mb),
                 Action(stage + 1, ActionKind.RECV_F, mb),

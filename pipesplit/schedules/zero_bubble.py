@@ -12,7 +12,7 @@ F, I, W = ActionKind.FORWARD, ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEI
 
 
 @register_schedule("zb_h1")
-def zb_h1(n_stages: int, n_ranks: int, n_microbatches: int) -> Schedule:
+def zb_h1(num_stages: int, num_ranks: int, num_microbatches: int) -> Schedule:
     """ZB-H1: 1F1B with the backward split, rank r deferring r weight-gradient passes.
 
     Forwards and input-gradients follow 1F1B (so the input-gradient critical path is as
@@ -22,9 +22,9 @@ def zb_h1(n_stages: int, n_ranks: int, n_microbatches: int) -> Schedule:
     microbatches' activations (1F1B's peak, reached on rank 0).
     """
     per_rank = []
-    m = n_microbatches
-    for r in range(n_ranks):
-        warmup = min(n_ranks - 1 - r, m)
+    m = num_microbatches
+    for r in range(num_ranks):
+        warmup = min(num_ranks - 1 - r, m)
         actions = [Action(r, F, k) for k in range(warmup)]
         pending: deque[int] = deque()
         for k in range(m):
@@ -36,21 +36,21 @@ def zb_h1(n_stages: int, n_ranks: int, n_microbatches: int) -> Schedule:
                 actions.append(Action(r, W, pending.popleft()))
         actions += [Action(r, W, k) for k in pending]
         per_rank.append(actions)
-    return Schedule("zb_h1", n_stages, n_ranks, m, tuple(range(n_stages)), tuple(map(tuple, per_rank)))
+    return Schedule("zb_h1", num_stages, num_ranks, m, tuple(range(num_stages)), tuple(map(tuple, per_rank)))
 
 
-def v_stage_to_rank(n_ranks: int) -> tuple[int, ...]:
+def v_stage_to_rank(num_ranks: int) -> tuple[int, ...]:
     """V shape over 2p stages: rank r holds stage r and stage 2p-1-r."""
-    down = list(range(n_ranks))
+    down = list(range(num_ranks))
     return tuple(down + down[::-1])
 
 
 class _Chunks:
     """Emits a rank's actions for its two V chunks, counting each chunk's F, I and W."""
 
-    def __init__(self, stages: tuple[int, int], n_virtual: int) -> None:
+    def __init__(self, stages: tuple[int, int], num_virtual: int) -> None:
         self.stages = stages
-        self.n_virtual = n_virtual
+        self.num_virtual = num_virtual
         self.count = {(c, k): 0 for c in (0, 1) for k in (F, I, W)}
         self.actions: list[Action] = []
 
@@ -67,11 +67,11 @@ class _Chunks:
                 self.emit(code)
 
     def left(self, chunk: int, kind: ActionKind) -> int:
-        return self.n_virtual - self.count[chunk, kind]
+        return self.num_virtual - self.count[chunk, kind]
 
 
 @register_schedule("zb_v", stages_per_rank=2)
-def zb_v(n_stages: int, n_ranks: int, n_microbatches: int) -> Schedule:
+def zb_v(num_stages: int, num_ranks: int, num_microbatches: int) -> Schedule:
     """ZB-V: two stages per rank in a V (rank r holds stages r and 2p-1-r), near-zero bubble.
 
     Chunk 0 (stage r) warms up deepest on rank 0; chunk 1 (stage 2p-1-r) turns each
@@ -81,11 +81,11 @@ def zb_v(n_stages: int, n_ranks: int, n_microbatches: int) -> Schedule:
     is built for ``max(m, 2p-1)`` virtual microbatches and the extra ones are dropped,
     which keeps the order (and its freedom from deadlock) for the real ones.
     """
-    p, m = n_ranks, n_microbatches
-    n_virtual = max(m, 2 * p - 1)
+    p, m = num_ranks, num_microbatches
+    num_virtual = max(m, 2 * p - 1)
     per_rank = []
     for r in range(p):
-        rank = _Chunks((r, 2 * p - 1 - r), n_virtual)
+        rank = _Chunks((r, 2 * p - 1 - r), num_virtual)
         rank.run("F0", times=2 * (p - r) - 1)
         rank.run("F1", "F0", times=r)
         rank.run("F1", "I1", "W1", times=p - r)
@@ -98,4 +98,4 @@ def zb_v(n_stages: int, n_ranks: int, n_microbatches: int) -> Schedule:
         rank.run("W1", times=rank.left(1, W))
         rank.run("W0", times=rank.left(0, W))
         per_rank.append([a for a in rank.actions if a.microbatch < m])
-    return Schedule("zb_v", n_stages, p, m, v_stage_to_rank(p), tuple(map(tuple, per_rank)))
+    return Schedule("zb_v", num_stages, p, m, v_stage_to_rank(p), tuple(map(tuple, per_rank)))

@@ -1,0 +1,51 @@
+"""Old names keep working for a while, each with a DeprecationWarning that names the new one."""
+
+import pytest
+
+
+def test_the_old_program_path_still_works_and_says_where_it_went():
+    import importlib
+    import sys
+
+    sys.modules.pop("pipesplit.program", None)
+    with pytest.warns(DeprecationWarning, match="pipesplit.passes.split.program"):
+        old = importlib.import_module("pipesplit.program")
+    import pipesplit
+    assert old.SplitProgram is pipesplit.SplitProgram and old.Stage is pipesplit.Stage
+
+
+def test_the_old_count_names_still_work_and_say_the_new_ones(tmp_path):
+    """Counts are ``num_*`` across the API; the ``n_*`` keywords, attributes and schedule-file
+    headers of earlier releases keep working, each with a DeprecationWarning naming the new one."""
+    import torch
+
+    import pipesplit
+    from pipesplit.schedules import get_schedule, load_schedule
+
+    with pytest.warns(DeprecationWarning, match=r"get_schedule\(n_stages=..., n_ranks=..., n_microbatches=...\) is deprecated; call it num_stages=, num_ranks=, num_microbatches=\."):
+        old = get_schedule("1f1b", n_stages=2, n_ranks=2, n_microbatches=4)
+    new = get_schedule("1f1b", num_stages=2, num_ranks=2, num_microbatches=4)
+    assert old == new
+    with pytest.warns(DeprecationWarning, match=r"Schedule.n_microbatches is deprecated; read .num_microbatches"):
+        assert new.n_microbatches == 4
+    with pytest.raises(TypeError, match="got both n_microbatches= and num_microbatches="):
+        get_schedule("1f1b", num_stages=2, n_microbatches=4, num_microbatches=4)
+
+    path = tmp_path / "old.txt"
+    path.write_text("# name: mine\n# n_stages: 2\n# n_microbatches: 1\n0F0 0B0\n1F0 1B0\n")
+    loaded = load_schedule(path)
+    assert (loaded.num_stages, loaded.num_microbatches) == (2, 1)
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    prog = pipesplit.compile(model, torch.randn(4, 4), num_stages=2)
+    with pytest.warns(DeprecationWarning, match=r"Pipeline\(n_microbatches=...\) is deprecated"):
+        pipe = pipesplit.Pipeline(prog, "gpipe", n_microbatches=2)
+    assert pipe.num_microbatches == 2
+
+
+def test_a_star_import_does_not_shadow_the_builtin_compile():
+    namespace: dict = {}
+    exec("from pipesplit import *", namespace)
+    assert "compile" not in namespace and "Pipeline" in namespace
+    import pipesplit
+    assert callable(pipesplit.compile) and pipesplit.compile is not compile
