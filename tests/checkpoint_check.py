@@ -11,7 +11,6 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -19,10 +18,7 @@ import pipesplit  # noqa: E402
 from tests.close import assert_close  # noqa: E402
 from tests.zoo import CASE_BY_NAME  # noqa: E402
 from tests.launch import end_rank  # noqa: E402
-
-
-def ce(out, y):
-    return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+from tests.training import ce  # noqa: E402
 
 
 def pipe_for(stages, schedule, executor="auto"):

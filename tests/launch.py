@@ -9,11 +9,14 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def torchrun(script: str, nproc: int, *args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
-    """Run ``tests/<script>`` on ``nproc`` ranks; fails the calling test with the output if a rank failed."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           os.path.join(ROOT, "tests", script), *args]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+def torchrun(script: str, nproc: int, *args: str, timeout: float = 600,
+             as_user: bool = False) -> subprocess.CompletedProcess[str]:
+    """Run ``tests/<script>`` (or ``<dir>/<script>`` from the repository root) on ``nproc`` ranks; fails
+    the calling test with the output if a rank failed. ``as_user``: without the checkout on the path,
+    so the script sees the installed package only, as a user's would."""
+    path = os.path.join(ROOT, script if "/" in script else os.path.join("tests", script))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", path, *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1", **({} if as_user else {"PYTHONPATH": ROOT}))
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     return result

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import pipesplit
 from pipesplit.bench.predict import predict, shared_host, stage_seconds, weight_ops
@@ -22,13 +21,10 @@ from pipesplit.runtime.weight_grads import split_overhead_s
 from pipesplit.schedules import StageCost
 from pipesplit.schedules import schedule_info
 from tests.zoo import MLP
+from tests.training import mse
 
 STAGES, SCHEDULES, MICRO, COSTS = [2, 3], ["gpipe", "1f1b", "zb_h1", "zb_v"], [2, 4], ["flops", "uniform"]
 BATCH = 8
-
-
-def mse(out, target):
-    return F.mse_loss(out, target)
 
 
 @pytest.fixture(scope="module")

@@ -10,16 +10,12 @@ import sys
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import pipesplit
 from tests.close import assert_close, assert_grads_close
 from tests.launch import ROOT, torchrun
 from tests.zoo import CASE_BY_NAME
-
-
-def ce(out, y):
-    return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+from tests.training import ce
 
 
 def _gpt_pipe(model, stages, schedule="1f1b", **kw):

@@ -13,19 +13,12 @@ import pytest
 
 from tests import launch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = launch.ROOT
 SCRIPT = os.path.join(ROOT, "tests", "dist_check.py")
 pytestmark = pytest.mark.slow
 
 
-def torchrun(nproc: int, *args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", SCRIPT, *args]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
-
-
 def _ok(result: subprocess.CompletedProcess[str], nproc: int, schedules: list[str]) -> None:
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     for schedule in schedules:
         matched = set(re.findall(rf"rank (\d+)/{nproc}: \d+ parameters match over \d+ steps \({schedule}\)", result.stdout))
         assert matched == {str(r) for r in range(nproc)}, f"{schedule}: expected {nproc} ranks to report a match\n{result.stdout}"
@@ -38,17 +31,17 @@ def _ok(result: subprocess.CompletedProcess[str], nproc: int, schedules: list[st
 
 def test_two_ranks_every_schedule_with_tied_embeddings():
     schedules = ["gpipe", "1f1b", "zb_h1", "interleaved_1f1b", "looped_bfs", "zb_v"]
-    _ok(torchrun(2, "--schedule", ",".join(schedules), "--model", "gpt_tied"), 2, schedules)
+    _ok(launch.torchrun("dist_check.py", 2, "--schedule", ",".join(schedules), "--model", "gpt_tied"), 2, schedules)
 
 
 def test_four_ranks_gpt_and_skip_models():
     schedules = ["gpipe", "1f1b", "zb_h1"]
-    _ok(torchrun(4, "--schedule", ",".join(schedules), "--model", "gpt_tied"), 4, schedules)
-    _ok(torchrun(4, "--schedule", "1f1b", "--model", "long_skip", "--steps", "3"), 4, ["1f1b"])
+    _ok(launch.torchrun("dist_check.py", 4, "--schedule", ",".join(schedules), "--model", "gpt_tied"), 4, schedules)
+    _ok(launch.torchrun("dist_check.py", 4, "--schedule", "1f1b", "--model", "long_skip", "--steps", "3"), 4, ["1f1b"])
 
 
 def test_two_ranks_kwarg_first_used_in_the_last_stage():
-    _ok(torchrun(2, "--schedule", "1f1b,zb_v", "--model", "late_kwarg"), 2, ["1f1b", "zb_v"])
+    _ok(launch.torchrun("dist_check.py", 2, "--schedule", "1f1b,zb_v", "--model", "late_kwarg"), 2, ["1f1b", "zb_v"])
 
 
 def _free_port() -> int:
@@ -75,11 +68,7 @@ def test_a_dead_rank_makes_the_others_fail_naming_it():
 
 
 def test_torch_pipelining_runs_pipesplit_stages_exactly():
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           os.path.join(ROOT, "tests", "interop_check.py")]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
-    assert result.returncode == 0, result.stderr[-6000:]
+    result = launch.torchrun("interop_check.py", 2)
     for schedule in ("ScheduleGPipe", "Schedule1F1B"):
         matched = set(re.findall(rf"rank (\d+): \d+ gradients match under torch {schedule}", result.stdout))
         assert matched == {"0", "1"}, result.stdout
@@ -87,11 +76,7 @@ def test_torch_pipelining_runs_pipesplit_stages_exactly():
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zb_v"])  # zb_v: two stages per rank
 def test_example_training_script_lowers_the_loss(schedule):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           os.path.join(ROOT, "examples", "train_gpt.py"), "--steps", "16", "--schedule", schedule]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
-    assert result.returncode == 0, result.stderr[-6000:]
+    result = launch.torchrun("examples/train_gpt.py", 2, "--steps", "16", "--schedule", schedule, as_user=True)
     losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", result.stdout)]
     assert len(losses) >= 3, result.stdout
     assert losses[-1] < 0.8 * losses[0], f"the loss did not fall: {losses}"

@@ -8,28 +8,15 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
-import torch.utils._pytree as pytree
 
 import pipesplit
 from pipesplit.schedules import Schedule, list_schedules
 from tests.close import assert_close, assert_grads_close, assert_tree_close
+from tests.training import dot_loss, make_target
 from tests.zoo import CASE_BY_NAME
 
 SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zb_h1", "zb_v"]
 MULTI = {"interleaved_1f1b", "looped_bfs", "zb_v"}  # several stages per rank
-
-
-def dot_loss(out, target):
-    """A sum over every float output element times the matching target element."""
-    total = 0.0
-    for o, t in zip(pytree.tree_leaves(out), pytree.tree_leaves(target)):
-        if isinstance(o, torch.Tensor) and o.is_floating_point():
-            total = total + (o * t).sum()
-    return total
-
-
-def make_target(out):
-    return pytree.tree_map(lambda o: torch.randn_like(o) if isinstance(o, torch.Tensor) else o, out)
 
 
 def reference(model, args, kwargs, target):

@@ -6,15 +6,11 @@ import json
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import pipesplit
 from pipesplit.schedules import ActionKind
 from tests.zoo import MLP
-
-
-def mse(out, target):
-    return F.mse_loss(out, target)
+from tests.training import mse
 
 
 @pytest.fixture(scope="module")

@@ -7,11 +7,21 @@ from typing import Any, Callable
 
 import torch
 import torch.fx as fx
+import torch.nn.functional as F
 import torch.utils._pytree as pytree
 
 import pipesplit
 from pipesplit.rng import random_stream, stream_seed
 from tests.close import assert_close, assert_grads_close
+
+
+def ce(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy over every position of a language model's logits."""
+    return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+
+def mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(out, target)
 
 
 def dot_loss(out: Any, target: Any) -> torch.Tensor:
