@@ -14,6 +14,7 @@ start, so the loss should fall quickly.
 from __future__ import annotations
 
 import argparse
+import os
 from datetime import timedelta
 
 import torch
@@ -39,6 +40,8 @@ def main() -> None:
     parser.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
                         help="auto: cuda:LOCAL_RANK with NCCL when CUDA is available, else cpu with gloo")
     args = parser.parse_args()
+    if "RANK" not in os.environ:  # torchrun sets RANK, WORLD_SIZE and the rendezvous for each process
+        parser.error(f"start it with torchrun, one process per rank: torchrun --nproc-per-node 2 {__file__}")
 
     # cuda:LOCAL_RANK made current before the first collective (NCCL needs a GPU per rank), or cpu
     device = init_device({"auto": None, "cuda": "nccl", "cpu": "gloo"}[args.device])

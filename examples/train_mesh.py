@@ -13,6 +13,7 @@ plain model, can load them.
 from __future__ import annotations
 
 import argparse
+import os
 from datetime import timedelta
 
 import torch
@@ -39,6 +40,8 @@ def main() -> None:
     parser.add_argument("--save", default="", help="checkpoint folder to write at the end")
     parser.add_argument("--resume", default="", help="checkpoint folder to start from")
     args = parser.parse_args()
+    if "RANK" not in os.environ:  # torchrun sets RANK, WORLD_SIZE and the rendezvous for each process
+        parser.error(f"start it with torchrun, one process per rank: torchrun --nproc-per-node 4 {__file__}")
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     world = dist.get_world_size()

@@ -33,7 +33,7 @@ from pipesplit.passes.plan.planner import (
 from pipesplit.passes.plan.recompute import recomputable
 from pipesplit.passes.annotate.profile import profile_nodes
 from pipesplit.passes.split import check_devices, split_graph
-from pipesplit.options import Order, PlannerOptions, Recompute, planner_options
+from pipesplit.options import Order, PlannerOptions, Recompute, planner_options, refuse_mixing
 from pipesplit.plan import Plan
 from pipesplit.passes.split.program import SplitProgram
 from pipesplit.schedules import Schedule, resolve_schedule
@@ -90,6 +90,20 @@ def _gc_paused(fn: Callable[..., SplitProgram]) -> Callable[..., SplitProgram]:
     return paused
 
 
+def _one_way(fn: Callable[..., SplitProgram]) -> Callable[..., SplitProgram]:
+    """A planner keyword passed beside ``planner=`` is refused even at its default value (which
+    ``compile`` itself cannot tell from one left out): one of the two would be ignored."""
+
+    @functools.wraps(fn)
+    def checked(*args: Any, **kwargs: Any) -> SplitProgram:
+        if kwargs.get("planner") is not None:
+            refuse_mixing(kwargs)
+        return fn(*args, **kwargs)
+
+    return checked
+
+
+@_one_way
 @_gc_paused
 def compile(
     model: nn.Module,

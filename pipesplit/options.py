@@ -13,12 +13,12 @@ from __future__ import annotations
 import dataclasses
 import numbers
 from dataclasses import dataclass
-from typing import Any, Literal, Mapping
+from typing import Any, Iterable, Literal, Mapping
 
 from pipesplit.errors import PipesplitError, PlanError
 from pipesplit.passes.plan.objective import CommModel, MemoryModel
-from pipesplit.passes.plan.planner import ORDER_CHOICES, RECOMPUTE_CHOICES, CostSpec, check_choice
-from pipesplit.schedules import Schedule
+from pipesplit.passes.plan.planner import ORDER_CHOICES, RECOMPUTE_CHOICES, CostSpec, check_choice, cost_function
+from pipesplit.schedules import Schedule, schedule_info
 
 Recompute = Literal["auto", "never"]
 Order = Literal["auto", "program"]
@@ -94,23 +94,35 @@ class PlannerOptions:
             )
         check_choice("recompute", self.recompute, RECOMPUTE_CHOICES)
         check_choice("order", self.order, ORDER_CHOICES)
+        cost_function(self.cost)  # an unknown cost name fails here, not after the capture
+        if isinstance(self.schedule, str):
+            schedule_info(self.schedule)  # so does an unknown schedule
 
     def changed(self) -> list[str]:
         """The options set to something other than their defaults, in declaration order."""
         return [f.name for f in dataclasses.fields(self) if getattr(self, f.name) != f.default]
 
 
+PLANNER_KEYWORDS = tuple(f.name for f in dataclasses.fields(PlannerOptions))
+
+
 def planner_options(planner: PlannerOptions | None, **keywords: Any) -> PlannerOptions:
-    """``planner`` when given (and no planner keyword beside it), else the keywords as options."""
+    """``planner`` when given (and no planner keyword set beside it), else the keywords as options."""
     flat = PlannerOptions(**keywords)
     if planner is None:
         return flat
     if not isinstance(planner, PlannerOptions):
         raise PipesplitError(f"planner= takes a pipesplit.PlannerOptions, got {type(planner).__name__}.")
-    mixed = flat.changed()
+    refuse_mixing(flat.changed())
+    return planner
+
+
+def refuse_mixing(keywords: Iterable[str]) -> None:
+    """Planner ``keywords`` passed beside ``planner=`` are an error, even at their default values:
+    one of the two would be ignored."""
+    mixed = [name for name in PLANNER_KEYWORDS if name in set(keywords)]
     if mixed:
         raise PipesplitError(
             f"{', '.join(f'{n}=' for n in mixed)} given beside planner=: pass the planner's options one way. Put them "
             f"in the options (dataclasses.replace(planner, {mixed[0]}=...)) or drop planner=."
         )
-    return planner

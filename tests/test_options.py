@@ -65,6 +65,8 @@ def test_a_bad_keyword_fails_before_the_export_with_the_same_message(monkeypatch
 def test_options_and_keywords_cannot_be_mixed():
     with pytest.raises(PipesplitError, match=r"slack=, num_stages=|num_stages=, slack="):
         pipesplit.compile(_model(), torch.randn(4, 16), planner=PlannerOptions(num_stages=2), num_stages=2, slack=0.2)
+    with pytest.raises(PipesplitError, match=r"^slack= given beside planner="):  # at its default value, too
+        pipesplit.compile(_model(), torch.randn(4, 16), planner=PlannerOptions(slack=0.2), slack=0.05)
     with pytest.raises(PipesplitError, match="planner= takes a pipesplit.PlannerOptions, got dict"):
         pipesplit.compile(_model(), torch.randn(4, 16), planner={"num_stages": 2})  # type: ignore[arg-type]
 
@@ -72,3 +74,12 @@ def test_options_and_keywords_cannot_be_mixed():
 def test_planner_options_beside_a_fixed_split_are_refused_as_keywords_are():
     with pytest.raises(PlanError, match="slack= only steer the planner, and split_points= fixes the split"):
         pipesplit.compile(_model(), torch.randn(4, 16), split_points=["3"], planner=PlannerOptions(slack=0.2))
+
+
+def test_an_unknown_cost_or_schedule_fails_where_the_options_are_built():
+    from pipesplit.errors import CostError, ScheduleError
+
+    with pytest.raises(CostError, match="unknown cost 'flop'"):
+        PlannerOptions(cost="flop")
+    with pytest.raises(ScheduleError, match="1f1c"):
+        PlannerOptions(schedule="1f1c")

@@ -197,3 +197,13 @@ def test_test_dependencies_are_bounded_and_torch_is_not_pinned():
         assert ">=" in spec and "<" in spec.replace("<=", "<"), f"{spec}: give the test dependency a range"
     (torch_spec,) = [d for d in project["dependencies"] if d.startswith("torch")]
     assert torch_spec.startswith("torch>=") and not any(op in torch_spec for op in ("==", "<", "~=")), torch_spec
+
+
+def test_the_checkout_shadowing_an_installed_wheel_still_imports(venv):
+    """``pip install .`` then ``python -c 'import pipesplit'`` from the checkout's root: Python finds
+    the checkout's pipesplit/ first, which holds no passes/; it must find passes/ beside it."""
+    probe = "import pipesplit, pipesplit.passes.plan.partition as p; print(pipesplit.__file__); print(p.__file__)"
+    done = _run([str(venv / "bin" / "python"), "-c", probe], REPO)
+    assert done.returncode == 0, done.stderr
+    package, partition = (Path(line).resolve() for line in done.stdout.strip().splitlines()[-2:])
+    assert package == REPO / "pipesplit" / "__init__.py" and partition == REPO / "passes" / "plan" / "partition.py"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Union
@@ -121,8 +122,8 @@ def register_schedule(
                 f"A schedule named {name!r} is already registered ({_REGISTRY[name].fn!r}). Pick another "
                 "name, pass replace=True, or call unregister_schedule() first."
             )
-        doc = (fn.__doc__ or "").strip().splitlines()
-        _REGISTRY[name] = RegisteredSchedule(name, fn, constraints, doc[0] if doc else "")
+        summary = inspect.cleandoc(fn.__doc__ or "").split("\n\n")[0]  # the first paragraph, whole
+        _REGISTRY[name] = RegisteredSchedule(name, fn, constraints, " ".join(summary.split()))
         return fn
 
     return decorator
