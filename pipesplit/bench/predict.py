@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import weakref
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Collection, Sequence
 
 import numpy as np
 import torch
@@ -22,6 +22,7 @@ from pipesplit.passes.plan.step_planner import node_seconds
 from pipesplit.passes.split.program import SplitProgram
 from pipesplit.runtime.weight_grads import split_overhead_s, weight_graph
 from pipesplit.schedules import ActionKind, Schedule, StageCost, Timeline, simulate
+from pipesplit.schedules.shared import simulate_shared
 
 
 @dataclass(frozen=True)
@@ -29,7 +30,8 @@ class Prediction:
     """The cost model's view of one configuration (seconds are per microbatch unless named _step)."""
 
     costs: list[StageCost]
-    """Per stage forward, input-gradient and weight-gradient seconds of one microbatch."""
+    """Per stage forward, input-gradient and weight-gradient seconds of one microbatch, alone
+    (``timeline.stage_costs()``: as they run in the simulated step, sharing cores)."""
     comm: list[float]
     """Seconds to move one microbatch's boundary values across each cut (0 within a device)."""
     timeline: Timeline
@@ -134,15 +136,10 @@ def memory_estimate(prog: SplitProgram, schedule: Schedule, scale: float, memory
     return out
 
 
-def shared_host(prog: SplitProgram, schedule: Schedule, costs: list[StageCost]) -> list[StageCost]:
-    """Stage times as ranks that share this host's CPU run them: each CPU stage's slowed by
-    :func:`~pipesplit.passes.annotate.rates.concurrent_slowdown` of the ranks holding CPU stages."""
-    cpu_ranks = {schedule.stage_to_rank[s.index] for s in prog.stages if s.device.type == "cpu"}
-    factor = concurrent_slowdown(len(cpu_ranks))
-    if factor == 1.0:
-        return costs
-    return [StageCost(c.forward * factor, c.backward_input * factor, c.backward_weight * factor)
-            if s.device.type == "cpu" else c for c, s in zip(costs, prog.stages)]
+def cpu_ranks(prog: SplitProgram, schedule: Schedule) -> set[int]:
+    """The ranks holding CPU stages: as threads of one process (the local executor) they share
+    this host's cores."""
+    return {schedule.stage_to_rank[s.index] for s in prog.stages if s.device.type == "cpu"}
 
 
 _WEIGHT_OPS: "weakref.WeakKeyDictionary[torch.nn.Module, int]" = weakref.WeakKeyDictionary()
@@ -173,21 +170,28 @@ def predict(
 ) -> Prediction:
     """The cost model's prediction for running ``prog`` under ``schedule`` on batches of ``batch``.
 
-    ``local``: the ranks are threads of this process (the local executor), so CPU stages of
-    different ranks share this host's cores (:func:`shared_host`)."""
+    ``costs`` are each stage's seconds alone. ``local``: the ranks are threads of this process
+    (the local executor), so the ranks holding CPU stages share this host's cores: while ``n``
+    of them compute, each runs :func:`~pipesplit.passes.annotate.rates.concurrent_slowdown`
+    ``(n)`` times slower (:func:`~pipesplit.schedules.shared.simulate_shared`); the timeline's
+    :meth:`~pipesplit.schedules.Timeline.stage_costs` are the stage times as they ran so."""
     m = schedule.num_microbatches
     example = prog.example_batch or batch
     scale = (batch / m) / example
     costs = split_backward(prog, schedule, stage_seconds(prog, cost, scale))
-    costs = shared_host(prog, schedule, costs) if local else costs
-    comm_s, timeline = step_timeline(prog, schedule, costs, batch, comm or CommModel())
+    shared = cpu_ranks(prog, schedule) if local else set()
+    comm_s, timeline = step_timeline(prog, schedule, costs, batch, comm or CommModel(), shared=shared)
     mem = memory_estimate(prog, schedule, scale, memory or MemoryModel(optimizer_factor=0.0))
     return Prediction(costs, comm_s, timeline, mem)
 
 
 def step_timeline(prog: SplitProgram, schedule: Schedule, costs: Sequence[StageCost], batch: int,
-                  comm: CommModel) -> tuple[list[float], Timeline]:
-    """``schedule``'s step over ``prog``'s stages at ``costs`` (predicted or measured), with the
-    seconds each cut takes to carry a microbatch of a ``batch``: (those seconds, the timeline)."""
+                  comm: CommModel, *, shared: Collection[int] = ()) -> tuple[list[float], Timeline]:
+    """``schedule``'s step over ``prog``'s stages at ``costs`` (predicted or measured, alone), with
+    the seconds each cut takes to carry a microbatch of a ``batch``: (those seconds, the timeline).
+    Two or more ``shared`` ranks share this host's cores (:func:`predict`)."""
     comm_s = cut_seconds(prog, batch, schedule.num_microbatches, comm)
+    if len(shared) > 1:
+        return comm_s, simulate_shared(schedule, list(costs), comm_s if comm_s else 0.0,
+                                       slowdown=concurrent_slowdown, shared=shared)
     return comm_s, simulate(schedule, list(costs), comm_cost=comm_s if comm_s else 0.0)

@@ -156,9 +156,10 @@ class BenchmarkResult:
             out.append(f"up to {r.num_ranks} ranks run as threads of one process on the CPU"
                        + (f", {r.num_ranks} x {threads} torch thread(s) on {cores} core(s)" if over else "")
                        + ": they contend for the cores and for Python's GIL between ops. The prediction slows "
-                       "their stages by what that many threads running matrix multiplies at once measured here "
-                       f"(x{concurrent_slowdown(r.num_ranks):.2f} for {r.num_ranks}), not for the GIL, so read those "
-                       "rows for balance and bubbles, not for the step time a device per stage would give.")
+                       "each action by how many ranks compute beside it, as that many threads running matrix "
+                       f"multiplies at once measured here (x{concurrent_slowdown(r.num_ranks):.2f} for "
+                       f"{r.num_ranks}), not for the GIL or the OS's time slices, so read those rows for balance "
+                       "and bubbles, not for the step time a device per stage would give.")
         wide = [r for r in self.rows if r.measured_step_spread_s > 0.1 * r.measured_step_s]
         if wide:
             out.append(f"{len(wide)} of {len(self.rows)} rows spread more than ±10% over their repeats ("

@@ -122,8 +122,9 @@ def _row(prog: SplitProgram, pipe: Pipeline, cost_name: str, batch: int, pred: P
     k, sched = prog.num_stages, pipe.schedule
     measured = tr.stage_costs()
     fwd, bwd = [c.forward for c in measured], [c.backward for c in measured]
-    pf = [c.forward for c in pred.costs]
-    pb = [c.backward for c in pred.costs]
+    ran = pred.timeline.stage_costs()  # as the simulated step ran them, ranks sharing cores
+    pf = [c.forward for c in ran]
+    pb = [c.backward for c in ran]
     top, balance = _balance([f + b for f, b in zip(fwd, bwd)])
     ptop, pbalance = _balance([f + b for f, b in zip(pf, pb)])
     step = statistics.median(times)

@@ -128,16 +128,10 @@ class Trace:
         """Per stage, the median seconds of its traced F, I and W: the stage costs as the pipeline
         ran them (:func:`~pipesplit.runtime.measure.measure_stage_costs` times them in isolation).
 
-        A backward that ran fused (``B``) is reported whole as ``backward_input`` (the trace
-        cannot part it), so ``.backward`` is right either way; a kind that never ran counts 0.
+        Over every traced step; a fused backward (``B``) counts as ``backward_input``
+        (:meth:`~pipesplit.schedules.StageCost.of_spans`).
         """
-        out = []
-        for s in range(self.schedule.num_stages):
-            full = self.median(s, "B")
-            i = full if full is not None else self.median(s, "I") or 0.0
-            w = 0.0 if full is not None else self.median(s, "W") or 0.0
-            out.append(StageCost(self.median(s, "F") or 0.0, i, w))
-        return out
+        return StageCost.of_spans(self.schedule.num_stages, ((r.action, r.compute) for r in self.records))
 
     def to_chrome(self, path: str | os.PathLike[str] | None = None) -> dict[str, Any]:
         """The trace in Chrome's trace-event format (chrome://tracing, https://ui.perfetto.dev).

@@ -22,7 +22,8 @@ from pipesplit.schedules.registry import (
     unregister_schedule,
 )
 from pipesplit.schedules.schedule import Schedule, with_communication
-from pipesplit.schedules.simulate import StageCost, simulate
+from pipesplit.schedules.costs import StageCost
+from pipesplit.schedules.simulate import simulate
 from pipesplit.schedules.timeline import TimedAction, Timeline
 from pipesplit.schedules.torch_format import from_torch_actions, from_torch_csv, to_torch_actions, to_torch_csv
 from pipesplit.schedules.validate import validate

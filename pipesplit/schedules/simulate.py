@@ -4,56 +4,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Union
 
 from pipesplit.errors import ScheduleError
-from pipesplit.schedules.actions import Action, ActionKind
-from pipesplit.schedules.execute import execute
+from pipesplit.schedules.actions import Action
+from pipesplit.schedules.costs import StageCost
+from pipesplit.schedules.execute import Transfer, execute
 from pipesplit.schedules.schedule import Schedule
 from pipesplit.schedules.timeline import Timeline, TimedAction
 from pipesplit.schedules.validate import validate
-
-
-@dataclass(frozen=True)
-class StageCost:
-    """Compute time of one stage for one microbatch, in seconds (or any consistent unit).
-
-    >>> StageCost(1.0, 1.0, 1.0).backward
-    2.0
-    """
-
-    forward: float
-    """Forward pass F."""
-    backward_input: float
-    """Input-gradient pass I."""
-    backward_weight: float
-    """Weight-gradient pass W; a full backward B costs I + W."""
-
-    def __post_init__(self) -> None:
-        for field in ("forward", "backward_input", "backward_weight"):
-            value = getattr(self, field)
-            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-                raise ScheduleError(f"StageCost.{field} must be a finite number >= 0, got {value!r}.")
-
-    @property
-    def backward(self) -> float:
-        """Full backward B = I + W."""
-        return self.backward_input + self.backward_weight
-
-    @classmethod
-    def from_forward(cls, forward: float) -> StageCost:
-        """The usual rule of thumb: backward = 2 x forward, split evenly into I and W."""
-        return cls(forward, forward, forward)
-
-    def of(self, kind: ActionKind) -> float:
-        """Duration of an action of ``kind`` (communication actions take no compute time)."""
-        return {
-            ActionKind.FORWARD: self.forward,
-            ActionKind.FULL_BACKWARD: self.backward,
-            ActionKind.BACKWARD_INPUT: self.backward_input,
-            ActionKind.BACKWARD_WEIGHT: self.backward_weight,
-        }.get(kind, 0.0)
 
 
 CostLike = Union[float, int, StageCost]
@@ -95,16 +54,13 @@ def simulate(
             f"overlapped), got {overlap!r}."
         )
     validate(schedule)
-    costs = _stage_costs(schedule, stage_costs)
-    cuts = _cut_costs(schedule, comm_cost)
+    costs = stage_costs_of(schedule, stage_costs)
+    cuts = cut_costs(schedule, comm_cost)
 
     def duration(action: Action) -> float:
         return costs[action.stage].of(action.kind)
 
-    def transfer(dep: Action, action: Action) -> float:
-        if dep.stage == action.stage or not schedule.crosses_ranks(dep.stage, action.stage):
-            return 0.0
-        return cuts[min(dep.stage, action.stage)]
+    transfer = transfers(schedule, cuts)
 
     def paired(forward: Action, backward: Action) -> float:
         a, b = duration(forward), duration(backward)
@@ -115,7 +71,19 @@ def simulate(
     return Timeline(schedule, events)
 
 
-def _stage_costs(schedule: Schedule, stage_costs: CostLike | Sequence[CostLike]) -> tuple[StageCost, ...]:
+def transfers(schedule: Schedule, cuts: Sequence[float]) -> Transfer:
+    """The delay from a dependency's end to an action's use of it: the cut's cost between
+    stages on different ranks, nothing within a rank."""
+
+    def transfer(dep: Action, action: Action) -> float:
+        if dep.stage == action.stage or not schedule.crosses_ranks(dep.stage, action.stage):
+            return 0.0
+        return cuts[min(dep.stage, action.stage)]
+
+    return transfer
+
+
+def stage_costs_of(schedule: Schedule, stage_costs: CostLike | Sequence[CostLike]) -> tuple[StageCost, ...]:
     items = (
         [stage_costs] * schedule.num_stages
         if isinstance(stage_costs, (int, float, StageCost))
@@ -140,7 +108,7 @@ def _stage_costs(schedule: Schedule, stage_costs: CostLike | Sequence[CostLike])
     return tuple(out)
 
 
-def _cut_costs(schedule: Schedule, comm_cost: float | Sequence[float]) -> tuple[float, ...]:
+def cut_costs(schedule: Schedule, comm_cost: float | Sequence[float]) -> tuple[float, ...]:
     num_cuts = schedule.num_stages - 1
     items = [comm_cost] * num_cuts if isinstance(comm_cost, (int, float)) else list(comm_cost)
     if len(items) != num_cuts:

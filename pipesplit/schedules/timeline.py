@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -9,6 +10,7 @@ from typing import Any, NamedTuple
 
 from pipesplit.errors import ScheduleError
 from pipesplit.schedules.actions import Action, ActionKind
+from pipesplit.schedules.costs import StageCost
 from pipesplit.schedules.schedule import Schedule
 
 _RELEASES = (ActionKind.FULL_BACKWARD, ActionKind.BACKWARD_WEIGHT)
@@ -57,6 +59,13 @@ class Timeline:
         """Idle share of all rank-time: 1 - sum(busy) / (num_ranks x step_time)."""
         total = self.schedule.num_ranks * self.step_time
         return 0.0 if total == 0 else 1.0 - sum(self.busy) / total
+
+    def stage_costs(self) -> list[StageCost]:
+        """Per stage, the mean span of its F, I and W actions in this timeline: what an action
+        took as simulated (or as traced, for a :meth:`~pipesplit.runtime.trace.Trace.timeline`).
+        Means, so that a stage's microbatches times its F + B is the time it computed."""
+        spans = ((e.action, e.end - e.start) for rank in self.events for e in rank if e.action.is_compute)
+        return StageCost.of_spans(self.schedule.num_stages, spans, statistics.fmean)
 
     @cached_property
     def peak_activations(self) -> tuple[int, ...]:
