@@ -11,6 +11,11 @@ The baseline each row is read against is the cost model's own prediction for tha
 split and schedule (the ``meas/pred`` column), plus the plain model's training step on
 the same batch, timed in the same run (the ``vs plain`` figure under the table).
 
+The prediction simulates rank threads that share this host's cores action by action
+(processor sharing: while n ranks compute, each runs at the slowdown measured for n threads).
+Its baseline, computed from the same rows against the same measured steps, is the model it
+replaced: every CPU stage slowed by the slowdown of all the ranks at once ("all busy").
+
 One intra-op thread by default (``--torch-threads``): the local executor runs one
 thread per rank, and on a shared 2-core VM OpenMP's spin-waiting makes two-thread
 timings swing by up to 5x.
@@ -19,10 +24,12 @@ timings swing by up to 5x.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import sys
 import time
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +38,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import emit, header, markdown_table  # noqa: E402
 
 import pipesplit  # noqa: E402
+from pipesplit.bench.predict import cpu_ranks  # noqa: E402
 from pipesplit.models import gpt  # noqa: E402
+from pipesplit.passes.annotate.rates import concurrent_slowdown  # noqa: E402
+from pipesplit.schedules import StageCost, simulate  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -51,6 +61,21 @@ def plain_step_s(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, warmu
             times.append(time.perf_counter() - start)
     model.zero_grad(set_to_none=True)
     return statistics.median(times)
+
+
+def all_busy_step_s(detail: Any) -> float:
+    """The replaced model's step: every CPU stage slowed by the slowdown of all its ranks at once."""
+    prog, schedule, pred = detail.program, detail.trace.schedule, detail.prediction
+    f = concurrent_slowdown(len(cpu_ranks(prog, schedule)))
+    costs = [StageCost(c.forward * f, c.backward_input * f, c.backward_weight * f) if s.device.type == "cpu" else c
+             for c, s in zip(pred.costs, prog.stages)]
+    return simulate(schedule, costs, comm_cost=pred.comm if pred.comm else 0.0).step_time
+
+
+def spread(ratios: list[float]) -> str:
+    """Range and median |log| of meas/pred ratios: how far the predictions are, either way."""
+    far = statistics.median(abs(math.log(r)) for r in ratios)
+    return f"{min(ratios):.2f}–{max(ratios):.2f}, median {math.exp(far):.2f}× off"
 
 
 def csv_ints(text: str) -> list[int]:
@@ -116,6 +141,19 @@ def main(argv: list[str] | None = None) -> None:
         emit(f"Skipped {what}: {why}")
     for warning in res.warnings:
         emit(f"**Warning:** {warning}")
+    emit()
+    emit("Prediction models against the same measured steps (meas/pred):")
+    emit()
+    rows = []
+    for k in sorted({r.num_stages for r in res.rows}):
+        for cost in args.cost:
+            mine = [(r, d) for r, d in zip(res.rows, res.details) if r.num_stages == k and r.cost == cost]
+            if mine:
+                shared = [r.measured_step_s / r.predicted_step_s for r, _ in mine]
+                busy = [r.measured_step_s / all_busy_step_s(d) for r, d in mine]
+                rows.append([k, cost, len(mine), spread(shared), spread(busy)])
+    emit(markdown_table(["stages", "cost", "rows", "processor sharing (the prediction)", "all busy (replaced)"],
+                        rows, "llrll"))
     emit()
     emit(f"![step times and bubbles]({rel['overview']})")
     emit()
