@@ -2,14 +2,26 @@
 
 import importlib.util as _importlib_util
 import os as _os
+import sys as _sys
 
 # In a source checkout `passes/` sits beside `pipesplit/`; an install maps it to pipesplit.passes.
-# Python run from the checkout's root finds this folder before an installed (non-editable)
-# pipesplit, and the folder alone has no `passes`: look for it beside, as the install would.
-if _importlib_util.find_spec("pipesplit.passes") is None:
-    _root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
-    if _os.path.isfile(_os.path.join(_root, "passes", "__init__.py")):
-        __path__.append(_root)
+_beside = _os.path.join(_os.path.dirname(_os.path.dirname(_os.path.realpath(__file__))), "passes")
+if _os.path.isfile(_os.path.join(_beside, "__init__.py")):  # imported from a source checkout
+    _found = _importlib_util.find_spec("pipesplit.passes")
+    if _found is None:
+        # Python run from the checkout's root finds this folder before an installed (non-editable)
+        # pipesplit, and the folder holds no passes/: take the checkout's own, as the install would.
+        _spec = _importlib_util.spec_from_file_location(
+            "pipesplit.passes", _os.path.join(_beside, "__init__.py"), submodule_search_locations=[_beside])
+        assert _spec is not None and _spec.loader is not None
+        passes = _importlib_util.module_from_spec(_spec)
+        _sys.modules["pipesplit.passes"] = passes
+        _spec.loader.exec_module(passes)
+    elif _found.origin and not _os.path.realpath(_found.origin).startswith(_beside + _os.sep):
+        raise ImportError(
+            f"pipesplit was imported from {_os.path.dirname(_beside)} but pipesplit.passes would come from "
+            f"{_os.path.dirname(_os.path.dirname(_found.origin))}: another checkout is installed in editable mode. "
+            "Run Python outside this checkout, or `pip install -e .` here.")
 
 from pipesplit.api import compile as compile  # re-exported for type checkers; see __all__
 from pipesplit.bench import BenchmarkResult, BenchRow

@@ -37,6 +37,7 @@ from pipesplit.options import Order, PlannerOptions, Recompute, planner_options,
 from pipesplit.plan import Plan
 from pipesplit.passes.split.program import SplitProgram
 from pipesplit.schedules import Schedule, resolve_schedule
+from pipesplit.deprecation import num_keywords
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +104,7 @@ def _one_way(fn: Callable[..., SplitProgram]) -> Callable[..., SplitProgram]:
     return checked
 
 
+@num_keywords  # outermost: an old n_* keyword is renamed before the checks below see it
 @_one_way
 @_gc_paused
 def compile(

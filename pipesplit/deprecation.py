@@ -33,7 +33,7 @@ def renamed_keywords(**renames: str) -> Callable[[F], F]:
     def wrap(fn: F) -> F:
         @functools.wraps(fn)
         def inner(*args: Any, **kwargs: Any) -> Any:
-            used = [(old, new) for old, new in renames.items() if old in kwargs]
+            used = [(old, renames[old]) for old in kwargs if old in renames]  # in the caller's order
             if used:
                 name = fn.__qualname__.replace(".__init__", "")
                 for old, new in used:

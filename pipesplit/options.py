@@ -19,6 +19,7 @@ from pipesplit.errors import PipesplitError, PlanError
 from pipesplit.passes.plan.objective import CommModel, MemoryModel
 from pipesplit.passes.plan.planner import ORDER_CHOICES, RECOMPUTE_CHOICES, CostSpec, check_choice, cost_function
 from pipesplit.schedules import Schedule, schedule_info
+from pipesplit.deprecation import num_keywords
 
 Recompute = Literal["auto", "never"]
 Order = Literal["auto", "program"]
@@ -102,6 +103,8 @@ class PlannerOptions:
         """The options set to something other than their defaults, in declaration order."""
         return [f.name for f in dataclasses.fields(self) if getattr(self, f.name) != f.default]
 
+
+PlannerOptions.__init__ = num_keywords(PlannerOptions.__init__)  # type: ignore[method-assign]  # n_* until 0.3
 
 PLANNER_KEYWORDS = tuple(f.name for f in dataclasses.fields(PlannerOptions))
 

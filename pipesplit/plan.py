@@ -9,6 +9,7 @@ from typing import Any
 
 from pipesplit.errors import PlanError
 from pipesplit.units import format_cost
+from pipesplit.deprecation import NUM_RENAMES, num_keywords, renamed_attribute
 
 PLAN_VERSION = 1
 
@@ -43,6 +44,8 @@ class Plan:
     # "dynamic" (a dynamic batch: dynamic_batch=True, or a program generalised); a saved plan without
     # the field predates static capture, so it loads as "dynamic"
     capture: str = "static"
+
+    n_microbatches = renamed_attribute("n_microbatches", "num_microbatches")
 
     @property
     def num_stages(self) -> int:
@@ -97,6 +100,9 @@ class Plan:
         version = data.pop("version", PLAN_VERSION)
         if version != PLAN_VERSION:
             raise PlanError(f"plan version {version} is not supported (this pipesplit reads version {PLAN_VERSION}).")
+        for old, new in NUM_RENAMES.items():  # plans saved before 0.2 say n_microbatches
+            if old in data and new not in data:
+                data[new] = data.pop(old)
         known = set(cls.__dataclass_fields__)
         unknown = sorted(set(data) - known)
         if unknown:
@@ -116,3 +122,6 @@ class Plan:
     def load(cls, path: str | os.PathLike[str]) -> "Plan":
         with open(path) as f:
             return cls.from_json(f.read())
+
+
+Plan.__init__ = num_keywords(Plan.__init__)  # type: ignore[method-assign]  # Plan(n_microbatches=...) until 0.3

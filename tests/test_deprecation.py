@@ -49,3 +49,38 @@ def test_a_star_import_does_not_shadow_the_builtin_compile():
     assert "compile" not in namespace and "Pipeline" in namespace
     import pipesplit
     assert callable(pipesplit.compile) and pipesplit.compile is not compile
+
+
+def test_plans_saved_before_the_rename_still_load_and_every_constructor_takes_the_old_names():
+    import dataclasses
+    import json
+
+    import torch
+
+    import pipesplit
+    from pipesplit.runtime.measure import measure_stage_costs
+    from pipesplit.schedules import Schedule, get_schedule
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    x = torch.randn(4, 4)
+    with pytest.warns(DeprecationWarning, match=r"compile\(n_microbatches=..., n_ranks=...\) is deprecated"):
+        prog = pipesplit.compile(model, x, num_stages=2, schedule="1f1b", n_microbatches=2, n_ranks=2, progress=False)
+    assert prog.plan.num_microbatches == 2
+    saved = json.loads(prog.plan.to_json())
+    saved["n_microbatches"] = saved.pop("num_microbatches")  # as 0.1 wrote it
+    loaded = pipesplit.Plan.from_json(json.dumps(saved))
+    assert loaded.num_microbatches == 2 and loaded.stages == prog.plan.stages
+    with pytest.warns(DeprecationWarning, match=r"Plan.n_microbatches is deprecated"):
+        assert loaded.n_microbatches == 2
+    with pytest.warns(DeprecationWarning, match=r"PlannerOptions\(n_microbatches=...\) is deprecated"):
+        assert pipesplit.PlannerOptions(schedule="1f1b", n_microbatches=8).num_microbatches == 8
+    s = get_schedule("gpipe", num_stages=2, num_microbatches=2)
+    with pytest.warns(DeprecationWarning, match=r"Schedule\(n_stages=..., n_microbatches=...\) is deprecated"):
+        again = Schedule(s.name, n_stages=2, num_ranks=2, n_microbatches=2, stage_to_rank=s.stage_to_rank,
+                         actions=s.actions)
+    assert again == s
+    with pytest.raises(TypeError):  # replace() passes every field by its new name: the old one would be a second value
+        dataclasses.replace(s, n_microbatches=2)
+    with pytest.warns(DeprecationWarning, match=r"measure_stage_costs\(n_microbatches=...\)"):
+        costs = measure_stage_costs(prog, x, n_microbatches=2, repeats=1, warmup=0)
+    assert len(costs) == 2

@@ -207,3 +207,21 @@ def test_the_checkout_shadowing_an_installed_wheel_still_imports(venv):
     assert done.returncode == 0, done.stderr
     package, partition = (Path(line).resolve() for line in done.stdout.strip().splitlines()[-2:])
     assert package == REPO / "pipesplit" / "__init__.py" and partition == REPO / "passes" / "plan" / "partition.py"
+
+
+def test_a_checkout_next_to_another_editable_install_says_so(tmp_path):
+    """Python run from the root of checkout B, while checkout A is installed in editable mode, would
+    take B's pipesplit and A's passes: a clear ImportError instead of a silent mix."""
+    import shutil
+
+    other = tmp_path / "other"
+    shutil.copytree(REPO / "pipesplit", other / "pipesplit")
+    shutil.copytree(REPO / "passes", other / "passes")
+    done = _run([sys.executable, "-c", "import pipesplit"], other)
+    editable = done.returncode != 0 or "Traceback" in done.stderr
+    if not editable:  # this interpreter has no editable pipesplit (a wheel, or none): the checkout is used whole
+        probe = "import pipesplit.passes as p; print(p.__file__)"
+        again = _run([sys.executable, "-c", probe], other)
+        assert again.returncode == 0 and Path(again.stdout.strip()).resolve().parent == (other / "passes").resolve()
+        return
+    assert "another checkout is installed in editable mode" in done.stderr, done.stderr

@@ -15,6 +15,7 @@ from torch import nn
 from pipesplit.capture import StateEntry
 from pipesplit.errors import InputError
 from pipesplit.state import Tied, zero_grads
+from pipesplit.deprecation import renamed_attribute
 
 
 class ProgramState:
@@ -78,6 +79,8 @@ class ProgramState:
             if len(stages) > 1:
                 out[self._state[idx].name] = stages
         return out
+
+    n_state_entries = renamed_attribute("n_state_entries", "num_state_entries")
 
     @property
     def num_state_entries(self) -> int:

@@ -11,11 +11,15 @@ from typing import Any, Sequence
 
 from pipesplit.errors import PipesplitError
 from pipesplit.units import human_bytes
+from pipesplit.deprecation import renamed_attribute
 
 
 @dataclass(frozen=True)
 class BenchRow:
     """Figures of one configuration. Per-stage lists are seconds of one microbatch."""
+
+    n_microbatches = renamed_attribute("n_microbatches", "num_microbatches")
+    n_ranks = renamed_attribute("n_ranks", "num_ranks")
 
     num_stages: int
     schedule: str

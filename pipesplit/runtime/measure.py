@@ -42,6 +42,7 @@ from pipesplit.passes.split.program import SplitProgram
 from pipesplit.runtime.microbatch import batch_size, split_microbatches, split_target
 from pipesplit.runtime.weight_grads import input_grads, weight_backward, weight_graph
 from pipesplit.schedules import StageCost
+from pipesplit.deprecation import num_keywords
 
 __all__ = ["measure_stage_costs"]
 
@@ -78,6 +79,7 @@ def _reduce(samples: Sequence[float], how: str) -> float:
     return min(samples) if how == "min" else statistics.median(samples)
 
 
+@num_keywords  # n_microbatches= must not fall into **example_kwargs
 def measure_stage_costs(
     prog: SplitProgram,
     *example_args: Any,

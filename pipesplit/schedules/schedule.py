@@ -166,6 +166,9 @@ def _normalise_pairs(name: str, pairs: object) -> tuple[tuple[Action, Action], .
     return tuple(sorted(items))
 
 
+Schedule.__init__ = num_keywords(Schedule.__init__)  # type: ignore[method-assign]  # Schedule(n_stages=...) until 0.3
+
+
 def _infer_stage_to_rank(name: str, lists: list[list[Action]], num_stages: int) -> tuple[int, ...]:
     owner: dict[int, int] = {}
     for rank, actions in enumerate(lists):

@@ -51,6 +51,10 @@ def simulate_shared(
     validate(schedule)
     costs = stage_costs_of(schedule, stage_costs)
     sharing = set(range(schedule.num_ranks) if shared is None else shared)
+    outside = sorted(r for r in sharing if not (isinstance(r, int) and 0 <= r < schedule.num_ranks))
+    if outside:
+        raise ScheduleError(f"simulate_shared: shared ranks {outside} are not ranks of {schedule.name!r} "
+                            f"(0..{schedule.num_ranks - 1}).")
     backward_of = backward_index(schedule)
     num_ranks = schedule.num_ranks
 
