@@ -99,10 +99,6 @@ class PlannerOptions:
         if isinstance(self.schedule, str):
             schedule_info(self.schedule)  # so does an unknown schedule
 
-    def changed(self) -> list[str]:
-        """The options set to something other than their defaults, in declaration order."""
-        return [f.name for f in dataclasses.fields(self) if getattr(self, f.name) != f.default]
-
 
 PlannerOptions.__init__ = num_keywords(PlannerOptions.__init__)  # type: ignore[method-assign]  # n_* until 0.3
 
@@ -110,20 +106,20 @@ PLANNER_KEYWORDS = tuple(f.name for f in dataclasses.fields(PlannerOptions))
 
 
 def planner_options(planner: PlannerOptions | None, **keywords: Any) -> PlannerOptions:
-    """``planner`` when given (and no planner keyword set beside it), else the keywords as options."""
-    flat = PlannerOptions(**keywords)
+    """``planner`` when given, else the keywords as options. A planner keyword passed beside
+    ``planner`` is refused before this, where the keywords passed are known (:func:`refuse_mixing`)."""
     if planner is None:
-        return flat
+        return PlannerOptions(**keywords)
     if not isinstance(planner, PlannerOptions):
         raise PipesplitError(f"planner= takes a pipesplit.PlannerOptions, got {type(planner).__name__}.")
-    refuse_mixing(flat.changed())
     return planner
 
 
 def refuse_mixing(keywords: Iterable[str]) -> None:
     """Planner ``keywords`` passed beside ``planner=`` are an error, even at their default values:
     one of the two would be ignored."""
-    mixed = [name for name in PLANNER_KEYWORDS if name in set(keywords)]
+    given = set(keywords)
+    mixed = [name for name in PLANNER_KEYWORDS if name in given]
     if mixed:
         raise PipesplitError(
             f"{', '.join(f'{n}=' for n in mixed)} given beside planner=: pass the planner's options one way. Put them "
