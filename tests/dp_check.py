@@ -6,7 +6,9 @@
 - ``frozen_tied``: a frozen tied weight stays put under AdamW's weight decay, its ``.grad`` None,
   every other parameter as on the plain model trained by accumulation.
 - ``bn_stats``: BatchNorm running statistics on every replica equal accumulation over the global
-  batch's microbatches, in order; a checkpoint holds them; a buffer pipesplit cannot combine is
+  batch's microbatches, in order (1f1b, and zb_v with two stages per rank); a checkpoint holds them
+  and loads them into the plain model and into a pipeline on the mesh.
+- ``bn_refused``: a buffer written in place in a way pipesplit cannot combine across replicas is
   refused when the Pipeline is built.
 - ``gather``: ``pipe(x)`` and ``pipe.eval(x)`` return the whole global batch's output, as the
   plain model does.
@@ -128,11 +130,16 @@ class Halving(nn.Module):
 
 
 def bn_stats(mesh):
+    for schedule, stages in (("1f1b", 2), ("zb_v", 4)):  # zb_v: two stages per rank, split backward
+        bn_steps(mesh, schedule, stages)
+
+
+def bn_steps(mesh, schedule, stages):
     torch.manual_seed(0)
     model = BNNet()
     ref = copy.deepcopy(model)
-    prog = pipesplit.compile(model, torch.randn(4, 6), num_stages=2, progress=False)
-    pipe = pipesplit.Pipeline(prog, "1f1b", num_microbatches=M, loss_fn=mse, mesh=mesh, timeout=60)
+    prog = pipesplit.compile(model, torch.randn(4, 6), num_stages=stages, progress=False)
+    pipe = pipesplit.Pipeline(prog, schedule, num_microbatches=M, loss_fn=mse, mesh=mesh, timeout=60)
     opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
     opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
     gen = torch.Generator().manual_seed(5)
@@ -142,13 +149,13 @@ def bn_stats(mesh):
         n = 2 * M
         want = sum(mse(ref(xm), ym) / n for xm, ym in zip(x.chunk(n), y.chunk(n)))
         want.backward()
-        assert_close(loss.float(), want.detach(), name=f"loss at step {step}")
+        assert_close(loss.float(), want.detach(), name=f"{schedule}: loss at step {step}")
         opt.step(), opt_ref.step()
         opt.zero_grad(), opt_ref.zero_grad()
         ref_buffers = dict(ref.named_buffers())
         for name, t in pipe.prog.named_buffers():
-            assert_close(t, ref_buffers[name], name=f"step {step}: {name}")
-        agree(pipe, f"after step {step}")
+            assert_close(t, ref_buffers[name], name=f"{schedule} step {step}: {name}")
+        agree(pipe, f"{schedule}: after step {step}")
     path = [tempfile.mkdtemp(prefix="pipesplit-dp-bn-") if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(path, src=0)
     pipe.save(path[0])
@@ -159,8 +166,17 @@ def bn_stats(mesh):
         sd = BNNet().state_dict()
         dcp.load({"model": sd}, checkpoint_id=path[0], no_dist=True)
         for name, t in ref.state_dict().items():
-            assert_close(sd[name], t, name=f"checkpoint: {name}")
+            assert_close(sd[name], t, name=f"{schedule} checkpoint: {name}")
     dist.barrier()
+    other = pipesplit.Pipeline(pipesplit.compile(BNNet(), torch.randn(4, 6), num_stages=2, progress=False),
+                               "1f1b", num_microbatches=M, loss_fn=mse, mesh=mesh, timeout=60)
+    other.load(path[0])  # and a pipeline on the mesh, every replica
+    ref_state = ref.state_dict()
+    for name, t in other.prog.named_buffers():
+        assert_close(t, ref_state[name], name=f"{schedule} loaded: {name}")
+
+
+def bn_refused(mesh):
     try:
         pipesplit.Pipeline(pipesplit.compile(nn.Sequential(nn.Linear(6, 6), Halving()), torch.randn(4, 6),
                                              num_stages=2, progress=False),
@@ -188,7 +204,8 @@ def gather(mesh):
         assert got is None and got_eval is None
 
 
-CHECKS = {"tied_init": tied_init, "frozen_tied": frozen_tied, "bn_stats": bn_stats, "gather": gather}
+CHECKS = {"tied_init": tied_init, "frozen_tied": frozen_tied, "bn_stats": bn_stats, "bn_refused": bn_refused,
+          "gather": gather}
 
 
 def main() -> int:

@@ -33,6 +33,11 @@ def test_batchnorm_statistics_equal_accumulation_over_the_global_batch_on_every_
     _check("bn_stats")
 
 
+def test_a_buffer_that_cannot_be_combined_across_replicas_is_refused_on_a_mesh():
+    """#7: where the replicas' statistics cannot be made exact, the Pipeline refuses at construction."""
+    _check("bn_refused")
+
+
 def test_forward_on_a_mesh_returns_the_whole_global_batch():
     """#8: pipe(x) and pipe.eval(x) returned this replica's rows only."""
     _check("gather")
