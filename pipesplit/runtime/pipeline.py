@@ -312,8 +312,8 @@ class Pipeline:
         save(self, path, optimizer)
 
     def init_weights(self, model: nn.Module, init_fn: Callable[[str, torch.Tensor], None] | None = None) -> None:
-        """Initialise this process's stages of a meta-built program with ``model``'s own ``reset_parameters``
-        (``init_fn(name, tensor)`` for the rest); tied copies and replicas then agree. See :mod:`pipesplit.materialize`."""
+        """Initialise this process's stages of a meta-built program: ``model``'s own ``reset_parameters``,
+        ``init_fn(name, tensor)`` for the rest. Every rank calls it; tied copies and replicas then agree."""
         init_weights(self.prog, model, init_fn, self.collectives.share_initialised if self.collectives else None)
 
     def load(self, path: str, optimizer: torch.optim.Optimizer | None = None) -> None:
