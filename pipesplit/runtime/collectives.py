@@ -247,17 +247,9 @@ class StepCollectives:
                 self.dist.all_reduce(total, group=self.layout.dp_group)
                 out.append(total / self.layout.dp_size)
                 continue
-            sizes = torch.tensor([value.shape[batch_dim]], device=self.device)
-            every = [torch.zeros_like(sizes) for _ in range(self.layout.dp_size)]
-            self.dist.all_gather(every, sizes, group=self.layout.dp_group)
-            rows = [int(n) for n in every]
-            pad = list(value.shape)
-            pad[batch_dim] = max(rows)
-            padded = value.new_zeros(pad)
-            padded.narrow(batch_dim, 0, value.shape[batch_dim]).copy_(value)
-            parts = [torch.empty_like(padded) for _ in rows]
-            self.dist.all_gather(parts, padded.contiguous(), group=self.layout.dp_group)
-            out.append(torch.cat([p.narrow(batch_dim, 0, n) for p, n in zip(parts, rows)], dim=batch_dim))
+            parts = [torch.empty_like(value) for _ in range(self.layout.dp_size)]  # equal shares: equal microbatches
+            self.dist.all_gather(parts, value.contiguous(), group=self.layout.dp_group)
+            out.append(torch.cat(parts, dim=batch_dim))
         return out
 
     # ------------------------------------------------------------------ values
