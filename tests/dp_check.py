@@ -156,6 +156,16 @@ def bn_steps(mesh, schedule, stages):
         for name, t in pipe.prog.named_buffers():
             assert_close(t, ref_buffers[name], name=f"{schedule} step {step}: {name}")
         agree(pipe, f"{schedule}: after step {step}")
+    x = torch.randn(16, 6, generator=gen)
+    with torch.no_grad():  # a forward-only pass in training mode updates the statistics too
+        got = pipe(x)
+        want = torch.cat([ref(xm) for xm in x.chunk(2 * M)])
+    if got is not None:
+        assert_close(got, want, name=f"{schedule}: pipe(x) in training mode")
+    ref_buffers = dict(ref.named_buffers())
+    for name, t in pipe.prog.named_buffers():
+        assert_close(t, ref_buffers[name], name=f"{schedule} after pipe(x): {name}")
+    agree(pipe, f"{schedule}: after pipe(x)")
     path = [tempfile.mkdtemp(prefix="pipesplit-dp-bn-") if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(path, src=0)
     pipe.save(path[0])
