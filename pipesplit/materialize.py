@@ -52,13 +52,16 @@ def materialize(prog: "SplitProgram", stages: set[int] | None = None) -> list[st
 
 
 def init_weights(prog: "SplitProgram", model: nn.Module,
-                 init_fn: Callable[[str, torch.Tensor], None] | None = None) -> None:
+                 init_fn: Callable[[str, torch.Tensor], None] | None = None,
+                 share: Callable[[], None] | None = None) -> None:
     """Initialise what this process holds as ``model``'s own ``reset_parameters`` would.
 
     ``model`` is the (meta) model the program was compiled from; each of its modules whose
     direct parameters and buffers are all held here runs ``reset_parameters()`` on this
-    process's tensors. ``init_fn(name, tensor)`` initialises what no module resets (a bare
-    ``nn.Parameter``, a buffer computed in ``__init__``); anything left raises, naming it.
+    process's tensors, and what it actually writes counts as initialised. ``init_fn(name,
+    tensor)`` initialises the rest (a bare ``nn.Parameter``, a buffer computed in ``__init__``,
+    which no ``reset_parameters`` sets); anything left raises, naming it. ``share()`` then runs
+    (a distributed pipeline makes every copy of a tensor agree) before that check.
     """
     held = {name: (idx, t) for idx, t in prog.held_items() for name in prog.state_entry(idx).aliases}
     done: set[int] = set()
@@ -69,30 +72,49 @@ def init_weights(prog: "SplitProgram", model: nn.Module,
                    list(mod.named_parameters(recurse=False)) + list(mod.named_buffers(recurse=False))]
             if not callable(reset) or not own or not all(full in held for _, full in own):
                 continue
-            originals = {n: getattr(mod, n) for n, _ in own}
-            try:
-                for n, full in own:
-                    rebind(mod, n, held[full][1])
-                reset()
-            finally:
-                for n, t in originals.items():
-                    rebind(mod, n, t)
-            done |= {held[full][0] for _, full in own}
+            done |= _reset(mod, reset, {n: held[full] for n, full in own})
         for name, (idx, t) in held.items():
             if idx in prog.uninitialised and idx not in done and init_fn is not None:
                 init_fn(name, t)
                 done.add(idx)
     prog.uninitialised -= done
     prog.refresh_tied()
+    if share is not None:
+        share()
     check_initialised(prog)
+
+
+def _reset(mod: nn.Module, reset: Callable[[], None], own: dict[str, tuple[int, torch.Tensor]]) -> set[int]:
+    """Run ``mod``'s ``reset_parameters`` on the held tensors ``own`` (its attribute -> (entry, tensor));
+    return the entries it wrote: in place (the tensor's version moved) or by assigning a new tensor,
+    whose values are copied in. What it leaves alone (a buffer computed in ``__init__``) has no values."""
+    originals = {n: getattr(mod, n) for n in own}
+    before = {n: (t._version, t.data_ptr()) for n, (_, t) in own.items()}
+    written: set[int] = set()
+    try:
+        for n, (_, t) in own.items():
+            rebind(mod, n, t)
+        reset()
+        for n, (idx, t) in own.items():
+            now = getattr(mod, n)
+            if now is not t and isinstance(now, torch.Tensor) and not now.is_meta:  # reset assigned a new tensor
+                t.copy_(now)
+                written.add(idx)
+            elif now is t and (t._version, t.data_ptr()) != before[n]:
+                written.add(idx)
+    finally:
+        for n, t in originals.items():
+            rebind(mod, n, t)
+    return written
 
 
 def check_initialised(prog: "SplitProgram") -> None:
     if prog.uninitialised:
         names = sorted(prog.state_entry(i).name for i in prog.uninitialised)
+        shown = ", ".join(names[:20]) + (f" and {len(names) - 20} more" if len(names) > 20 else "")
         raise PipesplitError(
-            f"{len(names)} tensor(s) of this process have storage but no values yet: {names[:6]}. Load them "
-            "(pipe.load(checkpoint)) or initialise them (pipe.init_weights(model, init_fn=...)); no module of the "
-            "model resets them by itself."
+            f"{len(names)} tensor(s) of this process have storage but no values yet: {shown}. No module's "
+            "reset_parameters() sets them (a buffer computed in __init__, such as a causal mask, or a bare "
+            "parameter), so pipesplit cannot know their values: pass pipe.init_weights(model, init_fn=fn), where "
+            "fn(name, tensor) fills each of them in place, or load them from a checkpoint (pipe.load(path))."
         )
-

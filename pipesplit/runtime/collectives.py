@@ -1,5 +1,6 @@
 """What the ranks of a distributed pipeline compute together: its layout on a pp x dp mesh, tied-weight
-and data-parallel gradient sums, the step seed, the loss, and barriers that name who did not come.
+and data-parallel gradient sums, running statistics and outputs of the global batch, one initial value
+per tensor, the step seed, the loss, and barriers that name who did not come.
 
 A step on a ``pp × dp`` mesh is gradient accumulation over the whole global batch: the batch
 is cut into ``dp × m`` microbatches, replica ``d`` runs microbatches ``d·m … d·m + m - 1`` through
@@ -17,6 +18,7 @@ import torch
 
 from pipesplit.errors import PipesplitError, RuntimeCommError
 from pipesplit.passes.split.program import SplitProgram
+from pipesplit.runtime.running_stats import RunningStats
 
 
 _BARRIERS = [0]  # store barriers this process has entered; every rank enters them in the same order
@@ -103,15 +105,22 @@ class StepCollectives:
                 ranks = self.holders.setdefault(idx, [])
                 if stage_to_rank[s] not in ranks:
                     ranks.append(stage_to_rank[s])
-        self.tied_groups: list[tuple[Any, int]] = []
-        tied = [idx for idx in sorted(self.holders) if len(self.holders[idx]) > 1 and prog.state_entry(idx).is_param]
-        replicas = layout.replicas() if tied else []
-        for idx in tied:  # every process creates every group, in the same order
-            ranks = sorted(self.holders[idx])
-            for replica in replicas:
-                group = self.dist.new_group([replica[r] for r in ranks])
-                if list(replica) == layout.global_ranks and layout.rank in ranks:
-                    self.tied_groups.append((group, idx))
+        # every entry several pipeline ranks hold: (this replica's group of its holders, entry, their global ranks)
+        self.shared: list[tuple[Any, int, list[int]]] = []
+        multi = [idx for idx in sorted(self.holders) if len(self.holders[idx]) > 1]
+        replicas = layout.replicas() if multi else []
+        mine: dict[tuple[int, ...], Any] = {}  # one group per set of holders
+        for idx in multi:  # every process creates every group, in the same order
+            holding = tuple(sorted(self.holders[idx]))
+            if holding not in mine:
+                for replica in replicas:
+                    group = self.dist.new_group([replica[r] for r in holding])
+                    if list(replica) == layout.global_ranks:
+                        mine[holding] = group
+            if layout.rank in holding:
+                self.shared.append((mine[holding], idx, [layout.global_ranks[r] for r in holding]))
+        self.tied_groups = [(group, idx) for group, idx, _ in self.shared if prog.state_entry(idx).is_param]
+        self.stats = RunningStats(prog, stage_to_rank, layout.rank) if layout.dp_size > 1 else None
         self._pending: list[tuple[Any, torch.Tensor, list[torch.Tensor]]] = []
 
     # -------------------------------------------------------------- gradients
@@ -162,12 +171,86 @@ class StepCollectives:
                 offset += g.numel()
 
     def reduce_tied(self) -> None:
-        """Sum each tied weight's gradient over the pipeline ranks holding it."""
+        """Sum each tied weight's gradient over the pipeline ranks holding it. Where no holder has a
+        gradient (frozen, or unused this step) it stays None, as on one process: a zero gradient would
+        still move it under weight decay."""
         for group, idx in self.tied_groups:
             local = self.prog.held_tensor(idx)
+            # over the holders: whether any has a gradient, any is frozen, any trains
+            flags = torch.tensor([local.grad is not None, not local.requires_grad, local.requires_grad],
+                                 dtype=torch.int32, device=self.device)
+            self.dist.all_reduce(flags, op=self.dist.ReduceOp.MAX, group=group)
+            any_grad, any_frozen, any_trains = (bool(f) for f in flags.tolist())
+            if any_frozen and any_trains:
+                raise PipesplitError(
+                    f"the tied weight {self.prog.state_entry(idx).name!r} is frozen (requires_grad=False) on some of "
+                    f"the pipeline ranks holding it and trains on others; it is one tensor: set requires_grad the "
+                    "same on every rank."
+                )
+            if not any_grad:
+                continue
             if local.grad is None:
                 local.grad = torch.zeros_like(local)
             self.dist.all_reduce(local.grad, group=group)
+
+    # ------------------------------------------------------------ initial state
+    def share_initialised(self) -> None:
+        """After each process initialised its own tensors: an entry several pipeline ranks hold takes
+        the values of the lowest of them that initialised it, and every replica takes replica 0's, so
+        a tied weight stays one tensor and the replicas start equal (as DDP's broadcast at start)."""
+        with torch.no_grad():  # in place on parameters
+            self._share_initialised()
+        self.prog.refresh_tied()
+
+    def _share_initialised(self) -> None:
+        uninit = self.prog.uninitialised
+        me = self.dist.get_rank()
+        for group, idx, ranks in self.shared:
+            src = torch.tensor([len(ranks) if idx in uninit else ranks.index(me)], device=self.device)
+            self.dist.all_reduce(src, op=self.dist.ReduceOp.MIN, group=group)
+            if int(src) < len(ranks):  # else no holder has values: check_initialised names it
+                self.dist.broadcast(self.prog.held_tensor(idx), src=ranks[int(src)], group=group)
+                uninit.discard(idx)
+        if self.layout.dp_group is not None:
+            first = self.dist.get_global_rank(self.layout.dp_group, 0)
+            for _, t in self.prog.held_items():  # every replica holds the same entries
+                self.dist.broadcast(t, src=first, group=self.layout.dp_group)
+
+    # --------------------------------------------------------- running statistics
+    def begin_statistics(self) -> list[torch.Tensor] | None:
+        """Before a step in training mode on a data-parallel mesh: set the running statistics aside."""
+        return self.stats.begin() if self.stats is not None and self.prog.training else None
+
+    def finish_statistics(self, saved: list[torch.Tensor] | None, num_microbatches: int) -> None:
+        """After it: every replica takes what accumulation over the global batch's microbatches gives."""
+        if saved is not None and self.stats is not None:
+            self.stats.finish(saved, num_microbatches, self.layout, self.device)
+
+    def restore_statistics(self, saved: list[torch.Tensor] | None) -> None:
+        if saved is not None and self.stats is not None:
+            self.stats.restore(saved)
+
+    # ---------------------------------------------------------------- outputs
+    def gather_replicas(self, merged: list[Any], batched: Sequence[bool], batch_dim: int) -> list[Any]:
+        """This replica's merged outputs -> the whole global batch's, on every replica: batched outputs
+        concatenated in replica order (the order the global batch was split in), the others averaged
+        (every replica ran as many microbatches) or taken from this replica."""
+        if self.layout.dp_group is None:
+            return merged
+        out = []
+        for value, is_batched in zip(merged, batched):
+            if not isinstance(value, torch.Tensor) or not (is_batched or value.is_floating_point()):
+                out.append(value)
+                continue
+            if not is_batched:
+                total = value.detach().clone()
+                self.dist.all_reduce(total, group=self.layout.dp_group)
+                out.append(total / self.layout.dp_size)
+                continue
+            parts = [torch.empty_like(value) for _ in range(self.layout.dp_size)]  # equal shares: equal microbatches
+            self.dist.all_gather(parts, value.contiguous(), group=self.layout.dp_group)
+            out.append(torch.cat(parts, dim=batch_dim))
+        return out
 
     # ------------------------------------------------------------------ values
     def step_seed(self, seed: int) -> int:

@@ -312,9 +312,9 @@ class Pipeline:
         save(self, path, optimizer)
 
     def init_weights(self, model: nn.Module, init_fn: Callable[[str, torch.Tensor], None] | None = None) -> None:
-        """Initialise this process's stages of a program compiled on the meta device, with ``model``'s
-        own ``reset_parameters`` (``init_fn(name, tensor)`` for the rest). See :mod:`pipesplit.materialize`."""
-        init_weights(self.prog, model, init_fn)
+        """Initialise this process's stages of a meta-built program: ``model``'s own ``reset_parameters``,
+        ``init_fn(name, tensor)`` for the rest. Every rank calls it; tied copies and replicas then agree."""
+        init_weights(self.prog, model, init_fn, self.collectives.share_initialised if self.collectives else None)
 
     def load(self, path: str, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Load a checkpoint saved by any pipeline layout (or from the plain model's state_dict)."""
@@ -334,14 +334,16 @@ class Pipeline:
 
     @torch.no_grad()
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """A forward-only pipeline pass in the current mode; outputs merged back to the full
-        batch (on the last rank; ``None`` on the others)."""
+        """A forward-only pipeline pass in the current mode; outputs merged back to the full batch, on
+        a mesh the whole global batch's from every replica (on the last rank; ``None`` on the others)."""
         data = self._prepare(args, kwargs, None, training=False)
         self._run("forward", data)
         if not data.outputs:
             return None
         per_mb = [data.outputs[m] for m in range(self.num_microbatches)]
         merged = merge_outputs(per_mb, self.prog.output_batched, self.batch_dim)
+        if self.collectives is not None:  # on a mesh: every replica's rows, in the global batch's order
+            merged = self.collectives.gather_replicas(merged, self.prog.output_batched, self.batch_dim)
         return pytree.tree_unflatten(merged, self.prog.out_spec)
 
     __call__ = forward
@@ -395,6 +397,5 @@ class Pipeline:
             self.prog.defer_tied_gradients(False)
 
     def _share_loss(self, loss: Any) -> torch.Tensor | None:
-        if self.collectives is None:
-            return cast(Optional[torch.Tensor], loss)
-        return cast(Optional[torch.Tensor], self.collectives.share_loss(loss, self.schedule.stage_to_rank[-1]))
+        shared = loss if self.collectives is None else self.collectives.share_loss(loss, self.schedule.stage_to_rank[-1])
+        return cast(Optional[torch.Tensor], shared)

@@ -61,16 +61,22 @@ def run_local_step(plan: Program, workers: dict[int, StageWorker], transport: An
 def run_distributed_step(prog: SplitProgram, coll: StepCollectives, turns: Sequence[Turn], comm: RankComm,
                          workers: dict[int, StageWorker], data: StepData, timeout: float) -> None:
     """Run this rank's part of a step, then the collectives: the data-parallel gradient sum of this
-    step's gradients only (earlier ones are set aside and added back), and the tied weights'."""
+    step's gradients only (earlier ones are set aside and added back), the running statistics of the
+    global batch on every replica (in training mode, forward-only passes too), and the tied weights'."""
     params = coll.summed_params() if data.training else []
     earlier = set_aside_grads(params)  # the collectives sum this step's gradients only
     for w in workers.values():
         w.backwards_done = 0
     prog.defer_tied_gradients(True)  # stages of this rank sharing a weight: summed in stage order
+    stats = None
     try:
+        stats = coll.begin_statistics()
         run_rank(turns, workers, comm, data)
         coll.finish_data_parallel(timeout)
+        coll.finish_statistics(stats, len(data.inputs))
+        stats = None
     finally:
+        coll.restore_statistics(stats)  # a step that failed leaves them as they were
         prog.defer_tied_gradients(False)
         comm.transport.reset()
     if data.training:
