@@ -15,7 +15,7 @@ from pipesplit.capture import Captured, InputInfo, static_dim
 from pipesplit.errors import InputError, PipesplitError, PlanError
 from pipesplit.passes.split.generalise import batched_outputs
 from pipesplit.inputs import Shown, shown, describe_structure, check_input
-from pipesplit.passes.split.modes import eval_graph
+from pipesplit.passes.split.modes import eval_module
 from pipesplit.passes.split import Boundary, SplitGraph, StagePiece
 from pipesplit.plan import Plan
 from pipesplit.rng import seeded
@@ -42,7 +42,7 @@ class Stage:
         """This stage's module in training or eval mode (the eval twin is derived on first use)."""
         if training not in self.modes:
             base = self.modes[True]
-            self.modes[False] = fx.GraphModule(base, eval_graph(base.graph), class_name=f"Stage{self.index}Eval")
+            self.modes[False] = eval_module(base, f"Stage{self.index}Eval")
         return self.modes[training]
 
     @property
