@@ -14,7 +14,7 @@ from torch import nn
 from pipesplit.capture import Captured, InputInfo, static_dim
 from pipesplit.errors import InputError, PipesplitError, PlanError
 from pipesplit.passes.split.generalise import batched_outputs
-from pipesplit.inputs import Shown, shown, describe_structure, check_input
+from pipesplit.inputs import Shown, shown, describe_structure, check_input, check_range
 from pipesplit.passes.split.modes import eval_module
 from pipesplit.passes.split import Boundary, SplitGraph, StagePiece
 from pipesplit.plan import Plan
@@ -74,6 +74,9 @@ class SplitProgram(ProgramState):
         self.recapture: Callable[[], Captured] | None = None
         self.batch_pinned: str | None = None  # why the batch cannot change, once a re-capture found out
         self.timings: dict[str, float] = {}  # seconds per compile phase (set by compile)
+        # bumped whenever the stage graphs are swapped (respecialise): whatever was built on them
+        # (a Pipeline's workers and communication plans) rebuilds when it sees another value
+        self.generation = 0
         self._state = captured.state
         self._state_keys = captured.state_keys
         self.target_to_entry = dict(captured.target_to_entry)
@@ -180,6 +183,7 @@ class SplitProgram(ProgramState):
             stage.inputs, stage.outputs, stage.nodes = piece.inputs, piece.outputs, piece.nodes
             stage.attr_targets, stage.mutated_inputs = tuple(piece.attrs), piece.mutated_inputs
         self._set_graph(captured, split, plan)
+        self.generation += 1
         if self.root is not None:
             self._build_root(split)
 
@@ -265,15 +269,20 @@ class SplitProgram(ProgramState):
             check_input(value, info, free)
         return flat
 
-    def ensure_batch(self, size: int) -> bool:
+    def ensure_batch(self, size: int, what: str = "") -> bool:
         """Make the stage graphs take batches of ``size``: a program captured at the example's batch
         size captures the model again with a dynamic batch, once (:mod:`pipesplit.passes.split.generalise`).
-        True if the graphs changed (a runtime built on the old ones must rebuild)."""
+        True if the graphs changed (a runtime built on the old ones must rebuild, see ``generation``).
+        Raises InputError, before anything runs, if ``size`` lies outside the range the new capture
+        holds for (a branch on the batch size); ``what`` says where the size came from."""
         if self.static_batch is None or size == self.static_batch:
             return False
         from pipesplit.passes.split.generalise import generalise
 
         generalise(self, f"a batch of {size} (captured at {self.static_batch})")
+        for info in self.inputs:  # export's guard, as split_microbatches and check_input apply it later on
+            if info.batched and self.batch_dim in info.ranges:
+                check_range(info, self.batch_dim, size, what)
         return True
 
     def _expected_structure(self) -> str:
