@@ -44,6 +44,8 @@ class InputInfo:
     ranges: dict[int, tuple[int, int | None]] = field(default_factory=dict)
     unbatched: bool = False  # marked by the user: the same whole tensor goes to every microbatch
     batched: bool = False  # cut into microbatches: its batch dimension is dynamic, or captured at the example's batch
+    # another input whose values index this one along the batch dimension (table[idx]): a table, never cut
+    indexed_by: str | None = None
 
     def has_batch_dim(self, d: int) -> bool:
         """A tensor input with a dimension ``d`` that the user did not mark unbatched."""
@@ -236,7 +238,45 @@ def _input_infos(
             infos.append(info)
         else:
             infos.append(InputInfo(node.name, False, None, None, example))
+    for info, node in zip(infos, placeholders):
+        if info.batched:
+            info.indexed_by = _indexed_by(node, set(placeholders) - {node}, batch_dim)
     return infos
+
+
+def _indexed_by(table: fx.Node, others: set[fx.Node], batch_dim: int) -> str | None:
+    """The input whose values pick rows of ``table`` along ``batch_dim`` (an embedding, ``table[idx]``,
+    ``index_select``, ``gather``), if any: then that dimension counts values, not samples."""
+    aten = torch.ops.aten
+    for user in table.users:
+        args, index = user.args, None
+        if user.target is aten.embedding.default and args[0] is table:
+            index = args[1]
+        elif user.target is aten.index.Tensor and args[0] is table and len(args[1]) > batch_dim:
+            index = args[1][batch_dim]
+        elif user.target in (aten.index_select.default, aten.gather.default) and args[0] is table \
+                and args[1] in (batch_dim, batch_dim - len(table.meta["val"].shape)):
+            index = args[2]
+        val = index.meta.get("val") if isinstance(index, fx.Node) else None
+        if isinstance(val, torch.Tensor) and val.dtype not in (torch.bool, torch.uint8):
+            source = _input_under(index, others, table)
+            if source is not None:
+                return source
+    return None
+
+
+def _input_under(node: fx.Node, inputs: set[fx.Node], avoid: fx.Node) -> str | None:
+    """The name of an input among ``inputs`` that ``node`` is computed from without ``avoid``."""
+    seen, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        if n in seen or n is avoid:
+            continue
+        seen.add(n)
+        if n in inputs:
+            return n.name
+        todo.extend(n.all_input_nodes)
+    return None
 
 
 def capture(
