@@ -249,7 +249,8 @@ def _indexed_by(table: fx.Node, others: set[fx.Node], batch_dim: int) -> str | N
     ``index_select``, ``gather``), if any: then that dimension counts values, not samples."""
     aten = torch.ops.aten
     for user in table.users:
-        args, index = user.args, None
+        args: Any = user.args
+        index: Any = None
         if user.target is aten.embedding.default and args[0] is table:
             index = args[1]
         elif user.target is aten.index.Tensor and args[0] is table and len(args[1]) > batch_dim:
