@@ -286,3 +286,13 @@ def test_every_pipeline_on_a_program_follows_its_recapture(first):
     trained.load_state_dict(prog.state_dict())
     with torch.no_grad():
         torch.testing.assert_close(evaluate.eval(x), torch.cat([trained(c) for c in x.chunk(2)]))
+
+
+def test_pipelines_on_one_program_follow_each_others_recapture_under_torchrun():
+    """Issue 22 #12 under torchrun: without the fix gloo aborts on a size mismatch."""
+    import re
+
+    from tests.launch import torchrun
+
+    result = torchrun("pipes_check.py", 2, timeout=300)
+    assert set(re.findall(r"rank (\d): ok pipes eval first", result.stdout)) == {"0", "1"}, result.stdout
