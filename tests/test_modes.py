@@ -9,12 +9,24 @@ import torch
 from torch import nn
 
 import pipesplit
+from pipesplit.passes.split.modes import mode_arguments
 from tests.close import assert_close
 from tests.training import check_training, dot_loss
 
 
 def _seq(*layers: nn.Module) -> nn.Module:
     return nn.Sequential(*layers)
+
+
+class LSTMDropout(nn.Module):
+    """Dropout between the LSTM's layers: the ``train`` flag of ``aten.lstm``."""
+
+    def __init__(self):
+        super().__init__()
+        self.lstm, self.head = nn.LSTM(8, 8, num_layers=2, dropout=0.5, batch_first=True), nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.head(self.lstm(x)[0])
 
 
 # name -> (model builder, example batch builder)
@@ -40,6 +52,7 @@ MODE_LAYERS = {
                    lambda b: torch.randn(b, 4, 5)),
     "dropouts": (lambda: _seq(nn.Linear(8, 8), nn.Dropout(0.5), nn.AlphaDropout(0.5), nn.Linear(8, 8)),
                  lambda b: torch.randn(b, 8)),
+    "lstm_dropout": (LSTMDropout, lambda b: torch.randn(b, 5, 8)),
     "feature_dropouts": (
         lambda: _seq(nn.Conv2d(3, 4, 1), nn.Dropout2d(0.5), nn.FeatureAlphaDropout(0.5), nn.Conv2d(4, 4, 1)),
         lambda b: torch.randn(b, 3, 4, 4)),
@@ -78,3 +91,21 @@ def test_rrelu_in_eval_uses_the_mean_slope():
     h = model[0](x)
     assert_close(prog(x), torch.where(h >= 0, h, h * 0.2), name="slope (lower + upper) / 2")
     assert prog.stages[0].module_for(False) is prog.stages[0].module
+
+
+def test_mode_arguments_come_from_each_ops_schema():
+    aten = torch.ops.aten
+    g = torch.fx.Graph()
+    x, stat = g.placeholder("x"), g.placeholder("stat")
+
+    def args(op, *a):
+        return [name for _, name in mode_arguments(g.call_function(op, (x, *a)))]
+
+    assert args(aten.rrelu.default, 0.1, 0.3, True) == ["training"]
+    assert args(aten.feature_alpha_dropout.default, 0.5, True) == ["train"]
+    assert args(aten.instance_norm.default, None, None, stat, stat, True, 0.1, 1e-5, False) == ["use_input_stats"]
+    assert args(aten.instance_norm.default, None, None, None, None, True, 0.1, 1e-5, False) == []
+    assert args(aten.batch_norm.default, None, None, None, None, True, 0.1, 1e-5, False) == []
+    assert args(aten._native_batch_norm_legit.no_stats, None, None, True, 0.1, 1e-5) == []
+    assert args(aten.scaled_dot_product_attention.default, x, x, None, 0.1) == ["dropout_p"]
+    assert args(aten.group_norm.default, 2) == [] and args(aten.layer_norm.default, [8]) == []
