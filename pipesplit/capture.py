@@ -17,6 +17,7 @@ from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from pipesplit.errors import CaptureError
 from pipesplit.export import export_quietly, unlift
+from pipesplit.passes.lookups import indexed_by
 
 log = logging.getLogger(__name__)
 
@@ -240,44 +241,8 @@ def _input_infos(
             infos.append(InputInfo(node.name, False, None, None, example))
     for info, node in zip(infos, placeholders):
         if info.batched:
-            info.indexed_by = _indexed_by(node, set(placeholders) - {node}, batch_dim)
+            info.indexed_by = indexed_by(node, set(placeholders) - {node}, batch_dim)
     return infos
-
-
-def _indexed_by(table: fx.Node, others: set[fx.Node], batch_dim: int) -> str | None:
-    """The input whose values pick rows of ``table`` along ``batch_dim`` (an embedding, ``table[idx]``,
-    ``index_select``, ``gather``), if any: then that dimension counts values, not samples."""
-    aten = torch.ops.aten
-    for user in table.users:
-        args: Any = user.args
-        index: Any = None
-        if user.target is aten.embedding.default and args[0] is table:
-            index = args[1]
-        elif user.target is aten.index.Tensor and args[0] is table and len(args[1]) > batch_dim:
-            index = args[1][batch_dim]
-        elif user.target in (aten.index_select.default, aten.gather.default) and args[0] is table \
-                and args[1] in (batch_dim, batch_dim - len(table.meta["val"].shape)):
-            index = args[2]
-        val = index.meta.get("val") if isinstance(index, fx.Node) else None
-        if isinstance(val, torch.Tensor) and val.dtype not in (torch.bool, torch.uint8):
-            source = _input_under(index, others, table)
-            if source is not None:
-                return source
-    return None
-
-
-def _input_under(node: fx.Node, inputs: set[fx.Node], avoid: fx.Node) -> str | None:
-    """The name of an input among ``inputs`` that ``node`` is computed from without ``avoid``."""
-    seen, todo = set(), [node]
-    while todo:
-        n = todo.pop()
-        if n in seen or n is avoid:
-            continue
-        seen.add(n)
-        if n in inputs:
-            return n.name
-        todo.extend(n.all_input_nodes)
-    return None
 
 
 def capture(
@@ -369,6 +334,12 @@ def capture(
         batch_dim=batch_dim,
         dynamic=dynamic,
     )
+    for info in infos:
+        if info.batched and info.indexed_by is not None:
+            notes.append(f"input {info.name!r} is taken as batched but the model looks its rows up by the values of "
+                         f"{info.indexed_by!r}: a table, which microbatches cannot cut; compile with "
+                         f"unbatched=[{info.name!r}]")
+            log.warning("pipesplit: %s", notes[-1])
     d = batch_dim
     if dynamic and any(i.has_batch_dim(d) for i in infos) and not captured.batch_dynamic:
         pinned = [f"{i.name}[{d}]={x.shape[d]}" for i, x in zip(infos, flat)

@@ -42,6 +42,7 @@ def test_a_table_the_size_of_the_batch_is_refused_when_cut_naming_it_and_unbatch
         pipe.step(idx, table, target=torch.randn(8, 8))
     assert all(p.grad is None for p in pipe.parameters()), "nothing ran"
     assert prog.inputs[1].indexed_by == "idx"
+    assert any("unbatched=['table']" in note for note in prog.notes), "said at compile too"
     torch.testing.assert_close(prog(idx, table), model(idx, table))  # uncut, it is the model
 
 
