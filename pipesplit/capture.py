@@ -17,6 +17,7 @@ from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from pipesplit.errors import CaptureError
 from pipesplit.export import export_quietly, unlift
+from pipesplit.passes.lookups import indexed_by
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,8 @@ class InputInfo:
     ranges: dict[int, tuple[int, int | None]] = field(default_factory=dict)
     unbatched: bool = False  # marked by the user: the same whole tensor goes to every microbatch
     batched: bool = False  # cut into microbatches: its batch dimension is dynamic, or captured at the example's batch
+    # another input whose values index this one along the batch dimension (table[idx]): a table, never cut
+    indexed_by: str | None = None
 
     def has_batch_dim(self, d: int) -> bool:
         """A tensor input with a dimension ``d`` that the user did not mark unbatched."""
@@ -236,6 +239,9 @@ def _input_infos(
             infos.append(info)
         else:
             infos.append(InputInfo(node.name, False, None, None, example))
+    for info, node in zip(infos, placeholders):
+        if info.batched:
+            info.indexed_by = indexed_by(node, set(placeholders) - {node}, batch_dim)
     return infos
 
 
@@ -328,6 +334,12 @@ def capture(
         batch_dim=batch_dim,
         dynamic=dynamic,
     )
+    for info in infos:
+        if info.batched and info.indexed_by is not None:
+            notes.append(f"input {info.name!r} is taken as batched but the model looks its rows up by the values of "
+                         f"{info.indexed_by!r}: a table, which microbatches cannot cut; compile with "
+                         f"unbatched=[{info.name!r}]")
+            log.warning("pipesplit: %s", notes[-1])
     d = batch_dim
     if dynamic and any(i.has_batch_dim(d) for i in infos) and not captured.batch_dynamic:
         pinned = [f"{i.name}[{d}]={x.shape[d]}" for i, x in zip(infos, flat)

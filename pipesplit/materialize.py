@@ -46,6 +46,7 @@ def materialize(prog: "SplitProgram", stages: set[int] | None = None) -> list[st
         for module in stage.modes.values():
             for target, idx in sites:
                 rebind(module, target, entries[idx])
+        stage.place_graphs(stage.device)  # arange(..., device=meta) now makes its tensor where the stage runs
     prog.rebuild_holders({s.index for s in kept})
     prog.uninitialised |= fresh
     return sorted(prog.state_entry(i).name for i in prog.uninitialised)

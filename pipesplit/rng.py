@@ -23,9 +23,8 @@ _MASK = (1 << 64) - 1
 _local = threading.local()
 _lock = threading.Lock()
 
-# The "train" flag's position in the ops whose randomness a mode switches off.
-_DROPOUT_TRAIN_ARG = {"dropout": 2, "native_dropout": 2, "feature_dropout": 2, "alpha_dropout": 2,
-                      "feature_alpha_dropout": 2}
+# The ops whose randomness a drop probability ``p`` of 0 switches off.
+_DROPOUTS = {"dropout", "native_dropout", "feature_dropout", "alpha_dropout", "feature_alpha_dropout"}
 
 
 def stream_seed(step_seed: int, stage: int, microbatch: int) -> int:
@@ -114,11 +113,13 @@ def _is_random(node: fx.Node) -> bool:
     if name.startswith("scaled_dot_product") or name.startswith("_scaled_dot_product"):
         p = node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
         return bool(p != 0.0)
-    if name in _DROPOUT_TRAIN_ARG:
-        i = _DROPOUT_TRAIN_ARG[name]
-        train = node.args[i] if len(node.args) > i else node.kwargs.get("train", True)
+    for i, arg in enumerate(op._schema.arguments):  # dropout, RReLU & co. draw only in training mode
+        if arg.name in ("train", "training") and (node.args[i] if len(node.args) > i
+                                                  else node.kwargs.get(arg.name, arg.default_value)) is False:
+            return False
+    if name in _DROPOUTS:
         p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
-        return bool(train) and bool(p != 0.0)
+        return bool(p != 0.0)
     return True
 
 

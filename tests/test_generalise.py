@@ -245,3 +245,54 @@ def test_profiled_times_survive_the_switch():
     prog(torch.randn(5, 16))
     assert prog.static_batch is None, "generalised"
     assert stage_seconds(prog, "profile", 1.0) == before
+
+
+def test_the_first_step_after_a_recapture_keeps_exports_range_guard():
+    """Issue 22 #9: re-captured at the first step, the guard `if x.shape[0] > 2` applies before anything runs."""
+    from tests.test_semantics import BranchOnBatch
+
+    torch.manual_seed(0)
+    model = BranchOnBatch()
+    prog = pipesplit.compile(model, torch.randn(4, 8), num_stages=2, progress=False)
+    assert prog.static_batch == 4
+    pipe = pipesplit.Pipeline(prog, "1f1b", num_microbatches=2, loss_fn=dot_loss, loss_reduction="sum")
+    for attempt in ("first step", "second step"):
+        with pytest.raises(InputError, match=r"size 2 in dimension 0 \(a microbatch: a batch of 4 in 2"):
+            pipe.step(torch.randn(4, 8), target=torch.randn(4, 8))
+        assert all(p.grad is None for p in pipe.parameters()), f"the {attempt} ran"
+    # the program was generalised by the refused step: the pipeline rebuilds on its new graphs
+    check_training(model, pipe, [((torch.randn(6, 8),), {})], m=2, steps=2)
+
+
+@pytest.mark.parametrize("first", ["train", "eval"])
+def test_every_pipeline_on_a_program_follows_its_recapture(first):
+    """Issue 22 #12: a train and an eval Pipeline on one program; whichever meets a new batch size
+    first re-captures, and the other runs on the new graphs (a size crosses the cut)."""
+    from tests.test_semantics import ScaleByBatch
+
+    torch.manual_seed(0)
+    model = ScaleByBatch()
+    prog = pipesplit.compile(model, torch.randn(8, 8), split_points=["b"], progress=False)
+    train = pipesplit.Pipeline(prog, "1f1b", num_microbatches=2, loss_fn=dot_loss, loss_reduction="sum")
+    evaluate = pipesplit.Pipeline(prog, "gpipe", num_microbatches=2)
+    x = torch.randn(8, 8)
+    if first == "eval":
+        small = torch.randn(4, 8)
+        torch.testing.assert_close(evaluate.eval(small), torch.cat([model(c) for c in small.chunk(2)]))
+        assert prog.static_batch is None, "the eval pipeline's microbatches of 2 re-captured the model"
+    check_training(model, train, [((torch.randn(4, 8),), {}), ((x,), {})], m=2, steps=2)
+    assert prog.static_batch is None
+    trained = ScaleByBatch()
+    trained.load_state_dict(prog.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(evaluate.eval(x), torch.cat([trained(c) for c in x.chunk(2)]))
+
+
+def test_pipelines_on_one_program_follow_each_others_recapture_under_torchrun():
+    """Issue 22 #12 under torchrun: without the fix gloo aborts on a size mismatch."""
+    import re
+
+    from tests.launch import torchrun
+
+    result = torchrun("pipes_check.py", 2, timeout=300)
+    assert set(re.findall(r"rank (\d): ok pipes eval first", result.stdout)) == {"0", "1"}, result.stdout

@@ -27,7 +27,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "pipesplit.errors", "pipesplit.deprecation", "pipesplit.meta", "pipesplit.units", "pipesplit.rng", "pipesplit.state",
         "pipesplit.export", "pipesplit.models", "pipesplit.passes")),  # passes/__init__ imports nothing
     ("schedules: pure data", ("pipesplit.schedules",)),
-    ("graph analyses", ("pipesplit.passes.aliasing",)),
+    ("graph analyses", ("pipesplit.passes.aliasing", "pipesplit.passes.lookups")),
     ("capture", ("pipesplit.capture", "pipesplit.inputs")),
     ("annotate", ("pipesplit.passes.annotate",)),
     ("plan", ("pipesplit.passes.plan", "pipesplit.plan", "pipesplit.options")),

@@ -14,8 +14,9 @@ from torch import nn
 from pipesplit.capture import Captured, InputInfo, static_dim
 from pipesplit.errors import InputError, PipesplitError, PlanError
 from pipesplit.passes.split.generalise import batched_outputs
-from pipesplit.inputs import Shown, shown, describe_structure, check_input
-from pipesplit.passes.split.modes import eval_graph
+from pipesplit.inputs import Shown, shown, describe_structure, check_input, check_range
+from pipesplit.passes.split.devices import capture_device, retarget
+from pipesplit.passes.split.modes import eval_module
 from pipesplit.passes.split import Boundary, SplitGraph, StagePiece
 from pipesplit.plan import Plan
 from pipesplit.rng import seeded
@@ -37,13 +38,21 @@ class Stage:
     attr_targets: tuple[str, ...] = ()  # get_attr targets of its graph
     mutated_inputs: frozenset[str] = frozenset()  # inputs the stage writes in place (relu_, +=)
     modes: dict[bool, fx.GraphModule] = field(default_factory=dict, repr=False)  # training -> module
+    graph_device: torch.device = torch.device("meta")  # the device its graphs' constants name (see place_graphs)
 
     def module_for(self, training: bool) -> fx.GraphModule:
         """This stage's module in training or eval mode (the eval twin is derived on first use)."""
         if training not in self.modes:
             base = self.modes[True]
-            self.modes[False] = fx.GraphModule(base, eval_graph(base.graph), class_name=f"Stage{self.index}Eval")
+            self.modes[False] = eval_module(base, f"Stage{self.index}Eval")
         return self.modes[training]
+
+    def place_graphs(self, device: torch.device) -> None:
+        """Make the devices its graphs create tensors on (``arange(..., device=h.device)``) ``device``,
+        where its tensors now live (placed, materialised from ``meta``, or moved to a rank's GPU)."""
+        for module in self.modes.values():
+            retarget(module, self.graph_device, device)
+        self.graph_device = device
 
     @property
     def input_names(self) -> list[str]:
@@ -74,7 +83,12 @@ class SplitProgram(ProgramState):
         self.recapture: Callable[[], Captured] | None = None
         self.batch_pinned: str | None = None  # why the batch cannot change, once a re-capture found out
         self.timings: dict[str, float] = {}  # seconds per compile phase (set by compile)
+        # bumped whenever the stage graphs are swapped (respecialise): whatever was built on them
+        # (a Pipeline's workers and communication plans) rebuilds when it sees another value
+        self.generation = 0
         self._state = captured.state
+        # the device export saw the model's tensors on, which the graphs' device constants name
+        self.capture_device = capture_device(captured)
         self._state_keys = captured.state_keys
         self.target_to_entry = dict(captured.target_to_entry)
         self._set_graph(captured, split, plan)
@@ -97,8 +111,10 @@ class SplitProgram(ProgramState):
             cost = plan.stage_costs[piece.index] if plan.stage_costs else 0.0
             self.stages.append(
                 Stage(piece.index, module, device, piece.inputs, piece.outputs, piece.nodes, cost, tuple(piece.attrs),
-                      piece.mutated_inputs, {captured.training: module})
+                      piece.mutated_inputs, {captured.training: module}, self.capture_device)
             )
+            if not self.capture_device.type == "meta":  # a meta model's stages move at materialize()
+                self.stages[-1].place_graphs(device)
         self._owner: list[torch.Tensor | None] = [placement.owner(idx) for idx in range(len(captured.state))]
         self.uninitialised: set[int] = set()  # state entries given storage by materialize() and no values yet
         for idx, copies in enumerate(placement.copies):
@@ -176,10 +192,12 @@ class SplitProgram(ProgramState):
 
                 module = fx.GraphModule(self._holder(piece, take), piece.graph, class_name=f"Stage{piece.index}")
                 stage.modes = {self.captured_training: module}
+                retarget(module, self.capture_device, stage.graph_device)
                 stage.module = stage.module_for(self.training)
             stage.inputs, stage.outputs, stage.nodes = piece.inputs, piece.outputs, piece.nodes
             stage.attr_targets, stage.mutated_inputs = tuple(piece.attrs), piece.mutated_inputs
         self._set_graph(captured, split, plan)
+        self.generation += 1
         if self.root is not None:
             self._build_root(split)
 
@@ -265,15 +283,20 @@ class SplitProgram(ProgramState):
             check_input(value, info, free)
         return flat
 
-    def ensure_batch(self, size: int) -> bool:
+    def ensure_batch(self, size: int, what: str = "") -> bool:
         """Make the stage graphs take batches of ``size``: a program captured at the example's batch
         size captures the model again with a dynamic batch, once (:mod:`pipesplit.passes.split.generalise`).
-        True if the graphs changed (a runtime built on the old ones must rebuild)."""
+        True if the graphs changed (a runtime built on the old ones must rebuild, see ``generation``).
+        Raises InputError, before anything runs, if ``size`` lies outside the range the new capture
+        holds for (a branch on the batch size); ``what`` says where the size came from."""
         if self.static_batch is None or size == self.static_batch:
             return False
         from pipesplit.passes.split.generalise import generalise
 
         generalise(self, f"a batch of {size} (captured at {self.static_batch})")
+        for info in self.inputs:  # export's guard, as split_microbatches and check_input apply it later on
+            if info.batched and self.batch_dim in info.ranges:
+                check_range(info, self.batch_dim, size, what)
         return True
 
     def _expected_structure(self) -> str:

@@ -27,6 +27,7 @@ class ProgramState:
     _tied: list[Tied]
     _mutated_entries: set[int]  # entries some op writes in place
     stage_entries: list[dict[int, torch.Tensor]]  # per stage: state index -> its tensor
+    uninitialised: set[int]  # entries given storage by materialize() and no values yet
 
     def rebuild_holders(self, stages: set[int]) -> None:
         """Owners and ties from what ``stages`` hold now (after dropping stages or materializing)."""
@@ -158,6 +159,7 @@ class ProgramState:
             for key, idx in self._state_keys.items():
                 if key in state_dict and self._owner[idx] is not None:
                     self._owner[idx].copy_(state_dict[key])  # type: ignore[union-attr]
+                    self.uninitialised.discard(idx)
         self.refresh_tied()
 
     def zero_grad(self, set_to_none: bool = True) -> None:

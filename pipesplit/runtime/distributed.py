@@ -114,6 +114,7 @@ def move_stages(prog: Any, stages: Iterable[int], device: torch.device) -> None:
             else:  # e.g. to "meta": swap the contents, the object stays
                 new = data.detach()
                 torch.utils.swap_tensors(t, nn.Parameter(new, t.requires_grad) if isinstance(t, nn.Parameter) else new)
+        stage.place_graphs(device)  # device=cuda:0 baked by the capture: this rank's GPU now
         stage.device = device
 
 

@@ -57,6 +57,15 @@ def split_microbatches(
         )
     per = size // num_microbatches
     for value, info in zip(flat, infos):
+        if num_microbatches > 1 and _is_batched(value, info, batch_dim) and info.indexed_by is not None:
+            raise InputError(
+                f"input {info.name!r} {tuple(value.shape)} was taken as batched (its dimension {batch_dim} has the "
+                f"batch's size, {size}), but the model looks its rows up by the values of input "
+                f"{info.indexed_by!r} (an embedding or {info.name}[{info.indexed_by}]), so it is a table: cut into "
+                f"{num_microbatches} microbatches each would get {per} of its {size} rows and look up wrong rows "
+                f"or fail. Compile with pipesplit.compile(..., unbatched=[{info.name!r}])."
+            )
+    for value, info in zip(flat, infos):
         if _is_batched(value, info, batch_dim) and batch_dim in info.ranges:
             check_range(info, batch_dim, per, f" (a microbatch: a batch of {size} in {num_microbatches} microbatches)")
     out: list[list[Any]] = [[] for _ in range(num_microbatches)]

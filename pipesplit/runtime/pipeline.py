@@ -192,7 +192,7 @@ class Pipeline:
     def _build(self) -> None:
         """The communication plans and stage workers, from the program's current stage graphs."""
         prog, rank_of = self.prog, self.schedule.stage_to_rank
-        edges = program_edges(prog)
+        edges, self._generation = program_edges(prog), prog.generation
         # What every rank issues, with receives posted ahead; proven for NCCL's semantics where they apply
         prove = proven if self._prove else (lambda schedule, plan: issue(plan))
         self._plans: dict[str, Program] = {
@@ -258,7 +258,8 @@ class Pipeline:
         total = m * self.dp_size
         inputs = split_microbatches(flat, self.prog.inputs, total, self.batch_dim)[first:first + m]
         mb = batch_size(inputs[0], self.prog.inputs, self.batch_dim)
-        if self.prog.ensure_batch(int(mb)):  # captured at the example's batch: generalised once, rebuild on it
+        self.prog.ensure_batch(int(mb), f" (a microbatch: a batch of {mb * total} in {total} microbatches)")
+        if self._generation != self.prog.generation:  # new graphs (re-captured here or by another Pipeline)
             self._build()
         if training and self.loss_fn is None:
             raise PipesplitError("step() needs a loss_fn: Pipeline(prog, ..., loss_fn=lambda out, target: ...).")
@@ -270,8 +271,7 @@ class Pipeline:
                         microbatch_offset=first)
 
     def _step_seed(self) -> int:
-        """One draw from torch's default generator per step (``torch.manual_seed`` makes steps
-        reproducible); every rank uses rank 0's draw."""
+        """One draw from torch's default generator per step, rank 0's on every rank (reproducible by seeding)."""
         seed = int(torch.randint(0, 2**62, ()).item())
         if self.collectives is not None and self.prog.random_ops:
             seed = self.collectives.step_seed(seed)
