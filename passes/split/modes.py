@@ -56,7 +56,8 @@ def mode_arguments(node: fx.Node) -> list[tuple[int, str]]:
         return []
     schema = op._schema.arguments
     names = [a.name for a in schema]
-    if "running_mean" in names and _arg(node, names.index("running_mean"), "running_mean") is None:
+    if "momentum" in names and ("running_mean" not in names  # a norm: batch_norm's no_stats overload
+                                or _arg(node, names.index("running_mean"), "running_mean") is None):
         return []  # no running statistics: the batch's are used in eval mode too
     return [(i, a.name) for i, a in enumerate(schema) if a.name in _EVAL_VALUES]
 
