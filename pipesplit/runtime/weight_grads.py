@@ -174,13 +174,25 @@ def weight_graph(gm: fx.GraphModule) -> WeightGraph | None:
             unsafe |= used  # W must go from the stage outputs: see _written_only_in_chain
             continue
         found.append((node, used))
+    # An unsafe weight is reached from the stage outputs (``rest``) and gets no alias in any op: W
+    # adding an alias's share on top would count it twice. A tensor derived from it and another
+    # weight (a cat of both) makes that other weight unsafe too, or its share there would be lost.
+    grown = True
+    while grown:
+        grown = False
+        for node, _ in found:
+            for a in node.all_input_nodes:
+                if a in derived and derived[a] & unsafe and not derived[a] <= unsafe:
+                    unsafe |= derived[a]
+                    grown = True
     consumers: list[tuple[fx.Node, list[fx.Node], set[str]]] = []
-    for node, used in found:
-        used = used - unsafe
-        if not used:
+    for node, _ in found:
+        safe = [x for x in dict.fromkeys(node.all_input_nodes) if x in derived and not derived[x] & unsafe]
+        if not safe:
             continue
+        used = set().union(*(derived[x] for x in safe))
         aliases = []
-        for a in dict.fromkeys(x for x in node.all_input_nodes if x in derived):
+        for a in safe:
             with graph.inserting_before(node):
                 alias = graph.call_function(torch.ops.aten.alias.default, (a,))
             alias.meta = dict(a.meta)
