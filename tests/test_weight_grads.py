@@ -152,3 +152,42 @@ def test_a_weight_shared_with_an_unsafe_op_is_counted_once(schedule):
     prog = pipesplit.compile(model, torch.randn(2, 8), split_points=["core"], progress=False)
     pipe = pipesplit.Pipeline(prog, schedule, num_microbatches=4, loss_fn=dot_loss, loss_reduction="sum")
     check_training(model, pipe, [((torch.randn(8, 8),), {})], m=4)
+
+
+class SparseLookup(nn.Module):
+    def __init__(self, vocab: int = 20, d: int = 8):
+        super().__init__()
+        self.emb, self.lin = nn.Embedding(vocab, d, sparse=True), nn.Linear(d, d)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.lin(self.emb(ids))
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1", "zb_v"])
+def test_a_sparse_embedding_gets_its_sparse_gradient(schedule):
+    """``nn.Embedding(sparse=True)`` under a split backward: W must hand autograd its sparse gradient
+    (it tried to copy it into a dense ``.grad``; issue 22, defect 11), and SGD's step must match."""
+    import copy
+
+    from tests.training import chunk_tree, dot_loss
+
+    torch.manual_seed(0)
+    model = SparseLookup()
+    ref = copy.deepcopy(model)
+    prog = pipesplit.compile(model, torch.randint(0, 20, (2, 5)), num_stages=2, progress=False)
+    pipe = pipesplit.Pipeline(prog, schedule, num_microbatches=4, loss_fn=dot_loss, loss_reduction="sum")
+    opt, opt_ref = torch.optim.SGD(pipe.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    for _ in range(2):
+        ids, target = torch.randint(0, 20, (8, 5)), torch.randn(8, 5, 8)
+        for i, t in zip(ids.chunk(4), chunk_tree(target, 4)):
+            dot_loss(ref(i), t).backward()
+        pipe.step(ids, target=target)
+        held = dict(pipe.named_parameters())
+        for name, p in ref.named_parameters():
+            got = held[name].grad
+            assert got is not None and got.layout == p.grad.layout, name
+            torch.testing.assert_close(got.to_dense(), p.grad.to_dense(), msg=name)
+        opt.step(), opt_ref.step()
+        opt.zero_grad(), opt_ref.zero_grad()
+        for name, p in ref.named_parameters():
+            torch.testing.assert_close(held[name].detach(), p.detach(), msg=f"{name} after the step")

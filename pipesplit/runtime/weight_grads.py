@@ -253,13 +253,15 @@ def input_grads(weights: WeightGraph | None, outputs: list[torch.Tensor], output
 def _plain_leaf(alias: torch.Tensor, grad: torch.Tensor) -> torch.Tensor | None:
     """The parameter ``alias`` is a plain alias of, if W may add ``grad`` into its ``.grad`` itself as
     autograd's AccumulateGrad would: a dense tensor of the same shape, dtype and device, with no
-    hooks that AccumulateGrad would run. None otherwise (a view, a cast, a DTensor, hooks)."""
+    hooks that AccumulateGrad would run, and a dense ``grad``. None otherwise (a view, a cast, a
+    DTensor, hooks, a sparse gradient)."""
     fn = alias.grad_fn
     if fn is None or len(fn.next_functions) != 1:
         return None
     p = getattr(fn.next_functions[0][0], "variable", None)  # an AccumulateGrad node holds its leaf
     if (p is None or type(p) not in (torch.Tensor, torch.nn.Parameter) or p._backward_hooks
             or getattr(p, "_post_accumulate_grad_hooks", None) is not None or p.layout != torch.strided
+            or grad.layout != torch.strided  # a sparse embedding's: AccumulateGrad keeps it sparse
             or grad.shape != p.shape or grad.dtype != p.dtype or grad.device != p.device
             or (p.grad is not None and p.grad.layout != torch.strided)):
         return None
