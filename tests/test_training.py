@@ -207,3 +207,57 @@ def test_freezing_and_unfreezing_parameters_between_steps(schedule):
         opt.zero_grad(), opt_ref.zero_grad()
         for name, p in ref.named_parameters():
             assert_close(held[name].detach(), p.detach(), name=f"{name} after step {step}")
+
+
+# ------------------------------------------------------------ input gradients
+class TwoInputs(nn.Module):
+    """``x`` enters at the first stage, ``scale`` (a keyword) at the last."""
+
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(d, d) for _ in range(4))
+
+    def forward(self, x, scale):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x * scale
+
+
+ALL_SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zb_h1", "zb_v", "dualpipe_v"]
+
+
+@pytest.mark.parametrize("checkpoint", [False, True])
+@pytest.mark.parametrize("schedule", ALL_SCHEDULES)
+def test_inputs_that_require_grad_get_the_accumulated_gradient(schedule, checkpoint):
+    """``x.requires_grad_()`` before ``pipe.step(x, ...)``: ``x.grad`` is the sum over microbatches of
+    each microbatch's gradient, as plain accumulation gives, accumulating onto an existing ``.grad``;
+    a keyword input, a view of a bigger tensor and a non-leaf too (issue 22, defect 2)."""
+    import copy
+
+    from tests.close import assert_close, assert_grads_close
+    from tests.training import accumulate, make_target
+
+    torch.manual_seed(0)
+    model = TwoInputs()
+    ref = copy.deepcopy(model)
+    prog = pipesplit.compile(model, torch.randn(2, 8), example_kwargs={"scale": torch.randn(2, 8)}, num_stages=4,
+                             progress=False)
+    pipe = pipesplit.Pipeline(prog, schedule, num_microbatches=4, loss_fn=dot_loss, loss_reduction="sum",
+                              checkpoint=checkpoint)
+    wide = torch.randn(8, 12, requires_grad=True)  # x is a view of it: the gradient lands in wide.grad
+    base = torch.randn(8, 8, requires_grad=True)  # scale = base + 1 + leaf, a non-leaf: base.grad gets it
+    wide_ref, base_ref = wide.detach().clone().requires_grad_(), base.detach().clone().requires_grad_()
+    for step in range(2):  # no zero_grad between: input gradients accumulate like parameter ones
+        x, x_ref = wide[:, 2:10], wide_ref[:, 2:10]
+        scale, scale_ref = base + 1, base_ref + 1
+        leaf = torch.randn(8, 8).requires_grad_()
+        leaf_ref = leaf.detach().clone().requires_grad_()
+        with torch.no_grad():
+            target = make_target(ref(x_ref, scale_ref))
+        want = accumulate(ref, (x_ref,), {"scale": scale_ref + leaf_ref}, target, 4)
+        got = pipe.step(x, scale=scale + leaf, target=target)
+        assert_close(got, want, name=f"loss at step {step}")
+        assert_grads_close(pipe.named_parameters(), ref)
+        for name, a, b in [("wide", wide, wide_ref), ("base", base, base_ref), ("leaf", leaf, leaf_ref)]:
+            assert a.grad is not None, f"no gradient for the input {name} at step {step}"
+            assert_close(a.grad, b.grad, name=f"gradient of the input {name} at step {step}")

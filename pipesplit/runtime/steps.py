@@ -6,6 +6,8 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable, Sequence
 
+import torch
+
 from pipesplit.passes.split.program import SplitProgram
 from pipesplit.runtime.collectives import StepCollectives
 from pipesplit.runtime.exchange import RankComm, run_rank
@@ -56,6 +58,7 @@ def run_local_step(plan: Program, workers: dict[int, StageWorker], transport: An
         s.synchronize()
     if errors:
         raise errors[0]
+    route_input_grads(data)
 
 
 def run_distributed_step(prog: SplitProgram, coll: StepCollectives, turns: Sequence[Turn], comm: RankComm,
@@ -69,6 +72,7 @@ def run_distributed_step(prog: SplitProgram, coll: StepCollectives, turns: Seque
     prog.defer_tied_gradients(True)  # stages of this rank sharing a weight: summed in stage order
     try:
         run_rank(turns, workers, comm, data)
+        route_input_grads(data)
         coll.finish_data_parallel(timeout)
     finally:
         prog.defer_tied_gradients(False)
@@ -76,3 +80,20 @@ def run_distributed_step(prog: SplitProgram, coll: StepCollectives, turns: Seque
     if data.training:
         coll.reduce_tied()
         add_back_grads(params, earlier)
+
+
+def route_input_grads(data: StepData) -> None:
+    """Add the step's input gradients into the caller's tensors as the model's backward would: through
+    each microbatch's own tensor (a view of the caller's, or the whole tensor for an unbatched input),
+    so ``x.grad`` accumulates the sum over microbatches and a view or a non-leaf passes its gradient
+    on to what it came from. One backward for all microbatches: a graph they share upstream (``x =
+    a * b`` before the step) is walked once. Gradients of one input are summed in (microbatch,
+    stage) order, the same under every schedule."""
+    if not data.input_grads:
+        return
+    total: dict[tuple[int, int], torch.Tensor] = {}
+    for m, _, where, g in sorted(data.input_grads, key=lambda t: t[:3]):
+        total[(m, where)] = g if (m, where) not in total else total[(m, where)] + g
+    data.input_grads.clear()
+    pieces = [data.inputs[m][where] for m, where in total]
+    torch.autograd.backward(pieces, [g.to(p.device) for p, g in zip(pieces, total.values())])

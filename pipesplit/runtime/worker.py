@@ -34,11 +34,15 @@ class StepData:
     microbatch_offset: int = 0  # this replica's first microbatch in the global batch (data parallel)
     outputs: dict[int, list[Any]] = field(default_factory=dict)  # microbatch -> flat outputs (last stage)
     losses: dict[int, torch.Tensor] = field(default_factory=dict)
+    # (microbatch, stage, flat input index, gradient) for program inputs that require grad; added to
+    # the caller's tensors after the step (runtime/steps.py: route_input_grads)
+    input_grads: list[tuple[int, int, int, torch.Tensor]] = field(default_factory=list)
 
 
 @dataclass
 class _Saved:
     inputs: list[tuple[str, int, torch.Tensor]]  # (boundary name, source stage, leaf that needs a grad)
+    user_inputs: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (flat input index, its leaf here)
     tensors: list[torch.Tensor] = field(default_factory=list)  # what backward starts from
     grads: list[torch.Tensor | None] = field(default_factory=list)
     outputs: tuple[Any, ...] = ()
@@ -174,7 +178,15 @@ class StageWorker:
         args: list[Any] = []
         for name, kind, where in self.stage.inputs:
             if kind == "input":
-                args.append(self._to_device(data.inputs[m][where]))
+                value = self._to_device(data.inputs[m][where])
+                if data.training and isinstance(value, torch.Tensor) and value.requires_grad:
+                    # the caller's tensor (or its microbatch, a view of it): its gradient is taken at a
+                    # leaf of this stage's own and added to the caller's after the step, in order
+                    value = value.detach().requires_grad_(True)
+                    saved.user_inputs.append((where, value))
+                    if name in self.stage.mutated_inputs:
+                        value = value.clone()
+                args.append(value)
                 continue
             value = received[(name, where)]
             if isinstance(value, torch.Tensor) and value.requires_grad and value.is_leaf:
@@ -243,7 +255,7 @@ class StageWorker:
     def backward_input(self, m: int, data: StepData, comm: RankComm, split: bool = False) -> None:
         saved = self.saved[m]
         self._output_grads(m, saved, comm)
-        leaves = [x for _, _, x in saved.inputs]
+        leaves = [x for _, _, x in saved.inputs] + [x for _, x in saved.user_inputs]
         grads: Sequence[torch.Tensor | None]
         if not saved.tensors:
             grads = [None] * len(leaves)
@@ -254,6 +266,9 @@ class StageWorker:
             torch.autograd.backward(saved.tensors, saved.grads, inputs=[*leaves, *saved.params] or None)
             grads = [x.grad for x in leaves]
             saved.tensors = []  # the weight gradients are done too
+        for (where, _), g in zip(saved.user_inputs, grads[len(saved.inputs):]):
+            if g is not None:
+                data.input_grads.append((m, self.index, where, g.detach()))
         event = self._event()
         for (name, src, x), g in zip(saved.inputs, grads):
             g = torch.zeros_like(x) if g is None else g
