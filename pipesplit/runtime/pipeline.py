@@ -19,6 +19,7 @@ from pipesplit.runtime.microbatch import batch_size, merge_outputs, split_microb
 from pipesplit.runtime.collectives import Layout, StepCollectives
 from pipesplit.runtime.distributed import place_rank, start_communicator
 from pipesplit.runtime.exchange import RankComm, program_edges
+from pipesplit.runtime.state_writes import check_state_writes
 from pipesplit.runtime.rendezvous import RendezvousTransport
 from pipesplit.runtime.steps import run_distributed_step, run_local_step
 from pipesplit.runtime.threads import RankThreads
@@ -138,15 +139,7 @@ class Pipeline:
                 f"schedule {self.schedule.name!r} for {prog.num_stages} stages needs {self.schedule.num_ranks} ranks, "
                 f"but {num_ranks} are running; launch with --nproc-per-node {self.schedule.num_ranks}."
             )
-        shared = prog.shared_mutated_state()
-        if shared and num_microbatches > 1:
-            name, stages = next(iter(shared.items()))
-            raise PipesplitError(
-                f"buffer {name!r} is written in place and used by stages {stages} ({len(shared)} such buffer(s)). "
-                "With several microbatches in flight a stage would see another microbatch's write, so the "
-                "pipeline could not equal gradient accumulation. Keep its users in one stage "
-                "(compile(..., no_split=[...]) or pins={...}), or use num_microbatches=1."
-            )
+        check_state_writes(prog, self.schedule, num_microbatches)
         rank_of = self.schedule.stage_to_rank
         local = [s for s in prog.stages if self.rank is None or rank_of[s.index] == self.rank]
         planned = checkpoint is None and bool(prog.plan.checkpoint)
