@@ -261,3 +261,63 @@ def test_inputs_that_require_grad_get_the_accumulated_gradient(schedule, checkpo
         for name, a, b in [("wide", wide, wide_ref), ("base", base, base_ref), ("leaf", leaf, leaf_ref)]:
             assert a.grad is not None, f"no gradient for the input {name} at step {step}"
             assert_close(a.grad, b.grad, name=f"gradient of the input {name} at step {step}")
+
+
+class Skip(nn.Module):
+    """``x * 2`` crosses the cut: compiled from an example that needs no gradient, no gradient
+    flows along it until the input requires one."""
+
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.a, self.b = nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x):
+        s = (x * 2).sin()
+        return self.b(self.a(x)) * s
+
+
+def test_an_input_gradient_along_a_cut_compiled_without_one():
+    """The example input did not require grad, so the cut carrying ``x * 2`` was compiled without a
+    gradient; with ``x.requires_grad_()`` the pipeline grows that cut and ``x.grad`` is complete."""
+    import copy
+
+    from tests.close import assert_close
+    from tests.training import accumulate, make_target
+
+    torch.manual_seed(0)
+    model = Skip()
+    ref = copy.deepcopy(model)
+    prog = pipesplit.compile(model, torch.randn(2, 8), split_points=["b"], recompute="never", progress=False)
+    assert [b.requires_grad for b in prog.boundaries if b.kind == "tensor"].count(False) == 1
+    pipe = pipesplit.Pipeline(prog, "1f1b", num_microbatches=4, loss_fn=dot_loss, loss_reduction="sum")
+    x = torch.randn(8, 8, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    target = make_target(ref(x_ref))
+    assert_close(pipe.step(x, target=target), accumulate(ref, (x_ref,), {}, target, 4))
+    assert_close(x.grad, x_ref.grad, name="gradient of the input")
+
+
+def test_unfreezing_a_parameter_frozen_at_compile_time():
+    """Layers frozen when compiling leave the cut after them without a gradient; unfrozen later,
+    their gradients must still arrive (the pipeline grows the cut)."""
+    import copy
+
+    from tests.close import assert_grads_close
+    from tests.training import accumulate, make_target
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)])
+    model[0].requires_grad_(False), model[1].requires_grad_(False)
+    ref = copy.deepcopy(model)
+    prog = pipesplit.compile(model, torch.randn(2, 8), split_points=["2"], recompute="never", progress=False)
+    pipe = pipesplit.Pipeline(prog, "zb_h1", num_microbatches=4, loss_fn=dot_loss, loss_reduction="sum")
+    for step in range(2):
+        if step == 1:
+            for p in [*pipe.parameters(), *ref.parameters()]:
+                p.requires_grad_(True)
+        x = torch.randn(8, 8)
+        target = make_target(ref(x))
+        accumulate(ref, (x,), {}, target, 4)
+        pipe.step(x, target=target)
+        assert_grads_close(pipe.named_parameters(), ref)
+        pipe.zero_grad(), ref.zero_grad()

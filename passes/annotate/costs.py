@@ -99,7 +99,7 @@ def annotate_costs(gm: fx.GraphModule, inputs_require_grad: Sequence[bool] = ())
         if passed is not None:
             needs_grad[node] = needs_grad.get(passed, False)
         else:
-            needs_grad[node] = floating and not _stops_grad(node) and any(needs_grad.get(a, False) for a in inputs)
+            needs_grad[node] = floating and not stops_grad(node) and any(needs_grad.get(a, False) for a in inputs)
         from_input[node] = any(from_input.get(a, False) for a in inputs)
         flops = op_flops(node) if node.op == "call_function" else None
         if flops is None and node.op == "call_function":
@@ -138,7 +138,7 @@ def annotate_costs(gm: fx.GraphModule, inputs_require_grad: Sequence[bool] = ())
     return gm
 
 
-def _stops_grad(node: fx.Node) -> bool:
+def stops_grad(node: fx.Node) -> bool:
     """The node's value carries no gradient: a detach, or a block run under ``no_grad``."""
     if node.op != "call_function":
         return False

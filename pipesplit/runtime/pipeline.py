@@ -19,6 +19,7 @@ from pipesplit.runtime.microbatch import batch_size, merge_outputs, split_microb
 from pipesplit.runtime.collectives import Layout, StepCollectives
 from pipesplit.runtime.distributed import place_rank, start_communicator
 from pipesplit.runtime.exchange import RankComm, program_edges
+from pipesplit.runtime.grad_edges import GradientEdges
 from pipesplit.runtime.state_writes import check_state_writes
 from pipesplit.runtime.rendezvous import RendezvousTransport
 from pipesplit.runtime.steps import run_distributed_step, run_local_step
@@ -180,12 +181,13 @@ class Pipeline:
                 if s.device.type == "cuda":
                     streams[s.index] = torch.cuda.Stream(device=s.device)
         self._local, self._ckpt, self._streams = [s.index for s in local], ckpt, streams
+        self._grad_edges = GradientEdges(prog)
         self._build()
 
     def _build(self) -> None:
         """The communication plans and stage workers, from the program's current stage graphs."""
         prog, rank_of = self.prog, self.schedule.stage_to_rank
-        edges = program_edges(prog)
+        edges = self._grad_edges.built = program_edges(prog)
         # What every rank issues, with receives posted ahead; proven for NCCL's semantics where they apply
         prove = proven if self._prove else (lambda schedule, plan: issue(plan))
         self._plans: dict[str, Program] = {
@@ -252,6 +254,8 @@ class Pipeline:
         inputs = split_microbatches(flat, self.prog.inputs, total, self.batch_dim)[first:first + m]
         mb = batch_size(inputs[0], self.prog.inputs, self.batch_dim)
         if self.prog.ensure_batch(int(mb)):  # captured at the example's batch: generalised once, rebuild on it
+            self._build()
+        if self._grad_edges.stale(flat, training, self.executor == "distributed"):  # a cut newly carries gradients
             self._build()
         if training and self.loss_fn is None:
             raise PipesplitError("step() needs a loss_fn: Pipeline(prog, ..., loss_fn=lambda out, target: ...).")
