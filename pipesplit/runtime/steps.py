@@ -72,14 +72,44 @@ def run_distributed_step(prog: SplitProgram, coll: StepCollectives, turns: Seque
     prog.defer_tied_gradients(True)  # stages of this rank sharing a weight: summed in stage order
     try:
         run_rank(turns, workers, comm, data)
-        route_input_grads(data)
         coll.finish_data_parallel(timeout)
+        if data.training:
+            sum_input_grads(data, coll)
     finally:
         prog.defer_tied_gradients(False)
         comm.transport.reset()
     if data.training:
         coll.reduce_tied()
         add_back_grads(params, earlier)
+
+
+def sum_input_grads(data: StepData, coll: StepCollectives) -> None:
+    """Under torchrun: every rank ends the step with each input's whole gradient, as the model's
+    backward gives it. A rank has the gradients of its own stages' reads for its replica's
+    microbatches; per input that requires grad, those (zeros where none) are summed over the
+    pipeline and data-parallel groups, then added into the caller's tensor. Every rank must pass
+    the same inputs with the same ``requires_grad``."""
+    total: dict[tuple[int, int], torch.Tensor] = {}
+    for m, _, where, g in sorted(data.input_grads, key=lambda t: t[:3]):
+        total[(m, where)] = g if (m, where) not in total else total[(m, where)] + g
+    data.input_grads.clear()
+    for where, x in enumerate(data.whole):
+        if not (isinstance(x, torch.Tensor) and x.requires_grad):
+            continue
+        mine = [(data.inputs[m][where], g.to(x.device)) for (m, w), g in total.items() if w == where]
+        full = torch.zeros_like(x)
+        for piece, g in mine:
+            if piece is x:  # an unbatched input: every microbatch reads it whole
+                full += g
+        cut = [(piece, g) for piece, g in mine if piece is not x]
+        if cut:  # through the cut into microbatches: each piece's rows of the whole tensor
+            (through,) = torch.autograd.grad([p for p, _ in cut], [x], [g for _, g in cut])
+            full += through
+        summed = full.to(coll.device)
+        coll.dist.all_reduce(summed, group=coll.layout.pp_group)
+        if coll.layout.dp_group is not None:
+            coll.dist.all_reduce(summed, group=coll.layout.dp_group)
+        torch.autograd.backward([x], [summed.to(x.device)])
 
 
 def route_input_grads(data: StepData) -> None:

@@ -32,6 +32,7 @@ class StepData:
     microbatch_size: int
     seed: int = 0  # the step's random seed: stage s, microbatch m draws from stream_seed(seed, s, m)
     microbatch_offset: int = 0  # this replica's first microbatch in the global batch (data parallel)
+    whole: list[Any] = field(default_factory=list)  # the flat inputs the microbatches were cut from
     outputs: dict[int, list[Any]] = field(default_factory=dict)  # microbatch -> flat outputs (last stage)
     losses: dict[int, torch.Tensor] = field(default_factory=dict)
     # (microbatch, stage, flat input index, gradient) for program inputs that require grad; added to
