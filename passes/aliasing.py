@@ -165,6 +165,28 @@ def _hop_effects(node: fx.Node) -> tuple[list[list[fx.Node]] | None, list[fx.Nod
     return per_output, written, pure
 
 
+def written_operand(node: fx.Node) -> fx.Node | None:
+    """For ``getitem(block, i)`` of a higher-order op whose output ``i`` is one of its operands written
+    in place (``with torch.no_grad(): w.clamp_(...)`` hands back ``w`` itself): that operand. The value
+    is the operand's own tensor, so it carries the operand's gradient even out of a no-grad block."""
+    if node.op != "call_function" or node.target is not operator.getitem or not isinstance(node.args[0], fx.Node):
+        return None
+    block, i = node.args[0], node.args[1]
+    sub = _subgraph(block) if block.op == "call_function" else None
+    if sub is None or not isinstance(i, int):
+        return None
+    graph, operands = sub
+    outs = pytree.tree_leaves(next(n for n in graph.nodes if n.op == "output").args[0])
+    v = outs[i] if i < len(outs) else None
+    while isinstance(v, fx.Node) and v.op == "call_function" and isinstance(v.target, torch._ops.OpOverload) and v.args:
+        aliased, written = _overload_effects(v)
+        if v.args[0] not in written or v.args[0] not in aliased:
+            return None
+        v = v.args[0]  # an in-place op returns the tensor it wrote
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    return operands[placeholders.index(v)] if isinstance(v, fx.Node) and v in placeholders else None
+
+
 def _is_plain_function(target: Any) -> bool:
     """Python functions of the graph on sizes and scalars (``operator.mul``, ``math.ceil``...)."""
     return getattr(target, "__module__", None) in ("_operator", "operator", "math", "builtins")

@@ -65,6 +65,12 @@ class Tied:
         self.handles = []
 
     def sync(self) -> None:
+        trainable = isinstance(self.owner, nn.Parameter) and self.owner.requires_grad
+        if any(r.requires_grad != trainable for r in self.replicas):  # frozen or unfrozen since: follow the owner
+            for r in self.replicas:
+                r.requires_grad_(trainable)
+            self.unhook()
+            self.hook()
         if self.owner._version != self.version:
             with torch.no_grad():
                 for r in self.replicas:

@@ -98,3 +98,12 @@ def test_peak_memory_per_rank_stays_within_the_planners_estimate(nproc):
     for schedule in schedules:
         lines = re.findall(rf"rank \d+/{nproc}: {schedule} peak .*? ratio [\d.]+: ok", result.stdout)
         assert len(lines) == nproc, result.stdout
+
+
+def test_input_gradients_on_every_rank_of_a_pipeline_and_a_mesh():
+    """x.requires_grad_() under torchrun: every rank's x.grad is the plain model's (issue 22, defect 2)."""
+    for nproc in (2, 4):
+        out = launch.torchrun("input_grad_check.py", nproc).stdout
+        for schedule in ("1f1b", "zb_h1"):
+            matched = set(re.findall(rf"rank (\d+)/{nproc}: input gradients match over 2 steps \({schedule}\)", out))
+            assert matched == {str(r) for r in range(nproc)}, out

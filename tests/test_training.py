@@ -167,3 +167,157 @@ def test_bf16_model_trains():
     pipe = _pipe(model, (args, kwargs), 2, "1f1b", m=2)
     assert all(p.dtype is torch.bfloat16 for p in pipe.parameters())
     check_training(model, pipe, [CASES[2].inputs(4)], m=2, steps=2, rtol=3e-2)
+
+
+# ------------------------------------------------------------ freezing between steps
+@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1", "zb_v"])
+def test_freezing_and_unfreezing_parameters_between_steps(schedule):
+    """``requires_grad_(False)`` after the Pipeline is built (freezing layers mid-training), then
+    ``requires_grad_(True)`` again: each step equals plain accumulation, the frozen parameters get
+    no gradient and do not move (issue 22, defect 13), a tied embedding/head included."""
+    import copy
+
+    from tests.close import assert_close, assert_grads_close
+    from tests.training import accumulate, make_target
+
+    torch.manual_seed(0)
+    case = next(c for c in CASES if c.name == "gpt_tied")
+    model = case.build()
+    ref = copy.deepcopy(model)
+    pipe = _pipe(model, case.inputs(2), 2, schedule)
+    # dot_loss on random targets diverges at lr=0.05 over 4 steps (rounding grows to O(1), plain vs plain too)
+    opt, opt_ref = torch.optim.SGD(pipe.parameters(), lr=0.005), torch.optim.SGD(ref.parameters(), lr=0.005)
+    names = [n for n, _ in ref.named_parameters()]
+    frozen = {names[0], names[len(names) // 2], names[-1]}  # the tied embedding among them
+    held = dict(pipe.named_parameters())
+    for step, freeze in enumerate([False, True, True, False]):
+        for name, p in ref.named_parameters():
+            p.requires_grad_(not (freeze and name in frozen))
+            held[name].requires_grad_(p.requires_grad)
+        args, kwargs = case.inputs(8)
+        with torch.no_grad():
+            target = make_target(ref(*args, **kwargs))
+        want = accumulate(ref, args, kwargs, target, 4)
+        got = pipe.step(*args, target=target, **kwargs)
+        assert_close(got, want, name=f"loss at step {step}")
+        assert_grads_close(held, ref)
+        for name in frozen if freeze else ():
+            assert held[name].grad is None, f"{name} is frozen but got a gradient at step {step}"
+        opt.step(), opt_ref.step()
+        opt.zero_grad(), opt_ref.zero_grad()
+        for name, p in ref.named_parameters():
+            assert_close(held[name].detach(), p.detach(), name=f"{name} after step {step}")
+
+
+# ------------------------------------------------------------ input gradients
+class TwoInputs(nn.Module):
+    """``x`` enters at the first stage, ``scale`` (a keyword) at the last."""
+
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(d, d) for _ in range(4))
+
+    def forward(self, x, scale):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x * scale
+
+
+ALL_SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zb_h1", "zb_v", "dualpipe_v"]
+
+
+@pytest.mark.parametrize("checkpoint", [False, True])
+@pytest.mark.parametrize("schedule", ALL_SCHEDULES)
+def test_inputs_that_require_grad_get_the_accumulated_gradient(schedule, checkpoint):
+    """``x.requires_grad_()`` before ``pipe.step(x, ...)``: ``x.grad`` is the sum over microbatches of
+    each microbatch's gradient, as plain accumulation gives, accumulating onto an existing ``.grad``;
+    a keyword input, a view of a bigger tensor and a non-leaf too (issue 22, defect 2)."""
+    import copy
+
+    from tests.close import assert_close, assert_grads_close
+    from tests.training import accumulate, make_target
+
+    torch.manual_seed(0)
+    model = TwoInputs()
+    ref = copy.deepcopy(model)
+    prog = pipesplit.compile(model, torch.randn(2, 8), example_kwargs={"scale": torch.randn(2, 8)}, num_stages=4,
+                             progress=False)
+    pipe = pipesplit.Pipeline(prog, schedule, num_microbatches=4, loss_fn=dot_loss, loss_reduction="sum",
+                              checkpoint=checkpoint)
+    wide = torch.randn(8, 12, requires_grad=True)  # x is a view of it: the gradient lands in wide.grad
+    base = torch.randn(8, 8, requires_grad=True)  # scale = base + 1 + leaf, a non-leaf: base.grad gets it
+    wide_ref, base_ref = wide.detach().clone().requires_grad_(), base.detach().clone().requires_grad_()
+    for step in range(2):  # no zero_grad between: input gradients accumulate like parameter ones
+        x, x_ref = wide[:, 2:10], wide_ref[:, 2:10]
+        scale, scale_ref = base + 1, base_ref + 1
+        leaf = torch.randn(8, 8).requires_grad_()
+        leaf_ref = leaf.detach().clone().requires_grad_()
+        with torch.no_grad():
+            target = make_target(ref(x_ref, scale_ref))
+        want = accumulate(ref, (x_ref,), {"scale": scale_ref + leaf_ref}, target, 4)
+        got = pipe.step(x, scale=scale + leaf, target=target)
+        assert_close(got, want, name=f"loss at step {step}")
+        assert_grads_close(pipe.named_parameters(), ref)
+        for name, a, b in [("wide", wide, wide_ref), ("base", base, base_ref), ("leaf", leaf, leaf_ref)]:
+            assert a.grad is not None, f"no gradient for the input {name} at step {step}"
+            assert_close(a.grad, b.grad, name=f"gradient of the input {name} at step {step}")
+
+
+class Skip(nn.Module):
+    """``x * 2`` crosses the cut: compiled from an example that needs no gradient, no gradient
+    flows along it until the input requires one."""
+
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.a, self.b = nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x):
+        s = (x * 2).sin()
+        return self.b(self.a(x)) * s
+
+
+def test_an_input_gradient_along_a_cut_compiled_without_one():
+    """The example input did not require grad, so the cut carrying ``x * 2`` was compiled without a
+    gradient; with ``x.requires_grad_()`` the pipeline grows that cut and ``x.grad`` is complete."""
+    import copy
+
+    from tests.close import assert_close
+    from tests.training import accumulate, make_target
+
+    torch.manual_seed(0)
+    model = Skip()
+    ref = copy.deepcopy(model)
+    prog = pipesplit.compile(model, torch.randn(2, 8), split_points=["b"], recompute="never", progress=False)
+    assert [b.requires_grad for b in prog.boundaries if b.kind == "tensor"].count(False) == 1
+    pipe = pipesplit.Pipeline(prog, "1f1b", num_microbatches=4, loss_fn=dot_loss, loss_reduction="sum")
+    x = torch.randn(8, 8, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    target = make_target(ref(x_ref))
+    assert_close(pipe.step(x, target=target), accumulate(ref, (x_ref,), {}, target, 4))
+    assert_close(x.grad, x_ref.grad, name="gradient of the input")
+
+
+def test_unfreezing_a_parameter_frozen_at_compile_time():
+    """Layers frozen when compiling leave the cut after them without a gradient; unfrozen later,
+    their gradients must still arrive (the pipeline grows the cut)."""
+    import copy
+
+    from tests.close import assert_grads_close
+    from tests.training import accumulate, make_target
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)])
+    model[0].requires_grad_(False), model[1].requires_grad_(False)
+    ref = copy.deepcopy(model)
+    prog = pipesplit.compile(model, torch.randn(2, 8), split_points=["2"], recompute="never", progress=False)
+    pipe = pipesplit.Pipeline(prog, "zb_h1", num_microbatches=4, loss_fn=dot_loss, loss_reduction="sum")
+    for step in range(2):
+        if step == 1:
+            for p in [*pipe.parameters(), *ref.parameters()]:
+                p.requires_grad_(True)
+        x = torch.randn(8, 8)
+        target = make_target(ref(x))
+        accumulate(ref, (x,), {}, target, 4)
+        pipe.step(x, target=target)
+        assert_grads_close(pipe.named_parameters(), ref)
+        pipe.zero_grad(), ref.zero_grad()

@@ -102,3 +102,92 @@ def test_an_input_written_in_place_goes_through_autograd():
     y.backward(grads)
     for name, p in model.named_parameters():
         torch.testing.assert_close(got[name], p.grad, msg=name)
+
+
+class UnsafeCore(nn.Module):
+    """``W`` feeds two linears; the second's output is written in place while ``early`` still needs
+    its old value, so W's gradient must come from the stage outputs (it is "unsafe"): the first
+    linear, which also consumes the safe ``b``, must make no alias for W (issue 22, defect 1)."""
+
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.W = nn.Parameter(torch.randn(d, d) / 3)
+        self.b = nn.Parameter(torch.randn(d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.nn.functional.linear(x, self.W, self.b)
+        y = torch.nn.functional.linear(h, self.W)
+        early = y.sum()
+        y.mul_(2)
+        return y + early
+
+
+class SharedUnsafeWeight(nn.Module):
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.pre, self.core = nn.Linear(d, d), UnsafeCore(d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.core(self.pre(x))
+
+
+def test_an_unsafe_weight_gets_no_alias_in_any_op():
+    torch.manual_seed(0)
+    prog = pipesplit.compile(SharedUnsafeWeight(), torch.randn(2, 8), num_stages=1, progress=False)
+    module = prog.stages[0].module
+    w = dict(module.named_parameters())["core.W"]
+    weights = weight_graph(module)
+    assert weights is not None
+    assert all(p is not w for ps in weights.weights for p in ps) and any(p is w for p in weights.rest)
+    aliased = [n for n in weights.module.graph.nodes if n.target is aten.alias.default]
+    assert all(a.args[0].target != "core.W" for a in aliased), "an unsafe weight must get no alias"
+
+
+@pytest.mark.parametrize("schedule", ["zb_h1", "zb_v", "dualpipe_v"])
+def test_a_weight_shared_with_an_unsafe_op_is_counted_once(schedule):
+    from tests.training import check_training, dot_loss
+
+    torch.manual_seed(0)
+    model = SharedUnsafeWeight()
+    prog = pipesplit.compile(model, torch.randn(2, 8), split_points=["core"], progress=False)
+    pipe = pipesplit.Pipeline(prog, schedule, num_microbatches=4, loss_fn=dot_loss, loss_reduction="sum")
+    check_training(model, pipe, [((torch.randn(8, 8),), {})], m=4)
+
+
+class SparseLookup(nn.Module):
+    def __init__(self, vocab: int = 20, d: int = 8):
+        super().__init__()
+        self.emb, self.lin = nn.Embedding(vocab, d, sparse=True), nn.Linear(d, d)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.lin(self.emb(ids))
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1", "zb_v"])
+def test_a_sparse_embedding_gets_its_sparse_gradient(schedule):
+    """``nn.Embedding(sparse=True)`` under a split backward: W must hand autograd its sparse gradient
+    (it tried to copy it into a dense ``.grad``; issue 22, defect 11), and SGD's step must match."""
+    import copy
+
+    from tests.training import chunk_tree, dot_loss
+
+    torch.manual_seed(0)
+    model = SparseLookup()
+    ref = copy.deepcopy(model)
+    prog = pipesplit.compile(model, torch.randint(0, 20, (2, 5)), num_stages=2, progress=False)
+    pipe = pipesplit.Pipeline(prog, schedule, num_microbatches=4, loss_fn=dot_loss, loss_reduction="sum")
+    opt, opt_ref = torch.optim.SGD(pipe.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    for _ in range(2):
+        ids, target = torch.randint(0, 20, (8, 5)), torch.randn(8, 5, 8)
+        for i, t in zip(ids.chunk(4), chunk_tree(target, 4)):
+            dot_loss(ref(i), t).backward()
+        pipe.step(ids, target=target)
+        held = dict(pipe.named_parameters())
+        for name, p in ref.named_parameters():
+            got = held[name].grad
+            assert got is not None and got.layout == p.grad.layout, name
+            torch.testing.assert_close(got.to_dense(), p.grad.to_dense(), msg=name)
+        opt.step(), opt_ref.step()
+        opt.zero_grad(), opt_ref.zero_grad()
+        for name, p in ref.named_parameters():
+            torch.testing.assert_close(held[name].detach(), p.detach(), msg=f"{name} after the step")

@@ -13,6 +13,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from pipesplit.meta import NodeCost, node_cost, set_node_cost
+from pipesplit.passes.aliasing import written_operand
 from pipesplit.passes.annotate.flops import OpFlops, hint, op_flops, op_name
 
 log = logging.getLogger(__name__)
@@ -94,7 +95,11 @@ def annotate_costs(gm: fx.GraphModule, inputs_require_grad: Sequence[bool] = ())
         floating = any(
             isinstance(leaf, torch.Tensor) and leaf.is_floating_point() for leaf in pytree.tree_leaves(val)
         )
-        needs_grad[node] = floating and not _stops_grad(node) and any(needs_grad.get(a, False) for a in inputs)
+        passed = written_operand(node)  # a block's in-place write hands back the tensor itself
+        if passed is not None:
+            needs_grad[node] = needs_grad.get(passed, False)
+        else:
+            needs_grad[node] = floating and not stops_grad(node) and any(needs_grad.get(a, False) for a in inputs)
         from_input[node] = any(from_input.get(a, False) for a in inputs)
         flops = op_flops(node) if node.op == "call_function" else None
         if flops is None and node.op == "call_function":
@@ -133,7 +138,7 @@ def annotate_costs(gm: fx.GraphModule, inputs_require_grad: Sequence[bool] = ())
     return gm
 
 
-def _stops_grad(node: fx.Node) -> bool:
+def stops_grad(node: fx.Node) -> bool:
     """The node's value carries no gradient: a detach, or a block run under ``no_grad``."""
     if node.op != "call_function":
         return False

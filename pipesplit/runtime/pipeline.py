@@ -19,6 +19,8 @@ from pipesplit.runtime.microbatch import batch_size, merge_outputs, split_microb
 from pipesplit.runtime.collectives import Layout, StepCollectives
 from pipesplit.runtime.distributed import place_rank, start_communicator
 from pipesplit.runtime.exchange import RankComm, program_edges
+from pipesplit.runtime.grad_edges import GradientEdges
+from pipesplit.runtime.state_writes import check_state_writes
 from pipesplit.runtime.rendezvous import RendezvousTransport
 from pipesplit.runtime.steps import run_distributed_step, run_local_step
 from pipesplit.runtime.threads import RankThreads
@@ -138,15 +140,7 @@ class Pipeline:
                 f"schedule {self.schedule.name!r} for {prog.num_stages} stages needs {self.schedule.num_ranks} ranks, "
                 f"but {num_ranks} are running; launch with --nproc-per-node {self.schedule.num_ranks}."
             )
-        shared = prog.shared_mutated_state()
-        if shared and num_microbatches > 1:
-            name, stages = next(iter(shared.items()))
-            raise PipesplitError(
-                f"buffer {name!r} is written in place and used by stages {stages} ({len(shared)} such buffer(s)). "
-                "With several microbatches in flight a stage would see another microbatch's write, so the "
-                "pipeline could not equal gradient accumulation. Keep its users in one stage "
-                "(compile(..., no_split=[...]) or pins={...}), or use num_microbatches=1."
-            )
+        check_state_writes(prog, self.schedule, num_microbatches)
         rank_of = self.schedule.stage_to_rank
         local = [s for s in prog.stages if self.rank is None or rank_of[s.index] == self.rank]
         planned = checkpoint is None and bool(prog.plan.checkpoint)
@@ -187,12 +181,14 @@ class Pipeline:
                 if s.device.type == "cuda":
                     streams[s.index] = torch.cuda.Stream(device=s.device)
         self._local, self._ckpt, self._streams = [s.index for s in local], ckpt, streams
+        self._grad_edges = GradientEdges(prog)
         self._build()
 
     def _build(self) -> None:
         """The communication plans and stage workers, from the program's current stage graphs."""
         prog, rank_of = self.prog, self.schedule.stage_to_rank
-        edges, self._generation = program_edges(prog), prog.generation
+        edges = self._grad_edges.built = program_edges(prog)
+        self._generation = prog.generation
         # What every rank issues, with receives posted ahead; proven for NCCL's semantics where they apply
         prove = proven if self._prove else (lambda schedule, plan: issue(plan))
         self._plans: dict[str, Program] = {
@@ -261,6 +257,8 @@ class Pipeline:
         self.prog.ensure_batch(int(mb), f" (a microbatch: a batch of {mb * total} in {total} microbatches)")
         if self._generation != self.prog.generation:  # new graphs (re-captured here or by another Pipeline)
             self._build()
+        if self._grad_edges.stale(flat, training, self.executor == "distributed"):  # a cut newly carries gradients
+            self._build()
         if training and self.loss_fn is None:
             raise PipesplitError("step() needs a loss_fn: Pipeline(prog, ..., loss_fn=lambda out, target: ...).")
         targets = None
@@ -268,7 +266,7 @@ class Pipeline:
             targets = split_target(target, total, self.target_batch_dim, mb * total)[first:first + m]
         scale = 1.0 / total if self.loss_reduction == "mean" else 1.0
         return StepData(inputs, targets, self.loss_fn, scale, training, mb, seed=self._step_seed(),
-                        microbatch_offset=first)
+                        microbatch_offset=first, whole=flat)
 
     def _step_seed(self) -> int:
         """One draw from torch's default generator per step, rank 0's on every rank (reproducible by seeding)."""

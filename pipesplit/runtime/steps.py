@@ -6,6 +6,8 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable, Sequence
 
+import torch
+
 from pipesplit.passes.split.program import SplitProgram
 from pipesplit.runtime.collectives import StepCollectives
 from pipesplit.runtime.exchange import RankComm, run_rank
@@ -56,6 +58,7 @@ def run_local_step(plan: Program, workers: dict[int, StageWorker], transport: An
         s.synchronize()
     if errors:
         raise errors[0]
+    route_input_grads(data)
 
 
 def run_distributed_step(prog: SplitProgram, coll: StepCollectives, turns: Sequence[Turn], comm: RankComm,
@@ -75,6 +78,8 @@ def run_distributed_step(prog: SplitProgram, coll: StepCollectives, turns: Seque
         coll.finish_data_parallel(timeout)
         coll.finish_statistics(stats, len(data.inputs))
         stats = None
+        if data.training:
+            sum_input_grads(data, coll)
     finally:
         coll.restore_statistics(stats)  # a step that failed leaves them as they were
         prog.defer_tied_gradients(False)
@@ -82,3 +87,49 @@ def run_distributed_step(prog: SplitProgram, coll: StepCollectives, turns: Seque
     if data.training:
         coll.reduce_tied()
         add_back_grads(params, earlier)
+
+
+def sum_input_grads(data: StepData, coll: StepCollectives) -> None:
+    """Under torchrun: every rank ends the step with each input's whole gradient, as the model's
+    backward gives it. A rank has the gradients of its own stages' reads for its replica's
+    microbatches; per input that requires grad, those (zeros where none) are summed over the
+    pipeline and data-parallel groups, then added into the caller's tensor. Every rank must pass
+    the same inputs with the same ``requires_grad``."""
+    total: dict[tuple[int, int], torch.Tensor] = {}
+    for m, _, where, g in sorted(data.input_grads, key=lambda t: t[:3]):
+        total[(m, where)] = g if (m, where) not in total else total[(m, where)] + g
+    data.input_grads.clear()
+    for where, x in enumerate(data.whole):
+        if not (isinstance(x, torch.Tensor) and x.requires_grad):
+            continue
+        mine = [(data.inputs[m][where], g.to(x.device)) for (m, w), g in total.items() if w == where]
+        full = torch.zeros_like(x)
+        for piece, g in mine:
+            if piece is x:  # an unbatched input: every microbatch reads it whole
+                full += g
+        cut = [(piece, g) for piece, g in mine if piece is not x]
+        if cut:  # through the cut into microbatches: each piece's rows of the whole tensor
+            (through,) = torch.autograd.grad([p for p, _ in cut], [x], [g for _, g in cut])
+            full += through
+        summed = full.to(coll.device)
+        coll.dist.all_reduce(summed, group=coll.layout.pp_group)
+        if coll.layout.dp_group is not None:
+            coll.dist.all_reduce(summed, group=coll.layout.dp_group)
+        torch.autograd.backward([x], [summed.to(x.device)])
+
+
+def route_input_grads(data: StepData) -> None:
+    """Add the step's input gradients into the caller's tensors as the model's backward would: through
+    each microbatch's own tensor (a view of the caller's, or the whole tensor for an unbatched input),
+    so ``x.grad`` accumulates the sum over microbatches and a view or a non-leaf passes its gradient
+    on to what it came from. One backward for all microbatches: a graph they share upstream (``x =
+    a * b`` before the step) is walked once. Gradients of one input are summed in (microbatch,
+    stage) order, the same under every schedule."""
+    if not data.input_grads:
+        return
+    total: dict[tuple[int, int], torch.Tensor] = {}
+    for m, _, where, g in sorted(data.input_grads, key=lambda t: t[:3]):
+        total[(m, where)] = g if (m, where) not in total else total[(m, where)] + g
+    data.input_grads.clear()
+    pieces = [data.inputs[m][where] for m, where in total]
+    torch.autograd.backward(pieces, [g.to(p.device) for p, g in zip(pieces, total.values())])

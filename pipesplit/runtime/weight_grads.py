@@ -174,13 +174,25 @@ def weight_graph(gm: fx.GraphModule) -> WeightGraph | None:
             unsafe |= used  # W must go from the stage outputs: see _written_only_in_chain
             continue
         found.append((node, used))
+    # An unsafe weight is reached from the stage outputs (``rest``) and gets no alias in any op: W
+    # adding an alias's share on top would count it twice. A tensor derived from it and another
+    # weight (a cat of both) makes that other weight unsafe too, or its share there would be lost.
+    grown = True
+    while grown:
+        grown = False
+        for node, _ in found:
+            for a in node.all_input_nodes:
+                if a in derived and derived[a] & unsafe and not derived[a] <= unsafe:
+                    unsafe |= derived[a]
+                    grown = True
     consumers: list[tuple[fx.Node, list[fx.Node], set[str]]] = []
-    for node, used in found:
-        used = used - unsafe
-        if not used:
+    for node, _ in found:
+        safe = [x for x in dict.fromkeys(node.all_input_nodes) if x in derived and not derived[x] & unsafe]
+        if not safe:
             continue
+        used = set().union(*(derived[x] for x in safe))
         aliases = []
-        for a in dict.fromkeys(x for x in node.all_input_nodes if x in derived):
+        for a in safe:
             with graph.inserting_before(node):
                 alias = graph.call_function(torch.ops.aten.alias.default, (a,))
             alias.meta = dict(a.meta)
@@ -241,13 +253,15 @@ def input_grads(weights: WeightGraph | None, outputs: list[torch.Tensor], output
 def _plain_leaf(alias: torch.Tensor, grad: torch.Tensor) -> torch.Tensor | None:
     """The parameter ``alias`` is a plain alias of, if W may add ``grad`` into its ``.grad`` itself as
     autograd's AccumulateGrad would: a dense tensor of the same shape, dtype and device, with no
-    hooks that AccumulateGrad would run. None otherwise (a view, a cast, a DTensor, hooks)."""
+    hooks that AccumulateGrad would run, and a dense ``grad``. None otherwise (a view, a cast, a
+    DTensor, hooks, a sparse gradient)."""
     fn = alias.grad_fn
     if fn is None or len(fn.next_functions) != 1:
         return None
     p = getattr(fn.next_functions[0][0], "variable", None)  # an AccumulateGrad node holds its leaf
     if (p is None or type(p) not in (torch.Tensor, torch.nn.Parameter) or p._backward_hooks
             or getattr(p, "_post_accumulate_grad_hooks", None) is not None or p.layout != torch.strided
+            or grad.layout != torch.strided  # a sparse embedding's: AccumulateGrad keeps it sparse
             or grad.shape != p.shape or grad.dtype != p.dtype or grad.device != p.device
             or (p.grad is not None and p.grad.layout != torch.strided)):
         return None

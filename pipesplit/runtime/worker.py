@@ -32,18 +32,25 @@ class StepData:
     microbatch_size: int
     seed: int = 0  # the step's random seed: stage s, microbatch m draws from stream_seed(seed, s, m)
     microbatch_offset: int = 0  # this replica's first microbatch in the global batch (data parallel)
+    whole: list[Any] = field(default_factory=list)  # the flat inputs the microbatches were cut from
     outputs: dict[int, list[Any]] = field(default_factory=dict)  # microbatch -> flat outputs (last stage)
     losses: dict[int, torch.Tensor] = field(default_factory=dict)
+    # (microbatch, stage, flat input index, gradient) for program inputs that require grad; added to
+    # the caller's tensors after the step (runtime/steps.py: route_input_grads)
+    input_grads: list[tuple[int, int, int, torch.Tensor]] = field(default_factory=list)
 
 
 @dataclass
 class _Saved:
     inputs: list[tuple[str, int, torch.Tensor]]  # (boundary name, source stage, leaf that needs a grad)
+    user_inputs: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (flat input index, its leaf here)
     tensors: list[torch.Tensor] = field(default_factory=list)  # what backward starts from
     grads: list[torch.Tensor | None] = field(default_factory=list)
     outputs: tuple[Any, ...] = ()
     inters: list[torch.Tensor] = field(default_factory=list)  # weight consumers' outputs (split backward)
     inter_grads: list[torch.Tensor | None] = field(default_factory=list)
+    weights: WeightGraph | None = None  # the weight graph the forward ran (split backward)
+    params: list[torch.Tensor] = field(default_factory=list)  # the stage's trainable parameters at the forward
 
 
 class StageWorker:
@@ -76,17 +83,23 @@ class StageWorker:
             if b.src == stage.index:
                 self.consumers.setdefault(b.name, []).append(b.dst)
         self.out_bounds = {(b.name, b.dst): b for b in prog.boundaries if b.src == stage.index}
-        self.params = [p for p in stage.module.parameters() if p.requires_grad]
         self.saved: dict[int, _Saved] = {}
         self._shapes: dict[tuple[str, int, int], tuple[int, ...]] = {}  # (boundary, source, microbatch size)
         self._ints: dict[tuple[str, int, int], int] = {}
         self.tracer: Any = None  # a pipesplit.runtime.trace.Trace while Pipeline.trace() is active
         self.on_gradients = on_gradients  # called once a step's last weight gradients are in
         self.split_backward = split_backward and not checkpointing  # I then W: see runtime/weight_grads.py
-        self._weight_graphs: dict[int, WeightGraph | None] = {}  # id(stage module) -> its weight graph
+        # (id(stage module), which parameters are trainable) -> its weight graph: freezing or
+        # unfreezing a parameter between steps picks (or makes) the graph for the new set
+        self._weight_graphs: dict[tuple[int, tuple[bool, ...]], WeightGraph | None] = {}
         self.backwards_done = 0
 
     # ------------------------------------------------------------------ helpers
+    @property
+    def params(self) -> list[torch.Tensor]:
+        """The stage's parameters that are trainable now (``requires_grad_`` may change between steps)."""
+        return [p for p in self.stage.module.parameters() if p.requires_grad]
+
     def _ctx(self) -> Any:
         return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
 
@@ -140,8 +153,9 @@ class StageWorker:
                 self.backward_weight(action.microbatch)
             if self.on_gradients is not None and action.kind in (ActionKind.FULL_BACKWARD, ActionKind.BACKWARD_WEIGHT):
                 self.backwards_done += 1
-                if self.backwards_done == len(data.inputs) and self.params:
-                    self.on_gradients(self.params)
+                params = self.params
+                if self.backwards_done == len(data.inputs) and params:
+                    self.on_gradients(params)
             if tracer is not None and self.stage.device.type == "cuda":  # count the device work inside the action
                 (self.stream or torch.cuda.current_stream(self.stage.device)).synchronize()
         if tracer is not None:
@@ -165,7 +179,15 @@ class StageWorker:
         args: list[Any] = []
         for name, kind, where in self.stage.inputs:
             if kind == "input":
-                args.append(self._to_device(data.inputs[m][where]))
+                value = self._to_device(data.inputs[m][where])
+                if data.training and isinstance(value, torch.Tensor) and value.requires_grad:
+                    # the caller's tensor (or its microbatch, a view of it): its gradient is taken at a
+                    # leaf of this stage's own and added to the caller's after the step, in order
+                    value = value.detach().requires_grad_(True)
+                    saved.user_inputs.append((where, value))
+                    if name in self.stage.mutated_inputs:
+                        value = value.clone()
+                args.append(value)
                 continue
             value = received[(name, where)]
             if isinstance(value, torch.Tensor) and value.requires_grad and value.is_leaf:
@@ -179,6 +201,7 @@ class StageWorker:
         grad_mode = torch.enable_grad() if data.training else torch.no_grad()
         module, device = self.stage.module, self.stage.device
         weights = self._weights() if data.training and self.split_backward else None
+        saved.weights, saved.params = weights, self.params if data.training else []
         if weights is not None:
             module = weights.module
         seed = stream_seed(data.seed, self.index, data.microbatch_offset + m)
@@ -233,17 +256,20 @@ class StageWorker:
     def backward_input(self, m: int, data: StepData, comm: RankComm, split: bool = False) -> None:
         saved = self.saved[m]
         self._output_grads(m, saved, comm)
-        leaves = [x for _, _, x in saved.inputs]
+        leaves = [x for _, _, x in saved.inputs] + [x for _, x in saved.user_inputs]
         grads: Sequence[torch.Tensor | None]
         if not saved.tensors:
             grads = [None] * len(leaves)
         elif split:  # also the gradients W starts from (see runtime/weight_grads.py)
-            weights = self._weights() if saved.inters else None
+            weights = saved.weights if saved.inters else None
             grads, saved.inter_grads = input_grads(weights, saved.tensors, saved.grads, leaves, saved.inters)
         else:
-            torch.autograd.backward(saved.tensors, saved.grads, inputs=[*leaves, *self.params] or None)
+            torch.autograd.backward(saved.tensors, saved.grads, inputs=[*leaves, *saved.params] or None)
             grads = [x.grad for x in leaves]
             saved.tensors = []  # the weight gradients are done too
+        for (where, _), g in zip(saved.user_inputs, grads[len(saved.inputs):]):
+            if g is not None:
+                data.input_grads.append((m, self.index, where, g.detach()))
         event = self._event()
         for (name, src, x), g in zip(saved.inputs, grads):
             g = torch.zeros_like(x) if g is None else g
@@ -251,17 +277,19 @@ class StageWorker:
 
     def backward_weight(self, m: int) -> None:
         saved = self.saved.pop(m)
-        if not (saved.tensors and self.params):
+        if not (saved.tensors and saved.params):
             return
-        weights = self._weights() if saved.inters else None
+        weights = saved.weights if saved.inters else None
         if weights is None:  # a second backward from the stage outputs (no split forward was run)
-            torch.autograd.backward(saved.tensors, saved.grads, inputs=self.params)
+            torch.autograd.backward(saved.tensors, saved.grads, inputs=saved.params)
             return
         weight_backward(weights, saved.inters, saved.inter_grads, saved.tensors, saved.grads)
 
     def _weights(self) -> WeightGraph | None:
-        """This stage's weight graph (see runtime/weight_grads.py), made once per module."""
+        """This stage's weight graph (see runtime/weight_grads.py), made once per module and set of
+        trainable parameters."""
         module = self.stage.module
-        if id(module) not in self._weight_graphs:
-            self._weight_graphs[id(module)] = weight_graph(module)
-        return self._weight_graphs[id(module)]
+        key = (id(module), tuple(p.requires_grad for p in module.parameters()))
+        if key not in self._weight_graphs:
+            self._weight_graphs[key] = weight_graph(module)
+        return self._weight_graphs[key]

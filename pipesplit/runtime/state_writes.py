@@ -1,0 +1,90 @@
+"""State written in place inside the forward: where a pipeline can still equal gradient accumulation."""
+
+from __future__ import annotations
+
+from pipesplit.errors import PipesplitError, ScheduleError
+from pipesplit.passes.split.program import SplitProgram
+from pipesplit.schedules import ActionKind, Schedule, resolve_schedule
+from pipesplit.schedules.registry import list_schedules
+
+
+def overlapping_stages(schedule: Schedule) -> dict[int, tuple[int, int]]:
+    """Stage -> (k, j) for every stage that runs the forward of microbatch ``k`` while microbatch ``j``'s
+    backward is not done (its B, or its W after I); the stages missing run one microbatch at a time."""
+    out: dict[int, tuple[int, int]] = {}
+    for actions in schedule.actions:
+        open_: dict[int, set[int]] = {}  # stage -> microbatches forwarded whose backward is not done
+        for a in actions:
+            if a.kind is ActionKind.FORWARD:
+                pending = open_.setdefault(a.stage, set())
+                if pending and a.stage not in out:
+                    out[a.stage] = (a.microbatch, min(pending))
+                pending.add(a.microbatch)
+            elif a.kind in (ActionKind.FULL_BACKWARD, ActionKind.BACKWARD_WEIGHT):
+                open_.get(a.stage, set()).discard(a.microbatch)
+    return out
+
+
+def _writer(prog: SplitProgram, stage: int, target: str) -> str:
+    """The name of the op of stage ``stage`` that writes ``target`` in place (as its graph names it)."""
+    graph = prog.stages[stage].module.graph
+    users = [u for n in graph.nodes if n.op == "get_attr" and n.target == target for u in n.users]
+    writers = [u for u in users if u.name.rstrip("0123456789").rstrip("_").endswith("_")
+               or "higher_order" in str(u.target) or str(u.target).endswith("_.default")]
+    return (writers or users)[0].name if users else "?"
+
+
+def check_state_writes(prog: SplitProgram, schedule: Schedule, num_microbatches: int) -> None:
+    """Refuse state written in place where microbatches would see each other's writes: a buffer that
+    several stages use, and a parameter written in place inside the forward (``with torch.no_grad(): w.clamp_(...)``)
+    on a stage that holds several microbatches at once under ``schedule``.
+
+    Gradient accumulation runs each microbatch's forward and backward before the next forward, so the
+    backward sees the parameter as its own forward left it. A stage with microbatch ``k``'s forward
+    before ``j``'s backward would hand that backward the parameter as ``k``'s forward wrote it (autograd
+    refuses: "modified by an inplace operation"). A stage that runs one microbatch at a time (every
+    stage at one microbatch; 1F1B's last stage) equals accumulation exactly.
+    """
+    if num_microbatches <= 1:
+        return
+    shared = prog.shared_mutated_state()
+    if shared:
+        name, stages = next(iter(shared.items()))
+        raise PipesplitError(
+            f"buffer {name!r} is written in place and used by stages {stages} ({len(shared)} such buffer(s)). "
+            "With several microbatches in flight a stage would see another microbatch's write, so the "
+            "pipeline could not equal gradient accumulation. Keep its users in one stage "
+            "(compile(..., no_split=[...]) or pins={...}), or use num_microbatches=1."
+        )
+    overlap = overlapping_stages(schedule)
+    for stage in prog.stages:
+        if stage.module is None or stage.index not in overlap:
+            continue
+        for target in stage.attr_targets:
+            idx = prog.target_to_entry.get(target)
+            if target not in prog.mutated_targets or idx is None or not prog.state_entry(idx).is_param:
+                continue
+            k, j = overlap[stage.index]
+            raise ScheduleError(
+                f"parameter {prog.state_entry(idx).name!r} is written in place inside the forward (op "
+                f"{_writer(prog, stage.index, target)!r} in stage {stage.index}), and under {schedule.name!r} with "
+                f"{num_microbatches} microbatches stage {stage.index} runs microbatch {k}'s forward before microbatch "
+                f"{j}'s backward: that backward would see the parameter as the later forward wrote it, so the "
+                "pipeline could not equal gradient accumulation. "
+                f"{_working(prog, stage.index, num_microbatches)}Or use num_microbatches=1, or write the parameter "
+                "after the optimizer step instead (with torch.no_grad(): p.clamp_(...))."
+            )
+
+
+def _working(prog: SplitProgram, stage: int, num_microbatches: int) -> str:
+    """The registered schedules under which ``stage`` runs one microbatch at a time, as a sentence."""
+    ok = []
+    for name in list_schedules():
+        try:
+            if stage not in overlapping_stages(resolve_schedule(name, prog.num_stages, None, num_microbatches)):
+                ok.append(name)
+        except PipesplitError:  # not defined for this many stages or microbatches
+            continue
+    if not ok:
+        return f"No schedule runs stage {stage} one microbatch at a time with {num_microbatches} microbatches. "
+    return f"Schedules that run stage {stage} one microbatch at a time (at their default rank count): {', '.join(ok)}. "

@@ -1,0 +1,78 @@
+"""A parameter written in place inside the forward (a weight clamp): trained exactly where its stage runs
+one microbatch at a time, refused by name elsewhere (pipesplit.runtime.state_writes; issue 22, defect 15)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import pipesplit
+from pipesplit.errors import PipesplitError
+from pipesplit.runtime.state_writes import overlapping_stages
+from pipesplit.schedules import resolve_schedule
+from tests.training import check_training, dot_loss
+
+
+class Shrink(nn.Module):
+    """Scales its weight down in place on every forward: each microbatch's forward sees the weight as
+    the previous microbatches' forwards left it, and its backward the weight its own forward used."""
+
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(d, d))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.w.mul_(0.9)
+        return h @ self.w
+
+
+class Model(nn.Module):
+    def __init__(self, last: bool, d: int = 8):
+        super().__init__()
+        self.a, self.b = (nn.Linear(d, d), Shrink(d)) if last else (Shrink(d), nn.Linear(d, d))
+        self.last = last
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)))
+
+
+def _prog(model: nn.Module) -> pipesplit.SplitProgram:
+    return pipesplit.compile(model, torch.randn(2, 8), split_points=["b"], progress=False)
+
+
+def test_one_microbatch_at_a_time_per_stage():
+    one_f_one_b = resolve_schedule("1f1b", 2, None, 4)
+    assert set(overlapping_stages(one_f_one_b)) == {0}  # the last stage runs F0 B0 F1 B1 ...
+    assert set(overlapping_stages(resolve_schedule("gpipe", 2, None, 4))) == {0, 1}
+    assert overlapping_stages(resolve_schedule("gpipe", 2, None, 1)) == {}
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb_h1"])
+def test_a_parameter_written_in_forward_with_microbatches_in_flight_is_refused(schedule):
+    torch.manual_seed(0)
+    prog = _prog(Model(last=False))
+    with pytest.raises(PipesplitError) as err:
+        pipesplit.Pipeline(prog, schedule, num_microbatches=4, loss_fn=dot_loss)
+    msg = str(err.value)
+    for part in ("'a.w'", "'mul_'", "stage 0", f"{schedule!r}", "num_microbatches=1", "after the optimizer step"):
+        assert part in msg, (part, msg)
+
+
+@pytest.mark.parametrize("schedule,m,last", [("1f1b", 4, True), ("zb_v", 4, True), ("interleaved_1f1b", 4, True),
+                                             ("gpipe", 1, False), ("zb_h1", 1, False)])
+def test_a_parameter_written_in_forward_trains_where_its_stage_holds_one_microbatch(schedule, m, last):
+    torch.manual_seed(0)
+    model = Model(last=last)
+    prog = _prog(model)
+    pipe = pipesplit.Pipeline(prog, schedule, num_microbatches=m, loss_fn=dot_loss, loss_reduction="sum")
+    check_training(model, pipe, [((torch.randn(8, 8),), {})], m=m, steps=3)
+
+
+def test_the_refusal_lists_schedules_that_train():
+    prog = _prog(Model(last=True))
+    with pytest.raises(PipesplitError) as err:
+        pipesplit.Pipeline(prog, "gpipe", num_microbatches=4, loss_fn=dot_loss)
+    listed = str(err.value).split("one microbatch at a time (at their default rank count): ")[1].split(".")[0]
+    assert "1f1b" in listed.split(", ") and "gpipe" not in listed
