@@ -22,8 +22,10 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from networkx.utils import UnionFind
 
-# Their schema marks no write, but with training=True they update running_mean/var in place.
-BATCH_NORM_OPS = {"batch_norm", "native_batch_norm", "_native_batch_norm_legit", "cudnn_batch_norm"}
+# Their schema marks no write, but in training they update running_mean/var in place: per op, the
+# argument that says so (instance_norm updates them from each instance's statistics, averaged).
+BATCH_NORM_OPS = {"batch_norm": "training", "native_batch_norm": "training", "_native_batch_norm_legit": "training",
+                  "cudnn_batch_norm": "training", "instance_norm": "use_input_stats"}
 
 
 def _nodes_in(x: Any) -> list[fx.Node]:
@@ -137,9 +139,10 @@ def _overload_effects(node: fx.Node) -> tuple[list[fx.Node], list[fx.Node]]:
             aliased += args
             if a.alias_info.is_write:
                 written += args
-    if schema.name.split("::")[-1] in BATCH_NORM_OPS:
+    flag = BATCH_NORM_OPS.get(schema.name.split("::")[-1])
+    if flag is not None:
         index = {a.name: i for i, a in enumerate(schema.arguments)}
-        if "training" in index and _schema_arg(node, index["training"], "training"):
+        if flag in index and _schema_arg(node, index[flag], flag):
             for stat in ("running_mean", "running_var"):
                 if stat in index:
                     written += _nodes_in(_schema_arg(node, index[stat], stat))

@@ -40,5 +40,6 @@ def _input_under(node: fx.Node, inputs: set[fx.Node], avoid: fx.Node) -> str | N
         seen.add(n)
         if n in inputs:
             return n.name
-        todo.extend(n.all_input_nodes)
+        # values only: a size (sym_size -> arange(B)) says how many rows, not which
+        todo.extend(a for a in n.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor))
     return None

@@ -91,6 +91,7 @@ def _reset(mod: nn.Module, reset: Callable[[], None], own: dict[str, tuple[int, 
     whose values are copied in. What it leaves alone (a buffer computed in ``__init__``) has no values."""
     originals = {n: getattr(mod, n) for n in own}
     before = {n: (t._version, t.data_ptr()) for n, (_, t) in own.items()}
+    raw = {n: t.detach().reshape(-1).view(torch.uint8).clone() for n, (_, t) in own.items()}  # .data writes move no version
     written: set[int] = set()
     try:
         for n, (_, t) in own.items():
@@ -101,7 +102,8 @@ def _reset(mod: nn.Module, reset: Callable[[], None], own: dict[str, tuple[int, 
             if now is not t and isinstance(now, torch.Tensor) and not now.is_meta:  # reset assigned a new tensor
                 t.copy_(now)
                 written.add(idx)
-            elif now is t and (t._version, t.data_ptr()) != before[n]:
+            elif now is t and ((t._version, t.data_ptr()) != before[n]
+                               or not torch.equal(t.detach().reshape(-1).view(torch.uint8), raw[n])):
                 written.add(idx)
     finally:
         for n, t in originals.items():

@@ -238,3 +238,35 @@ def test_init_weights_refuses_a_buffer_its_modules_reset_parameters_does_not_set
     plain = _masked_model()
     pipe.prog.load_state_dict({k: v for k, v in plain.state_dict().items() if k != "1.mask"}, strict=False)
     assert_close(pipe.prog(x), plain(x), name="the pipeline with its mask from init_fn")
+
+
+class _OldStyle(torch.nn.Module):
+    """A module whose reset_parameters writes through ``.data`` (which moves no version counter)."""
+
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.empty(d, d))
+        self.bias = torch.nn.Parameter(torch.empty(d))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        self.weight.data.uniform_(-0.25, 0.25)
+        self.bias.data.fill_(0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, self.weight, self.bias)
+
+
+def test_init_weights_counts_a_reset_parameters_that_writes_through_data():
+    """A review of #4's fix: a classic reset_parameters writing ``.data`` was taken for writing nothing
+    and refused."""
+    with torch.device("meta"):
+        meta = torch.nn.Sequential(_OldStyle(), torch.nn.ReLU(), _OldStyle())
+    prog = pipesplit.compile(meta, torch.randn(4, 8, device="meta"), num_stages=2, progress=False)
+    pipe = pipesplit.Pipeline(prog, "1f1b", num_microbatches=2, loss_fn=lambda out, y: (out - y).pow(2).mean())
+    pipe.init_weights(meta)
+    params = dict(pipe.prog.named_parameters())
+    for i in ("0", "2"):
+        w, b = params[f"{i}.weight"], params[f"{i}.bias"]
+        assert w.abs().max() <= 0.25 and w.std() > 0.05, (i, w)
+        assert torch.equal(b, torch.full_like(b, 0.5)), (i, b)

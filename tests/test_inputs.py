@@ -53,3 +53,31 @@ def test_a_table_marked_unbatched_and_batched_indexing_inputs_are_not_refused():
     assert [i.indexed_by for i in prog.inputs] == [None, None]
     pos = pipesplit.compile(nn.Sequential(nn.Linear(8, 8)), torch.randn(4, 8), progress=False)
     assert pos.inputs[0].indexed_by is None
+
+
+class LastToken(nn.Module):
+    """Pools each sample's last valid position: ``x[arange(B), lengths - 1]`` indexes ``x`` by another
+    input's values, but per sample (the rows follow the batch), so cutting both is exact."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, lengths: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        rows = torch.arange(lengths.shape[0], device=x.device)
+        return self.b(self.a(x[rows, lengths - 1]))
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_per_sample_indexing_by_another_input_is_not_taken_for_a_table(dynamic):
+    """A review of the lookup-table refusal: following sizes (sym_size -> arange) as well as values took
+    per-sample pooling for a table lookup and refused it; the advice (unbatched=['x']) gave wrong rows."""
+    from tests.training import check_training
+
+    torch.manual_seed(0)
+    model = LastToken()
+    lengths, x = torch.randint(1, 6, (8,)), torch.randn(8, 6, 8)
+    prog = pipesplit.compile(model, (lengths, x), num_stages=2, dynamic_batch=dynamic, progress=False)
+    assert all(i.indexed_by is None for i in prog.inputs), [(i.name, i.indexed_by) for i in prog.inputs]
+    pipe = pipesplit.Pipeline(prog, "1f1b", num_microbatches=4, loss_fn=dot_loss, loss_reduction="sum")
+    check_training(model, pipe, [((lengths, x), {})], m=4)

@@ -76,3 +76,30 @@ def test_the_refusal_lists_schedules_that_train():
         pipesplit.Pipeline(prog, "gpipe", num_microbatches=4, loss_fn=dot_loss)
     listed = str(err.value).split("one microbatch at a time (at their default rank count): ")[1].split(".")[0]
     assert "1f1b" in listed.split(", ") and "gpipe" not in listed
+
+
+class Codebook(nn.Module):
+    """A VQ-VAE codebook kept as a frozen Parameter and updated in place (an EMA) in the forward; its
+    lookup's backward never reads it, so any schedule trains it as accumulation does."""
+
+    def __init__(self, k: int = 6, d: int = 8):
+        super().__init__()
+        self.embed = nn.Parameter(torch.randn(k, d), requires_grad=False)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            idx = torch.cdist(h, self.embed).argmin(-1)
+            self.embed.mul_(0.9).add_(0.1 * h.mean(0))
+        q = torch.nn.functional.embedding(idx, self.embed)
+        return h + (q - h).detach()
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_frozen_parameter_written_in_the_forward_trains_under_any_schedule(schedule):
+    """A review of defect 15's check: it refused a frozen parameter written in place (no backward reads
+    its value), which trained exactly before."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), Codebook(), nn.Linear(8, 8))
+    prog = pipesplit.compile(model, torch.randn(8, 8), split_points=["2"], progress=False)
+    pipe = pipesplit.Pipeline(prog, schedule, num_microbatches=4, loss_fn=dot_loss, loss_reduction="sum")
+    check_training(model, pipe, [((torch.randn(8, 8),), {})], m=4)

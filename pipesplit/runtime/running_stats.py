@@ -20,7 +20,10 @@ import torch
 from pipesplit.errors import PipesplitError
 from pipesplit.passes.split.program import SplitProgram
 
-_NORMS = {torch.ops.aten.batch_norm.default, torch.ops.aten._native_batch_norm_legit.default}  # args as batch_norm's
+# Args as batch_norm's (instance_norm's flag is use_input_stats; its update averages each instance's
+# statistics over the batch, so it is as linear in each microbatch's part as batch_norm's)
+_NORMS = {torch.ops.aten.batch_norm.default, torch.ops.aten._native_batch_norm_legit.default,
+          torch.ops.aten.instance_norm.default}
 _RUNNING, _TRAINING, _MOMENTUM = (3, 4), 5, 6
 
 
@@ -32,6 +35,17 @@ class Tracked:
     decay: float  # the factor the previous value keeps per microbatch (1 for a counter)
 
 
+def _counter_chain(user: Any, node: Any) -> bool:
+    """``node.add_(c1).add_(c2)...`` with constants, nothing else reading any link."""
+    while user.target is torch.ops.aten.add_.Tensor and user.args[0] is node and isinstance(user.args[1], (int, float)):
+        if not user.users:
+            return True
+        if len(user.users) != 1:
+            return False
+        node, user = user, next(iter(user.users))
+    return False
+
+
 def _decay(node: Any, name: str) -> float:
     """The per-microbatch decay of the buffer read by get_attr ``node``; raises where pipesplit cannot
     split its update into each microbatch's part."""
@@ -41,15 +55,14 @@ def _decay(node: Any, name: str) -> float:
                 and user.args[_TRAINING] is True and isinstance(user.args[_MOMENTUM], (int, float)) \
                 and not any(a is node for i, a in enumerate(user.args) if i not in _RUNNING):
             decay *= 1.0 - float(user.args[_MOMENTUM])
-        elif user.target is torch.ops.aten.add_.Tensor and user.args[0] is node \
-                and isinstance(user.args[1], (int, float)) and len(node.users) == 1 and not user.users:
-            pass  # a counter: every microbatch adds the same
+        elif len(node.users) == 1 and _counter_chain(user, node):
+            pass  # a counter: every microbatch adds the same (a module called twice: add_ on add_)
         else:
             raise PipesplitError(
                 f"buffer {name!r} is written in place by {user.target} (node {user.name!r}), which pipesplit cannot "
                 "split into each microbatch's part, so on a mesh with data parallelism (dp > 1) the replicas "
                 "could not end a step with what gradient accumulation over the global batch gives. Only "
-                "BatchNorm's running statistics (with a momentum) and counters are combined across replicas: "
+                "BatchNorm's and InstanceNorm's running statistics (with a momentum) and counters are combined across replicas: "
                 "use dp=1, keep the module in eval mode, or make the buffer a BatchNorm's."
             )
     return decay

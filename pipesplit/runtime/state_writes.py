@@ -62,7 +62,8 @@ def check_state_writes(prog: SplitProgram, schedule: Schedule, num_microbatches:
             continue
         for target in stage.attr_targets:
             idx = prog.target_to_entry.get(target)
-            if target not in prog.mutated_targets or idx is None or not prog.state_entry(idx).is_param:
+            if target not in prog.mutated_targets or idx is None or not prog.state_entry(idx).is_param \
+                    or not prog.state_entry(idx).tensor.requires_grad:  # no backward reads a frozen one's value
                 continue
             k, j = overlap[stage.index]
             raise ScheduleError(

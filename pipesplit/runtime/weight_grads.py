@@ -174,6 +174,10 @@ def weight_graph(gm: fx.GraphModule) -> WeightGraph | None:
             unsafe |= used  # W must go from the stage outputs: see _written_only_in_chain
             continue
         found.append((node, used))
+    returned = set(torch.utils._pytree.tree_leaves(out))  # graph_copy made no output node: what the stage returns
+    for node in derived:  # a weight-derived value the stage returns (sent over a cut): reached from the outputs
+        if node in returned:
+            unsafe |= derived[node]
     # An unsafe weight is reached from the stage outputs (``rest``) and gets no alias in any op: W
     # adding an alias's share on top would count it twice. A tensor derived from it and another
     # weight (a cat of both) makes that other weight unsafe too, or its share there would be lost.

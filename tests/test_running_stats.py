@@ -1,0 +1,55 @@
+"""Which buffers a data-parallel step combines across replicas, and with what decay per microbatch
+(pipesplit.runtime.running_stats; the 4-rank checks are in test_dp_mesh)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import pipesplit
+from pipesplit.runtime.running_stats import RunningStats
+from tests.training import check_training, dot_loss
+
+
+class NormTwice(nn.Module):
+    """One BatchNorm applied twice: its counter is ``add_`` on ``add_``, its statistics decay twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.bn, self.l2 = nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.l2(self.bn(self.l1(self.bn(x))))
+
+
+def _instance_norm() -> nn.Module:
+    return nn.Sequential(nn.Linear(8, 8), nn.Unflatten(1, (2, 4)), nn.InstanceNorm1d(2, track_running_stats=True),
+                         nn.Flatten(), nn.Linear(8, 8))
+
+
+def _tracked(model: nn.Module) -> dict[str, float]:
+    prog = pipesplit.compile(model.train(), torch.randn(8, 8), num_stages=1, progress=False)
+    return {prog.state_entry(t.entry).name: t.decay for t in RunningStats(prog, [0], 0).tracked}
+
+
+def test_a_batchnorm_applied_twice_is_combined_not_refused():
+    """A review of defect 7's fix: the chained counter (add_ on add_) was refused on a mesh."""
+    assert _tracked(NormTwice()) == pytest.approx(
+        {"bn.num_batches_tracked": 1.0, "bn.running_mean": 0.81, "bn.running_var": 0.81})
+
+
+def test_instance_norm_running_statistics_are_combined_across_replicas():
+    """A review of defect 7's fix: InstanceNorm(track_running_stats=True) was not known to write its
+    statistics, so on a mesh every replica silently kept its own microbatches' part."""
+    assert _tracked(_instance_norm()) == pytest.approx({"2.running_mean": 0.9, "2.running_var": 0.9})
+
+
+def test_instance_norm_running_statistics_train_as_accumulation():
+    torch.manual_seed(0)
+    model = _instance_norm()
+    prog = pipesplit.compile(model, torch.randn(8, 8), num_stages=2, progress=False)
+    assert {"2.running_mean", "2.running_var"} <= set(prog.mutated_targets) | {
+        prog.state_entry(prog.target_to_entry[t]).name for t in prog.mutated_targets}
+    pipe = pipesplit.Pipeline(prog, "1f1b", num_microbatches=4, loss_fn=dot_loss, loss_reduction="sum")
+    check_training(model, pipe, [((torch.randn(8, 8),), {})], m=4)
