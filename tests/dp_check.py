@@ -2,7 +2,8 @@
 
 - ``tied_init``: a meta-built model initialised with ``pipe.init_weights`` (each rank seeded
   differently) holds one value per tensor: a tied weight agrees across the pipeline ranks holding
-  it, and every tensor across the replicas.
+  it, and every tensor across the replicas; so does a model built with values, seeded apart, as
+  soon as its Pipeline is built.
 - ``frozen_tied``: a frozen tied weight stays put under AdamW's weight decay, its ``.grad`` None,
   every other parameter as on the plain model trained by accumulation.
 - ``bn_stats``: BatchNorm running statistics on every replica equal accumulation over the global
@@ -76,6 +77,14 @@ def tied_init(mesh):
     holders = agree(pipe, "after init_weights")
     assert len(holders["tok.weight"]) == 4, holders["tok.weight"]  # tied: both pipeline ranks of both replicas
     assert all(torch.isfinite(t).all() for t in held(pipe).values())
+    # A model built with its values on each rank, seeded apart (a script that forgets to seed): the
+    # Pipeline starts the replicas and the tied copies equal, as DDP's broadcast at construction does.
+    torch.manual_seed(200 + dist.get_rank())
+    model = CASE_BY_NAME["gpt_tied"].build()
+    prog = pipesplit.compile(model, torch.randint(0, 64, (2, 16)), num_stages=2, progress=False)
+    pipe = pipesplit.Pipeline(prog, "1f1b", num_microbatches=M, loss_fn=ce, mesh=mesh, timeout=60)
+    holders = agree(pipe, "after construction")
+    assert len(holders["tok.weight"]) == 4, holders["tok.weight"]
 
 
 def frozen_tied(mesh):

@@ -195,9 +195,10 @@ class StepCollectives:
 
     # ------------------------------------------------------------ initial state
     def share_initialised(self) -> None:
-        """After each process initialised its own tensors: an entry several pipeline ranks hold takes
-        the values of the lowest of them that initialised it, and every replica takes replica 0's, so
-        a tied weight stays one tensor and the replicas start equal (as DDP's broadcast at start)."""
+        """After each process initialised its own tensors (at construction, and after init_weights): an
+        entry several pipeline ranks hold takes the values of the lowest of them that initialised it,
+        and every replica takes replica 0's, so a tied weight stays one tensor and the replicas start
+        equal (as DDP's broadcast at construction). Entries without values yet are left to init."""
         with torch.no_grad():  # in place on parameters
             self._share_initialised()
         self.prog.refresh_tied()
@@ -213,8 +214,9 @@ class StepCollectives:
                 uninit.discard(idx)
         if self.layout.dp_group is not None:
             first = self.dist.get_global_rank(self.layout.dp_group, 0)
-            for _, t in self.prog.held_items():  # every replica holds the same entries
-                self.dist.broadcast(t, src=first, group=self.layout.dp_group)
+            for idx, t in self.prog.held_items():  # every replica holds the same entries, initialised alike
+                if idx not in uninit:
+                    self.dist.broadcast(t, src=first, group=self.layout.dp_group)
 
     # --------------------------------------------------------- running statistics
     def begin_statistics(self) -> list[torch.Tensor] | None:

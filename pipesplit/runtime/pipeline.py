@@ -172,6 +172,7 @@ class Pipeline:
             if prog.on_meta:  # a model too big for one host: storage for this rank's stages only
                 prog.materialize({s.index for s in local})
             start_communicator(device)
+            self.collectives.share_initialised()  # replicas and tied copies start equal, as under DDP
         else:
             self.transport = RendezvousTransport(timeout) if transport == "rendezvous" else LocalTransport(timeout)
             self.collectives = None
