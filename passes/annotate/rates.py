@@ -25,6 +25,7 @@ from typing import Callable, TypeVar, cast
 import torch
 import torch.fx as fx
 
+from pipesplit.devices import concrete_device
 from pipesplit.meta import NodeCost, node_cost
 from pipesplit.passes.annotate.flops import numel_of, shape_of
 
@@ -262,10 +263,8 @@ def measured_once(measure: Callable[[str, int], T], device: str | torch.device) 
     built yet, measured as the CPU; ``"cuda"`` as the current one) and torch's thread count, with the
     user's random number generators left as they were. ``measure`` caches: once per device and process.
     """
-    dev = torch.device(device)
+    dev = concrete_device(device)
     if dev.type == "meta":  # a model too big to build yet: nothing runs there, so price it as the CPU would
         dev = torch.device("cpu")
-    if dev.type == "cuda" and dev.index is None:
-        dev = torch.device("cuda", torch.cuda.current_device())
     with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):  # the user's RNG is untouched
         return measure(str(dev), torch.get_num_threads())
