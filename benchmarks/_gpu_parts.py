@@ -40,14 +40,14 @@ class Result:
     """What a part found, written to ``path`` after every addition."""
 
     def __init__(self, path: str):
-        self.path, self.data, self.sections = path, {}, []  # type: ignore[var-annotated]
+        self.path, self.data, self.sections = path, {}, {}  # type: ignore[var-annotated]
 
     def add(self, key: str, value: Any, markdown: str | None = None) -> None:
         self.data[key] = value
-        if markdown:
-            self.sections.append(markdown)
+        if markdown:  # one section per key: a later addition replaces it in place
+            self.sections[key] = markdown
         with open(self.path, "w") as f:
-            json.dump({"data": self.data, "markdown": "\n\n".join(self.sections)}, f, indent=1, default=str)
+            json.dump({"data": self.data, "markdown": "\n\n".join(self.sections.values())}, f, indent=1, default=str)
 
 
 def sync(device: str) -> None:
@@ -107,6 +107,8 @@ def exact_models(quick: bool) -> list[tuple[str, Callable[[], torch.nn.Module], 
 
 def part_exact(args: argparse.Namespace, res: Result) -> None:
     dev, m, batch = args.device, 4, 8
+    # exactness, not speed: full float32 matmuls and convolutions (TF32 rounds to 10 bits)
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     stage_counts = (2,) if args.quick else (2, 4)
     rows, failures = [], 0
     for name, build, inputs in exact_models("smoke" if args.smoke else args.quick):
@@ -187,17 +189,18 @@ def part_overhead(args: argparse.Namespace, res: Result) -> None:
         ce(net(x), y).backward()
 
     steps: dict[str, Callable[[], Any]] = {"plain": plain_step, "pipesplit 1 stage": lambda: pipe.step(x, target=y)}
-    if not args.quick:  # inductor's compile takes minutes on a CPU; on a GPU ~30 s for this model
-        compiled = torch.compile(copy.deepcopy(model))
-        steps["torch.compile"] = lambda: plain_step(compiled)  # type: ignore[arg-type]
-    for fn in steps.values():  # warm up (and compile)
-        fn(), fn()
     rounds = 3 if args.smoke else 5 if args.quick else 30
-    med = interleaved(steps, rounds, dev)
-    rows = [[k, f"{v * 1e3:.2f}", f"{v / med['plain']:.3f}"] for k, v in med.items()]
-    shape = f"GPT {x.shape} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters)"
-    res.add("step_s", med, f"{shape}, {rounds} interleaved rounds, medians\n\n"
-            + markdown_table(["step", "ms", "x plain"], rows, "lrr"))
+    shape = f"GPT {tuple(x.shape)} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters)"
+
+    def timed(fns: dict[str, Callable[[], Any]]) -> None:
+        for fn in fns.values():  # warm up (and compile)
+            fn(), fn()
+        med = interleaved(fns, rounds, dev)
+        rows = [[k, f"{v * 1e3:.2f}", f"{v / med['plain']:.3f}"] for k, v in med.items()]
+        res.add("step_s", med, f"{shape}, {rounds} interleaved rounds, medians\n\n"
+                + markdown_table(["step", "ms", "x plain"], rows, "lrr"))
+
+    timed(steps)
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.startswith("cuda") else [])
@@ -210,6 +213,10 @@ def part_overhead(args: argparse.Namespace, res: Result) -> None:
         table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=50)
         res.add(f"profile {label}", table, f"torch.profiler, 3 steps of {label} (CPU{'+CUDA' if len(activities) > 1 else ''}"
                 f" activities, {every_thread}), by self CPU time:\n\n```\n{table}\n```")
+    # last: inductor's compile takes ~30 s on a GPU, minutes on a CPU: quick runs take dynamo alone (eager backend)
+    backend = "eager" if args.quick else "inductor"
+    compiled = torch.compile(copy.deepcopy(model), backend=backend)
+    timed({**steps, f"torch.compile ({backend})": lambda: plain_step(compiled)})  # type: ignore[arg-type]
 
 
 def all_threads() -> tuple[str, dict[str, Any]]:

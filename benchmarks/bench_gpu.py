@@ -46,7 +46,7 @@ import torch  # noqa: E402
 from common import header, now  # noqa: E402
 
 # seconds per part on a GPU (the sum stays under 8 minutes with the subprocesses' start-up)
-LIMITS = {"tests": 120, "exact": 75, "overhead": 75, "predict": 90, "oracle": 70, "memory": 30}
+LIMITS = {"tests": 100, "exact": 70, "overhead": 70, "predict": 110, "oracle": 70, "memory": 30}
 PARTS = tuple(LIMITS)
 
 
