@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import json
 import os
 import statistics
@@ -294,6 +295,7 @@ def part_memory(args: argparse.Namespace, res: Result) -> None:
         model = gpt(layers=layers, dim=dim, vocab=vocab, seq=seq, heads=max(dim // 64, 2))  # on the CPU: moved by compile
         x, y = torch.randint(0, vocab, (batch, seq)), torch.randint(0, vocab, (batch, seq))
         if cuda:
+            gc.collect()  # the previous stage count's program and pipeline hold cycles
             torch.cuda.empty_cache()
             before = torch.cuda.memory_allocated(dev)
         prog = pipesplit.compile(model, x[: batch // m], num_stages=k, devices=[dev] * k, progress=False)

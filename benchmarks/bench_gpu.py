@@ -44,6 +44,7 @@ except ImportError:  # a plain copy of the repository: the checkout is the packa
 import torch  # noqa: E402
 
 from common import header, now  # noqa: E402
+from pipesplit.devices import device_name  # noqa: E402
 
 # seconds per part on a GPU (the sum stays under 8 minutes with the subprocesses' start-up)
 LIMITS = {"tests": 100, "exact": 70, "overhead": 70, "predict": 110, "oracle": 70, "memory": 30}
@@ -52,7 +53,8 @@ PARTS = tuple(LIMITS)
 
 def versions(device: str) -> dict[str, str]:
     """torch, CUDA, cuDNN and the device, as this run found them."""
-    out = {"date": now(), "torch": torch.__version__, "python": sys.version.split()[0], "device": device}
+    out = {"date": now(), "torch": torch.__version__, "python": sys.version.split()[0], "device": device,
+           "float32 matmul precision": torch.get_float32_matmul_precision()}
     if torch.cuda.is_available():
         idx = torch.device(device).index or 0 if device.startswith("cuda") else 0
         props = torch.cuda.get_device_properties(idx)
@@ -112,8 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scale", type=float, default=1.0, help="multiply every part's time limit")
     p.add_argument("--out", required=True, help="folder for report.md and report.json")
     args = p.parse_args(argv)
-    if args.device.startswith("cuda") and ":" not in args.device and torch.cuda.is_available():
-        args.device = f"cuda:{torch.cuda.current_device()}"
+    args.device = device_name(args.device)  # "cuda": the current GPU, as pipesplit itself takes it
     parts = [x.strip() for x in args.parts.split(",") if x.strip()]
     unknown = [x for x in parts if x not in LIMITS]
     if unknown:
