@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+from typing import Any
 import sys
 
 import torch
@@ -50,10 +51,38 @@ def boundaries(model: torch.nn.Module) -> list[str]:
     return names + ["ln_f", "head"]
 
 
-def bottleneck(prog: pipesplit.SplitProgram, x: torch.Tensor, m: int) -> float:
+def bottleneck(prog: pipesplit.SplitProgram, x: torch.Tensor, m: int, clock: str = "cpu") -> float:
     costs = measure_stage_costs(prog, x, num_microbatches=m, repeats=3, warmup=1, reduce="min", backward="fused",
-                                clock="cpu")
+                                clock=clock)
     return max(c.forward + c.backward_input + c.backward_weight for c in costs)
+
+
+def oracle(model: torch.nn.Module, x: torch.Tensor, microbatches: int, rounds: int, chosen_costs: dict[str, object],
+           devices: list[str] | None = None, clock: str = "cpu") -> dict[str, Any]:
+    """Every 2-stage module-boundary split of ``model`` and the planner's choices (one per cost in
+    ``chosen_costs``, label -> ``cost=``), bottlenecks timed in interleaved rounds. Returns the
+    medians per split (seconds), where each choice landed, the best split and its spread."""
+    mb = x[: x.shape[0] // microbatches]
+    opts = dict(progress=False, devices=devices)
+    candidates = {f"at {b}": pipesplit.compile(model, mb, split_points=[b], **opts) for b in boundaries(model)}
+    chosen = {label: pipesplit.compile(model, mb, num_stages=2, cost=cost, **opts) for label, cost in chosen_costs.items()}
+    by_sig = {signature(prog): label for label, prog in candidates.items()}
+    timed = dict(candidates)
+    where = {}
+    for label, prog in chosen.items():
+        where[label] = by_sig.get(signature(prog))
+        if where[label] is None:  # cuts inside a block: time it as a candidate of its own
+            where[label] = f"{label}: {signature(prog)} nodes"
+            timed[where[label]] = prog
+    samples: dict[str, list[float]] = {k: [] for k in timed}
+    for r in range(rounds):
+        order = list(timed) if r % 2 == 0 else list(reversed(timed))
+        for k in order:
+            samples[k].append(bottleneck(timed[k], x, microbatches, clock))
+    med = {k: statistics.median(v) for k, v in samples.items()}
+    best = min(med, key=med.get)  # type: ignore[arg-type]
+    b = samples[best]
+    return {"median_s": med, "where": where, "best": best, "noise": (max(b) - min(b)) / 2 / med[best]}
 
 
 def signature(prog: pipesplit.SplitProgram) -> tuple[int, ...]:
@@ -72,33 +101,10 @@ def main() -> None:
     rates = device_rates("cpu")
     rows = []
     for name, model, x in models(args.quick):
-        mb = x[: x.shape[0] // args.microbatches]
-        candidates = {f"at {b}": pipesplit.compile(model, mb, split_points=[b], progress=False)
-                      for b in boundaries(model)}
-        chosen = {
-            "default (FLOPs)": pipesplit.compile(model, mb, num_stages=2, progress=False),
-            "measured rates": pipesplit.compile(model, mb, num_stages=2, progress=False,
-                                                cost=lambda n: sum(priced(n, rates))),
-            "profile": pipesplit.compile(model, mb, num_stages=2, progress=False, cost="profile"),
-        }
-        by_sig = {signature(prog): label for label, prog in candidates.items()}
-        timed = dict(candidates)
-        where = {}
-        for label, prog in chosen.items():
-            where[label] = by_sig.get(signature(prog))
-            if where[label] is None:  # cuts inside a block: time it as a candidate of its own
-                where[label] = f"{label}: {signature(prog)} nodes"
-                timed[where[label]] = prog
-        samples: dict[str, list[float]] = {k: [] for k in timed}
-        for r in range(rounds):
-            order = list(timed) if r % 2 == 0 else list(reversed(timed))
-            for k in order:
-                samples[k].append(bottleneck(timed[k], x, args.microbatches))
-        med = {k: statistics.median(v) for k, v in samples.items()}
-        best = min(med, key=med.get)  # type: ignore[arg-type]
-        b = samples[best]
-        noise = (max(b) - min(b)) / 2 / med[best]
-        for label in chosen:
+        costs = {"default (FLOPs)": "flops", "measured rates": lambda n: sum(priced(n, rates)), "profile": "profile"}
+        found = oracle(model, x, args.microbatches, rounds, costs)
+        med, where, best, noise = found["median_s"], found["where"], found["best"], found["noise"]
+        for label in costs:
             k = where[label]
             rows.append([name, label, k, f"{med[k] * 1e3:.1f}", best, f"{med[best] * 1e3:.1f}",
                          f"{(med[k] / med[best] - 1) * 100:+.1f}%", f"±{noise * 100:.1f}%"])

@@ -16,6 +16,7 @@ from pipesplit.agree import agree_on_plan
 from pipesplit.bench.refine import refine_plan
 from pipesplit.capture import as_args, capture
 from pipesplit.errors import PlanError
+from pipesplit.devices import device_name
 from pipesplit.export import paused_gc
 from pipesplit.passes.split.generalise import recapture_fn
 from pipesplit.passes.annotate.costs import annotate_costs
@@ -210,6 +211,7 @@ def compile(
         opts.num_microbatches, opts.num_ranks, opts.pins, opts.no_split, opts.comm, opts.memory)
     recompute, order, refine = opts.recompute, opts.order, opts.refine
     _check_devices_exist(devices, num_stages)
+    devices = None if devices is None else [device_name(d) for d in devices]  # "cuda" is the current GPU from here on
     if refine and (plan is not None or split_points is not None):
         raise PlanError("refine= re-plans from measured stage times; it cannot change a given plan= or split_points=.")
     if plan is not None or split_points is not None:

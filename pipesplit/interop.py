@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pipesplit.devices import concrete_device
 from pipesplit.errors import PipesplitError
 from pipesplit.passes.split.program import SplitProgram
 
@@ -138,5 +139,5 @@ def to_pipeline_stage(prog: SplitProgram, stage_index: int, device: Any = None, 
     from torch.distributed.pipelining import PipelineStage
 
     module = chain_modules(prog)[stage_index]
-    dev = torch.device(device) if device is not None else prog.stages[stage_index].device
+    dev = concrete_device(device) if device is not None else prog.stages[stage_index].device
     return PipelineStage(module, stage_index, prog.num_stages, dev, group=group)

@@ -19,6 +19,8 @@ from typing import Any, Iterator
 import torch
 import torch.fx as fx
 
+from pipesplit.devices import concrete_device
+
 _MASK = (1 << 64) - 1
 _local = threading.local()
 _lock = threading.Lock()
@@ -77,7 +79,7 @@ def random_stream(seed: int, device: torch.device | str = "cpu") -> Iterator[Non
     True
     """
     prev = getattr(_local, "stream", None)
-    _local.stream = _Stream(seed, torch.device(device))
+    _local.stream = _Stream(seed, concrete_device(device))
     try:
         yield
     finally:

@@ -24,7 +24,7 @@ PACKAGES = {"pipesplit": ROOT / "pipesplit", "pipesplit.passes": ROOT / "passes"
 # bottom to top; a module belongs to the layer of its longest matching prefix
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("base: errors, node metadata, units, small data types", (
-        "pipesplit.errors", "pipesplit.deprecation", "pipesplit.meta", "pipesplit.units", "pipesplit.rng", "pipesplit.state",
+        "pipesplit.errors", "pipesplit.deprecation", "pipesplit.devices", "pipesplit.meta", "pipesplit.units", "pipesplit.rng", "pipesplit.state",
         "pipesplit.export", "pipesplit.models", "pipesplit.passes")),  # passes/__init__ imports nothing
     ("schedules: pure data", ("pipesplit.schedules",)),
     ("graph analyses", ("pipesplit.passes.aliasing", "pipesplit.passes.lookups")),

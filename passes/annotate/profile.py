@@ -22,6 +22,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from tqdm.auto import tqdm
 
+from pipesplit.devices import concrete_device
 from pipesplit.meta import COMPUTE_OPS, node_cost, set_node_cost
 from pipesplit.passes.aliasing import written_get_attrs
 
@@ -141,7 +142,7 @@ def profile_nodes(
     the graph, or named by ``mutated_targets``) and the inputs are profiled on copies, and
     the default random number generators are left as they were.
     """
-    device = torch.device(device)
+    device = concrete_device(device)
     # copies: an op that writes an input in place must not change the caller's tensors
     inputs = [x.detach().to(device, copy=True) if isinstance(x, torch.Tensor) else x for x in example_flat]
     nodes = [n for n in gm.graph.nodes if n.op in COMPUTE_OPS]

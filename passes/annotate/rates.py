@@ -19,14 +19,16 @@ from __future__ import annotations
 import functools
 import math
 import time
-from dataclasses import dataclass
-from typing import Callable, TypeVar, cast
+from dataclasses import dataclass, replace
+from typing import Callable, Iterable, TypeVar, cast
 
 import torch
 import torch.fx as fx
 
+from pipesplit.devices import concrete_device
 from pipesplit.meta import NodeCost, node_cost
-from pipesplit.passes.annotate.flops import numel_of, shape_of
+from pipesplit.passes.annotate.attention import ATTENTION, FUSED, attention_kernel, fused_work
+from pipesplit.passes.annotate.flops import numel_of, op_name, shape_of
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,11 @@ class DeviceRates:
     # activations and softmax (GELU measured), and normalisations (layer norm measured)
     activation_s: tuple[float, float] = (0.0, 0.0)
     norm_s: tuple[float, float] = (0.0, 0.0)
+
+    @property
+    def kind(self) -> str:
+        """The device type: ``"cpu"``, ``"cuda"``..."""
+        return torch.device(self.device).type
 
     def flop_seconds(self, flops: float) -> float:
         """Seconds for one op of ``flops`` FLOPs, at the rate measured for ops of that size
@@ -101,8 +108,6 @@ _ACTIVATIONS = {"gelu", "silu", "tanh", "sigmoid", "exp", "erf", "softmax", "_so
                 "_log_softmax", "elu", "mish", "softplus", "logsigmoid"}
 _NORMS = {"layer_norm", "native_layer_norm", "rms_norm", "group_norm", "native_group_norm", "batch_norm",
           "native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_no_training", "instance_norm"}
-_ATTENTION = {"scaled_dot_product_attention", "_scaled_dot_product_flash_attention_for_cpu",
-              "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention"}
 
 
 def heavy_elements(node: fx.Node) -> tuple[float, float]:
@@ -114,7 +119,7 @@ def heavy_elements(node: fx.Node) -> tuple[float, float]:
         return float(numel_of(node)), 0.0
     if name in _NORMS:
         return 0.0, float(numel_of(node))
-    if name in _ATTENTION and len(node.args) >= 2:  # the softmax over the (..., T, S) scores
+    if name in ATTENTION and len(node.args) >= 2:  # the math kernel's softmax over the (..., T, S) scores
         q, k = (shape_of(a) if isinstance(a, fx.Node) else None for a in node.args[:2])
         if q and k:
             return float(math.prod(q[:-1]) * k[-2]), 0.0
@@ -122,11 +127,19 @@ def heavy_elements(node: fx.Node) -> tuple[float, float]:
 
 
 def priced(node: fx.Node, rates: DeviceRates) -> tuple[float, float, float]:
-    """Seconds of ``node``'s forward, input gradient and weight gradient at ``rates``."""
+    """Seconds of ``node``'s forward, input gradient and weight gradient at ``rates``.
+
+    Attention is priced by the kernel the device runs (:mod:`pipesplit.passes.annotate.attention`):
+    a fused one at its FLOPs and the bytes of q, k, v and the output (read and written again
+    backward), the math one per element of the score matrix it materialises."""
     c = node_cost(node)
     moved = moved_bytes(node)
     weights = sum(node_cost(a).param_bytes for a in node.all_input_nodes
                   if a.op == "get_attr" and node_cost(a).trainable)
+    if attention_kernel(node, rates.kind) in FUSED:
+        fwd, bwd = fused_work(node, c.fwd_flops, c.igrad_flops)
+        work = replace(c, fwd_flops=int(fwd), igrad_flops=int(bwd))
+        return rates.forward(work, moved), rates.input_grad(work, 2 * moved), rates.weight_grad(c, weights)
     elements = heavy_elements(node)
     return rates.forward(c, moved, elements), rates.input_grad(c, moved, elements), rates.weight_grad(c, weights)
 
@@ -147,10 +160,43 @@ def quartile_seconds(fn: Callable[[], object], repeats: int, sync: Callable[[], 
 
 # (m, k, n) of the matrix multiplies timed: from a small transformer's to past the caches' sweet spot
 MATMUL_SIZES = ((64, 64, 64), (128, 128, 256), (256, 256, 256), (256, 512, 512))
+Probe = tuple[int, int, int, str]  # (m, k, n, dtype name) of one matrix multiply timed
+_MATMULS = {"linear", "mm", "bmm", "matmul", "addmm", "baddbmm"}
+_PROBE_DIM = 16384  # a probe's sides are capped: its operands stay under a GiB even in float32
+
+
+def largest_matmul(nodes: Iterable[fx.Node]) -> Probe | None:
+    """(m, k, n, dtype) of the matrix multiply among ``nodes`` with the most FLOPs (batched ones
+    flattened into m), or None without one."""
+    best: tuple[int, Probe] | None = None
+    for node in nodes:
+        if node.op != "call_function" or op_name(node.target) not in _MATMULS:
+            continue
+        a = node.args[1] if op_name(node.target) in ("addmm", "baddbmm") else node.args[0]
+        val, a_shape, out = node.meta.get("val"), shape_of(a), shape_of(node)
+        if not isinstance(val, torch.Tensor) or not val.is_floating_point() or not a_shape or not out:
+            continue
+        k, n = a_shape[-1], out[-1]
+        m = math.prod(out) // max(n, 1)
+        if best is None or m * k * n > best[0]:
+            best = (m * k * n, (m, k, n, str(val.dtype).removeprefix("torch.")))
+    return best[1] if best else None
+
+
+def probe_points(device_type: str, largest: Probe | None) -> tuple[Probe, ...]:
+    """The matrix multiplies the FLOP-rate curve is measured on. On a GPU, the rate grows far past
+    the fixed sizes (a 512-cube multiply reaches a tenth of an H100's) and with the dtype (bfloat16
+    and TF32 run 2-8x float32): the fixed sizes in the graph's dtype plus the graph's own largest
+    multiply. Elsewhere the fixed sizes in float32, which keeps the CPU's measurement short."""
+    if device_type != "cuda" or largest is None:
+        return tuple((m, k, n, "float32") for m, k, n in MATMUL_SIZES)
+    m, k, n, dtype = largest
+    own = (min(m, _PROBE_DIM), min(k, _PROBE_DIM), min(n, _PROBE_DIM), dtype)
+    return tuple(sorted({(a, b, c, dtype) for a, b, c in MATMUL_SIZES} | {own}, key=lambda p: p[0] * p[1] * p[2]))
 
 
 @functools.lru_cache(maxsize=None)
-def _measure(device: str, threads: int) -> DeviceRates:
+def _measure(device: str, threads: int, probes: tuple[Probe, ...] = ()) -> DeviceRates:
     dev = torch.device(device)
     sync: Callable[[], None] = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
     # per-op overhead on a realistic mix (linear, layer norm, gelu, residual add) of tiny tensors, with autograd
@@ -171,10 +217,12 @@ def _measure(device: str, threads: int) -> DeviceRates:
     forward_op = quartile_seconds(forward, 9, sync) / ops
     backward_op = max(quartile_seconds(lambda: forward().backward(), 9, sync) / ops - forward_op, forward_op)
     curve = []
-    for m, k, n in MATMUL_SIZES:  # the rate grows with the size of the multiply
-        a, b = torch.randn(m, k, device=dev), torch.randn(k, n, device=dev)
+    for m, k, n, dtype in probes or probe_points(dev.type, None):  # the rate grows with the size of the multiply
+        kind = getattr(torch, dtype)
+        a, b = torch.randn(m, k, device=dev, dtype=kind), torch.randn(k, n, device=dev, dtype=kind)
         seconds = quartile_seconds(lambda: torch.mm(a, b), 5, sync)
         curve.append((2.0 * m * k * n, 2.0 * m * k * n / max(seconds - forward_op, seconds / 2)))
+    curve = sorted(dict(curve).items())  # ascending in FLOPs, one rate per size (interpolation divides by their gaps)
     activation, norm = _per_element(dev, sync, forward_op, backward_op)
     u, v = torch.randn(1 << 22, device=dev), torch.empty(1 << 22, device=dev)  # 48 MB: past the caches
     moved = 3 * u.numel() * u.element_size()
@@ -240,9 +288,10 @@ def concurrent_slowdown(threads: int) -> float:
     return max(1.0, min(together) / alone)
 
 
-def device_rates(device: str | torch.device = "cpu") -> DeviceRates:
+def device_rates(device: str | torch.device = "cpu", largest: Probe | None = None) -> DeviceRates:
     """The rates of ``device`` (``"cpu"``, ``"cuda:0"``, ...) with torch's current thread count;
-    ``"meta"`` (a model not built yet) gets the CPU's.
+    ``"meta"`` (a model not built yet) gets the CPU's. ``largest``: the graph's largest matrix
+    multiply (:func:`largest_matmul`), which a GPU also measures its FLOP rate on (:func:`probe_points`).
 
     Measured the first time they are asked for in this process (~0.1 s on a CPU core),
     then remembered.
@@ -251,7 +300,9 @@ def device_rates(device: str | torch.device = "cpu") -> DeviceRates:
     >>> r.flops_per_s > 1e8 and r.bytes_per_s > 1e8 and 0 < r.forward_op_s < 1e-3
     True
     """
-    return measured_once(_measure, device)
+    kind = torch.device(device).type
+    probes = probe_points(kind, largest)
+    return measured_once(lambda dev, threads: _measure(dev, threads, probes), device)
 
 
 T = TypeVar("T")
@@ -262,10 +313,8 @@ def measured_once(measure: Callable[[str, int], T], device: str | torch.device) 
     built yet, measured as the CPU; ``"cuda"`` as the current one) and torch's thread count, with the
     user's random number generators left as they were. ``measure`` caches: once per device and process.
     """
-    dev = torch.device(device)
+    dev = concrete_device(device)
     if dev.type == "meta":  # a model too big to build yet: nothing runs there, so price it as the CPU would
         dev = torch.device("cpu")
-    if dev.type == "cuda" and dev.index is None:
-        dev = torch.device("cuda", torch.cuda.current_device())
     with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):  # the user's RNG is untouched
         return measure(str(dev), torch.get_num_threads())

@@ -15,7 +15,7 @@ from pipesplit.passes.plan.chain import Chain, build_chain, compute_nodes
 from pipesplit.passes.plan.constraints import forbid_cuts_inside, pin_ranges
 from pipesplit.passes.annotate.costs import unknown_ops
 from pipesplit.passes.plan.objective import DEFAULT_FLOPS_PER_S, CommModel, MemoryModel
-from pipesplit.passes.annotate.rates import DeviceRates, device_rates
+from pipesplit.passes.annotate.rates import DeviceRates, device_rates, largest_matmul
 from pipesplit.passes.plan.orders import candidate_orders
 from pipesplit.passes.plan.balance import rebalance
 from pipesplit.passes.plan.partition import StageLimits, largest_stage, solve_candidates, solve_chain
@@ -140,7 +140,8 @@ def plan_partition(
     rate = flops_per_s or DEFAULT_FLOPS_PER_S.get(device_kind, DEFAULT_FLOPS_PER_S["cpu"])
     # a schedule's step time prices the default cost at this device's measured rates (unless a FLOP
     # rate is given); balancing alone needs no seconds, so compiling without a schedule measures nothing
-    rates = device_rates(device_kind) if name == "flops" and flops_per_s is None and schedule is not None else None
+    rates = (device_rates(device_kind, largest_matmul(gm.graph.nodes))
+             if name == "flops" and flops_per_s is None and schedule is not None else None)
     check_choice("recompute", recompute, RECOMPUTE_CHOICES)
     check_choice("order", order, ORDER_CHOICES)
     rebuild = cheap_to_recompute(gm, mutated_targets, comm, device_kind, rate) if recompute == "auto" else set()

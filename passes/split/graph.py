@@ -17,6 +17,7 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 import pipesplit.passes.split.comm as comm
+from pipesplit.devices import device_name
 from pipesplit.errors import PlanError
 from pipesplit.meta import COMPUTE_OPS
 from pipesplit.passes.aliasing import inplace_inputs
@@ -216,4 +217,4 @@ def check_devices(devices: Sequence[Any], num_stages: int) -> list[str]:
             f"devices lists {len(devices)} device(s) for {num_stages} stages; give one per stage "
             "(stages may share a device, e.g. devices=['cuda:0'] * n)."
         )
-    return [str(torch.device(d)) for d in devices]
+    return [device_name(d) for d in devices]

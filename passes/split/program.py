@@ -12,6 +12,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from pipesplit.capture import Captured, InputInfo, static_dim
+from pipesplit.devices import concrete_device
 from pipesplit.errors import InputError, PipesplitError, PlanError
 from pipesplit.passes.split.generalise import batched_outputs
 from pipesplit.inputs import Shown, shown, describe_structure, check_input, check_range
@@ -97,7 +98,7 @@ class SplitProgram(ProgramState):
         self.stages: list[Stage] = []
         self.stage_entries: list[dict[int, torch.Tensor]] = []  # per stage: state index -> its tensor
         for piece, device_name in zip(split.stages, devices):
-            device = torch.device(device_name)
+            device = concrete_device(device_name)
             entries: dict[int, torch.Tensor] = {}
             self.stage_entries.append(entries)
 

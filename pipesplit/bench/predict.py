@@ -17,7 +17,7 @@ from pipesplit.passes.plan.objective import (
     DEFAULT_FLOPS_PER_S, CommModel, MemoryModel, activation_units_per_stage, in_flight_per_stage,
 )
 from pipesplit.passes.plan.planner import cost_function
-from pipesplit.passes.annotate.rates import concurrent_slowdown, device_rates
+from pipesplit.passes.annotate.rates import concurrent_slowdown, device_rates, largest_matmul
 from pipesplit.passes.plan.step_planner import node_seconds
 from pipesplit.passes.split.program import SplitProgram
 from pipesplit.runtime.weight_grads import split_overhead_s, weight_graph
@@ -58,8 +58,9 @@ def stage_seconds(prog: SplitProgram, cost: Any, scale: float) -> list[StageCost
     per_stage = _stage_nodes(prog)
     everything = [n for nodes in per_stage for n in nodes]
     rates = [DEFAULT_FLOPS_PER_S.get(s.device.type, DEFAULT_FLOPS_PER_S["cpu"]) for s in prog.stages]
+    largest = largest_matmul(everything)  # a GPU measures its FLOP rate up to the graph's largest multiply
     if name == "flops":  # each stage priced at its own device's measured rates
-        seconds = [node_seconds(nodes, name, fn, rates[i], device_rates(prog.stages[i].device))
+        seconds = [node_seconds(nodes, name, fn, rates[i], device_rates(prog.stages[i].device, largest))
                    if nodes else np.zeros((0, 3)) for i, nodes in enumerate(per_stage)]
     else:
         flat = node_seconds(everything, name, fn, rates[0]) if everything else np.zeros((0, 3))
@@ -69,7 +70,7 @@ def stage_seconds(prog: SplitProgram, cost: Any, scale: float) -> list[StageCost
     out = []
     for stage, secs in enumerate(seconds):
         if timed and len(secs):
-            r = device_rates(prog.stages[stage].device)
+            r = device_rates(prog.stages[stage].device, largest)
             fixed = np.minimum(secs, [r.forward_op_s, r.backward_op_s, 0.0])
             f, i, w = fixed.sum(axis=0) + (secs - fixed).sum(axis=0) * scale
         else:

@@ -19,6 +19,7 @@ from pipesplit.bench.load import load_summary, machine_load
 from pipesplit.bench.predict import Prediction, boundary_bytes_per_step, predict
 from pipesplit.bench.result import BenchmarkResult, BenchRow, RunDetail
 from pipesplit.capture import as_args
+from pipesplit.devices import device_name
 from pipesplit.errors import InputError, PipesplitError, ScheduleError
 from pipesplit.passes.plan.planner import BUILTIN_COSTS, cost_function
 from pipesplit.passes.split.program import SplitProgram
@@ -50,7 +51,7 @@ def _devices_for(devices: Sequence[str | torch.device] | None, k: int) -> list[s
     """Stage s runs on devices[s % len(devices)] (None: the model's device)."""
     if devices is None:
         return None
-    devs = [str(d) for d in devices]
+    devs = [device_name(d) for d in devices]
     if not devs:
         raise PipesplitError("benchmark: devices is empty; pass None for the model's device or a list of devices.")
     return [devs[s % len(devs)] for s in range(k)]

@@ -10,6 +10,7 @@ from typing import Any, Callable
 import torch
 
 from pipesplit.cli.factory import CLIError, check_fits, default_int_high, load_model, make_inputs, parse_kwargs
+from pipesplit.devices import device_name
 from pipesplit.passes.plan.planner import cost_function
 
 
@@ -29,6 +30,14 @@ def name_list(text: str) -> list[str]:
     return [v.strip() for v in text.split(",") if v.strip()]
 
 
+def device_list(text: str) -> list[str]:
+    """argparse type: ``"cuda,cpu"`` -> ``["cuda:0", "cpu"]`` (an accelerator without an index is the current one)."""
+    try:
+        return [device_name(v) for v in name_list(text)]
+    except RuntimeError as e:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a list of devices ({e}); use names like cpu or cuda:0") from None
+
+
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", metavar="MODULE:FACTORY",
                    help="an importable factory returning an nn.Module, e.g. pipesplit.models:gpt or my_net.py:build")
@@ -41,7 +50,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kwarg", action="append", default=[], metavar="KEY=VALUE",
                    help="keyword argument for the factory (repeatable), e.g. --kwarg layers=4")
     p.add_argument("--seed", type=int, default=0, help="random seed for the weights and inputs (default 0)")
-    p.add_argument("--devices", type=name_list, default=None, metavar="D[,D...]",
+    p.add_argument("--devices", type=device_list, default=None, metavar="D[,D...]",
                    help="devices, one per stage or cycled (default: where the factory put the model)")
 
 

@@ -1,0 +1,345 @@
+"""The parts of benchmarks/bench_gpu.py, one per subprocess: ``python _gpu_parts.py PART --device D --result F``.
+
+Each part appends rows to a result as it goes and rewrites ``--result`` (JSON: ``data`` and
+``markdown``) after each one, so that a part cut off by its time limit still reports what it did.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any, Callable
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+try:
+    import pipesplit
+except ImportError:  # a plain copy of the repository
+    sys.path.insert(0, ROOT)
+    import pipesplit
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import torch.utils._pytree as pytree  # noqa: E402
+
+from common import markdown_table  # noqa: E402
+from pipesplit.models import gpt  # noqa: E402
+
+SCHEDULES = ("gpipe", "1f1b", "zb_h1", "looped_bfs", "interleaved_1f1b", "zb_v", "dualpipe_v")
+TWO_PER_RANK = ("looped_bfs", "interleaved_1f1b", "zb_v", "dualpipe_v")  # two stages per rank
+
+
+class Result:
+    """What a part found, written to ``path`` after every addition."""
+
+    def __init__(self, path: str):
+        self.path, self.data, self.sections = path, {}, {}  # type: ignore[var-annotated]
+
+    def add(self, key: str, value: Any, markdown: str | None = None) -> None:
+        self.data[key] = value
+        if markdown:  # one section per key: a later addition replaces it in place
+            self.sections[key] = markdown
+        with open(self.path, "w") as f:
+            json.dump({"data": self.data, "markdown": "\n\n".join(self.sections.values())}, f, indent=1, default=str)
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
+
+
+def mse_tree(out: Any, target: Any) -> torch.Tensor:
+    """Mean squared error over every float output leaf (any model's outputs: tensors, tuples, dicts)."""
+    pairs = [(o, t) for o, t in zip(pytree.tree_leaves(out), pytree.tree_leaves(target))
+             if isinstance(o, torch.Tensor) and o.is_floating_point()]
+    return sum(F.mse_loss(o.float(), t.float()) for o, t in pairs)  # type: ignore[return-value]
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    den = max(torch.linalg.vector_norm(a).item(), torch.linalg.vector_norm(b).item(), 1e-12)
+    return torch.linalg.vector_norm(a - b).item() / den
+
+
+def interleaved(fns: dict[str, Callable[[], Any]], rounds: int, device: str) -> dict[str, float]:
+    """Median seconds of each function over ``rounds`` rounds, every function once per round, the
+    order alternating (load that changes over time hits all alike)."""
+    samples: dict[str, list[float]] = {k: [] for k in fns}
+    for r in range(rounds):
+        for k in (list(fns) if r % 2 == 0 else list(reversed(fns))):
+            sync(device)
+            start = time.perf_counter()
+            fns[k]()
+            sync(device)
+            samples[k].append(time.perf_counter() - start)
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
+# ---------------------------------------------------------------------------- (a) the CUDA tests
+def part_tests(args: argparse.Namespace, res: Result) -> None:
+    files = ["tests/test_cuda.py"] if args.smoke else ["tests/test_cuda.py", "tests/test_devices.py"] if args.quick else ["tests"]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", *files]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=max(args.limit - 10, 10))
+    tail = [ln for ln in proc.stdout.splitlines() if ln.strip()][-25:]
+    ok = proc.returncode in (0, 5)  # 5: nothing collected (no CUDA test selected)
+    res.add("pytest", {"returncode": proc.returncode, "summary": tail[-1:] if tail else []},
+            f"`{' '.join(cmd[1:])}` (exit {proc.returncode})\n\n```\n" + "\n".join(tail) + "\n```")
+    if not ok:
+        raise SystemExit(f"the CUDA tests failed (exit {proc.returncode})")
+
+
+# ---------------------------------------------------------------------------- (b) exactness
+def exact_models(quick: bool) -> list[tuple[str, Callable[[], torch.nn.Module], Callable[[int], Any]]]:
+    sys.path.insert(0, ROOT)
+    from tests.zoo import CASE_BY_NAME
+
+    names = ["gpt_tied"] if quick == "smoke" else ["gpt_tied", "conv_bn"] if quick else ["gpt_tied", "conv_bn", "mlp", "hf_llama"]
+    return [(n, CASE_BY_NAME[n].build, CASE_BY_NAME[n].inputs) for n in names]
+
+
+def part_exact(args: argparse.Namespace, res: Result) -> None:
+    dev, m, batch = args.device, 4, 8
+    # exactness, not speed: full float32 matmuls and convolutions (TF32 rounds to 10 bits)
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    stage_counts = (2,) if args.quick else (2, 4)
+    rows, failures = [], 0
+    for name, build, inputs in exact_models("smoke" if args.smoke else args.quick):
+        try:
+            torch.manual_seed(0)
+            model = build().to(dev)
+            (xs, kw) = inputs(batch)
+        except ImportError as e:  # hf models need transformers
+            rows.append([name, "-", "-", f"skipped: {e}", "", ""])
+            continue
+        xs = tuple(x.to(dev) if isinstance(x, torch.Tensor) else x for x in xs)
+        kw = {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+        with torch.no_grad():
+            target = pytree.tree_map(lambda o: torch.randn_like(o.float()) if isinstance(o, torch.Tensor)
+                                     and o.is_floating_point() else o, copy.deepcopy(model)(*xs, **kw))
+        for k in stage_counts:
+            prog = pipesplit.compile(model, tuple(x[: batch // m] if isinstance(x, torch.Tensor) else x for x in xs),
+                                     num_stages=k, devices=[dev] * k, progress=False)
+            fwd_err = max((rel(a, b) for a, b in zip(pytree.tree_leaves(prog(*xs, **kw)),
+                                                      pytree.tree_leaves(copy.deepcopy(model)(*xs, **kw)))
+                           if isinstance(a, torch.Tensor) and a.is_floating_point()), default=0.0)
+            for sched in SCHEDULES:
+                row = [name, k, sched]
+                try:
+                    ranks = k // 2 if sched in TWO_PER_RANK else None
+                    pipe = pipesplit.Pipeline(copy.deepcopy(prog), sched, num_microbatches=m, loss_fn=mse_tree,
+                                              num_ranks=ranks)
+                except pipesplit.PipesplitError as e:
+                    rows.append(row + [f"skipped: {str(e)[:80]}", "", ""])
+                    continue
+                ref = copy.deepcopy(model)
+                want = torch.zeros((), device=dev)
+                for i in range(m):  # gradient accumulation over the same microbatches, each loss / m
+                    cut = tuple(x[i * batch // m:(i + 1) * batch // m] if isinstance(x, torch.Tensor) else x for x in xs)
+                    t = pytree.tree_map(lambda v: v[i * batch // m:(i + 1) * batch // m]
+                                        if isinstance(v, torch.Tensor) else v, target)
+                    loss = mse_tree(ref(*cut, **kw), t) / m
+                    loss.backward()
+                    want = want + loss.detach()
+                got = pipe.step(*xs, target=target, **kw)
+                held = dict(pipe.named_parameters())
+                floor = max(p.grad.double().norm().item() for p in ref.parameters() if p.grad is not None)
+                grad_err = max(((held[n].grad - p.grad).double().norm().item() / max(p.grad.double().norm().item(),
+                                1e-4 * floor)) for n, p in ref.named_parameters() if p.grad is not None)
+                loss_err = rel(got.reshape(()), want)
+                bad = max(loss_err, grad_err, fwd_err) > (2e-4 if dev.startswith("cuda") else 5e-5)
+                failures += bad
+                rows.append(row + ["FAIL" if bad else "ok", f"{loss_err:.1e}", f"{grad_err:.1e}"])
+                res.add("rows", rows)
+            rows.append([name, k, "prog(x)", "FAIL" if fwd_err > 2e-4 else "ok", f"{fwd_err:.1e}", ""])
+        res.add("rows", rows)
+    res.add("failures", failures, markdown_table(["model", "stages", "schedule", "result", "loss rel err",
+                                                  "worst grad rel err"], rows, "lrllrr"))
+    if failures:
+        raise SystemExit(f"{failures} configurations differ from gradient accumulation")
+
+
+# ---------------------------------------------------------------------------- (c) overhead and profile
+def host_bound_gpt(quick: bool, dev: str) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
+    layers, dim, vocab, seq, batch = (2, 64, 256, 32, 4) if quick else (12, 256, 512, 64, 8)
+    torch.manual_seed(0)
+    model = gpt(layers=layers, dim=dim, vocab=vocab, seq=seq, heads=4).to(dev)
+    return model, torch.randint(0, vocab, (batch, seq), device=dev), torch.randint(0, vocab, (batch, seq), device=dev)
+
+
+def ce(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out.reshape(-1, out.shape[-1]).float(), y.reshape(-1))
+
+
+def part_overhead(args: argparse.Namespace, res: Result) -> None:
+    dev = args.device
+    model, x, y = host_bound_gpt(args.quick, dev)
+    pipe = pipesplit.Pipeline(pipesplit.compile(model, x, num_stages=1, devices=[dev], progress=False), "1f1b",
+                              num_microbatches=1, loss_fn=ce)
+    plain = copy.deepcopy(model)
+
+    def plain_step(net: torch.nn.Module = plain) -> None:
+        ce(net(x), y).backward()
+
+    steps: dict[str, Callable[[], Any]] = {"plain": plain_step, "pipesplit 1 stage": lambda: pipe.step(x, target=y)}
+    rounds = 3 if args.smoke else 5 if args.quick else 30
+    shape = f"GPT {tuple(x.shape)} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters)"
+
+    def timed(fns: dict[str, Callable[[], Any]]) -> None:
+        for fn in fns.values():  # warm up (and compile)
+            fn(), fn()
+        med = interleaved(fns, rounds, dev)
+        rows = [[k, f"{v * 1e3:.2f}", f"{v / med['plain']:.3f}"] for k, v in med.items()]
+        res.add("step_s", med, f"{shape}, {rounds} interleaved rounds, medians\n\n"
+                + markdown_table(["step", "ms", "x plain"], rows, "lrr"))
+
+    timed(steps)
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.startswith("cuda") else [])
+    every_thread, config = all_threads()
+    for label in ("pipesplit 1 stage", "plain"):
+        with profile(activities=activities, **config) as prof:
+            for _ in range(3):
+                steps[label]()
+            sync(dev)
+        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=50)
+        res.add(f"profile {label}", table, f"torch.profiler, 3 steps of {label} (CPU{'+CUDA' if len(activities) > 1 else ''}"
+                f" activities, {every_thread}), by self CPU time:\n\n```\n{table}\n```")
+    # last: inductor's compile takes ~30 s on a GPU, minutes on a CPU: quick runs take dynamo alone (eager backend)
+    backend = "eager" if args.quick else "inductor"
+    compiled = torch.compile(copy.deepcopy(model), backend=backend)
+    timed({**steps, f"torch.compile ({backend})": lambda: plain_step(compiled)})  # type: ignore[arg-type]
+
+
+def all_threads() -> tuple[str, dict[str, Any]]:
+    """The profiler's option to record every thread (the pipeline runs stages in threads of its own),
+    where this torch has it; else only the calling thread is seen, and the report says so."""
+    try:
+        config = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+    except (AttributeError, TypeError):
+        return "the calling thread only: this torch cannot profile all threads", {}
+    return "every thread", {"experimental_config": config}
+
+
+# ---------------------------------------------------------------------------- (d) predicted vs measured
+def part_predict(args: argparse.Namespace, res: Result) -> None:
+    dev = args.device
+    layers, dim, vocab, seq, batch, m = ((1, 32, 64, 16, 8, 4) if args.smoke else (2, 64, 256, 32, 8, 4) if args.quick
+                                         else (12, 768, 8192, 512, 16, 8))
+    torch.manual_seed(0)
+    model = gpt(layers=layers, dim=dim, vocab=vocab, seq=seq, heads=max(dim // 64, 2)).to(dev)
+    x, y = torch.randint(0, vocab, (batch, seq), device=dev), torch.randint(0, vocab, (batch, seq), device=dev)
+    rows = []
+    for cost in ("flops", "profile"):
+        out = pipesplit.benchmark(model, x, loss_fn=ce, target=y, num_stages=[2] if args.quick else [2, 4],
+                                  schedules="1f1b", num_microbatches=m, cost=cost, devices=[dev],
+                                  warmup=1 if args.quick else 2, repeats=2 if args.quick else 5, progress=False)
+        for r in out.rows:
+            rows.append([cost, r.num_stages, f"{r.predicted_step_s * 1e3:.1f}", f"{r.measured_step_s * 1e3:.1f}",
+                         f"{r.step_ratio:.2f}",
+                         " / ".join(f"{a * 1e3:.1f}" for a in r.predicted_fwd_s),
+                         " / ".join(f"{a * 1e3:.1f}" for a in r.measured_fwd_s),
+                         " / ".join(f"{a * 1e3:.1f}" for a in r.predicted_bwd_s),
+                         " / ".join(f"{a * 1e3:.1f}" for a in r.measured_bwd_s), f"{r.balance:.2f}"])
+            res.add("rows", rows)
+    res.add("model", f"GPT {layers}x{dim}, vocab {vocab}, seq {seq}, batch {batch}, m={m}, 1f1b",
+            f"GPT {layers}x{dim}, vocab {vocab}, seq {seq}, batch {batch}, {m} microbatches, 1f1b, fp32; "
+            "per-stage times per microbatch (ms); goal: measured/predicted within 1.3 (flops), 1.15 (profile)\n\n"
+            + markdown_table(["cost", "stages", "predicted step ms", "measured ms", "measured/predicted",
+                              "F predicted", "F measured", "B predicted", "B measured", "balance"], rows,
+                             "lrrrrrrrrr"))
+
+
+# ---------------------------------------------------------------------------- (e) the oracle
+def part_oracle(args: argparse.Namespace, res: Result) -> None:
+    from bench_oracle import oracle
+
+    dev = args.device
+    layers, dim, vocab, seq, batch = ((2, 32, 64, 16, 8) if args.smoke else (3, 64, 512, 32, 8) if args.quick
+                                      else (6, 768, 8192, 256, 8))
+    torch.manual_seed(0)
+    model = gpt(layers=layers, dim=dim, vocab=vocab, seq=seq, heads=max(dim // 64, 2)).to(dev)
+    x = torch.randint(0, vocab, (batch, seq), device=dev)
+    found = oracle(model, x, 4, 1 if args.smoke else 2 if args.quick else 3, {"default (FLOPs)": "flops", "profile": "profile"},
+                   devices=[dev, dev], clock="wall" if dev.startswith("cuda") else "cpu")
+    med, best = found["median_s"], found["best"]
+    rows = [[label, k, f"{med[k] * 1e3:.2f}", f"{med[k] / med[best]:.3f}"] for label, k in found["where"].items()]
+    rows.append(["best measured", best, f"{med[best] * 1e3:.2f}", "1.000"])
+    res.add("oracle", {k: v for k, v in found.items()},
+            f"GPT {layers}x{dim}, vocab {vocab}, seq {seq}, batch {batch}, 2 stages, 4 microbatches: bottleneck stage "
+            f"forward + backward; best's spread ±{found['noise'] * 100:.1f}%; goal ≤ 1.05 x best\n\n"
+            + markdown_table(["planner cost", "its split", "bottleneck ms", "x best"], rows, "llrr"))
+
+
+# ---------------------------------------------------------------------------- (f) memory
+def part_memory(args: argparse.Namespace, res: Result) -> None:
+    from pipesplit.bench.predict import predict
+    from pipesplit.schedules import resolve_schedule
+
+    dev = args.device
+    cuda = dev.startswith("cuda")
+    layers, dim, vocab, seq, batch, m = ((1, 32, 64, 16, 8, 4) if args.smoke else (2, 64, 256, 32, 8, 4) if args.quick
+                                         else (8, 512, 8192, 256, 16, 4))
+    rows = []
+    for k in (1, 2):
+        torch.manual_seed(0)
+        model = gpt(layers=layers, dim=dim, vocab=vocab, seq=seq, heads=max(dim // 64, 2))  # on the CPU: moved by compile
+        x, y = torch.randint(0, vocab, (batch, seq)), torch.randint(0, vocab, (batch, seq))
+        if cuda:
+            gc.collect()  # the previous stage count's program and pipeline hold cycles
+            torch.cuda.empty_cache()
+            before = torch.cuda.memory_allocated(dev)
+        prog = pipesplit.compile(model, x[: batch // m], num_stages=k, devices=[dev] * k, progress=False)
+        del model
+        pipe = pipesplit.Pipeline(prog, "1f1b", num_microbatches=m, loss_fn=ce)
+        xd, yd = x.to(dev), y.to(dev)
+        pipe.step(xd, target=yd)  # the first step allocates the gradients
+        estimate = predict(prog, resolve_schedule("1f1b", k, None, m), "flops", batch).memory
+        measured = "n/a (CPU)"
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(dev)
+            pipe.step(xd, target=yd)
+            sync(dev)
+            measured = f"{(torch.cuda.max_memory_allocated(dev) - before) / 2**20:.0f}"
+        total = sum(estimate)
+        ratio = f"{(float(measured) * 2**20) / total:.2f}" if cuda else ""
+        rows.append([k, " / ".join(f"{e / 2**20:.0f}" for e in estimate), f"{total / 2**20:.0f}", measured, ratio])
+        res.add("rows", rows)
+        del pipe, prog
+    res.add("table", rows, f"GPT {layers}x{dim}, vocab {vocab}, seq {seq}, batch {batch}, {m} microbatches, 1f1b, "
+            "every stage on one device: the allocator's peak in the second step (above what was allocated before "
+            "compile) against the sum of the stages' estimates\n\n"
+            + markdown_table(["stages", "estimate per stage MiB", "estimate total MiB", "measured peak MiB",
+                              "measured / estimate"], rows, "lrrrr"))
+
+
+PARTS = {"tests": part_tests, "exact": part_exact, "overhead": part_overhead, "predict": part_predict,
+         "oracle": part_oracle, "memory": part_memory}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("part", choices=sorted(PARTS))
+    p.add_argument("--device", required=True)
+    p.add_argument("--result", required=True)
+    p.add_argument("--limit", type=float, default=600.0)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--smoke", action="store_true", help="the smallest sizes (the test of this script)")
+    args = p.parse_args()
+    args.quick = args.quick or args.smoke
+    if args.device == "cpu":
+        torch.set_num_threads(max(1, min(4, torch.get_num_threads())))
+    PARTS[args.part](args, Result(args.result))
+
+
+if __name__ == "__main__":
+    main()
