@@ -219,3 +219,31 @@ def test_a_weight_derived_value_sent_over_a_cut_keeps_its_whole_gradient(schedul
     assert any(b.src == 0 and b.dst == 1 for b in prog.boundaries)
     pipe = pipesplit.Pipeline(prog, schedule, num_microbatches=4, loss_fn=dot_loss, loss_reduction="sum")
     check_training(model, pipe, [((torch.randn(8, 8),), {})], m=4)
+
+
+class WrittenAfter(nn.Module):
+    """A linear's output written in place right after it (``h.mul_(2)``, ``h.relu_()``): the gradient I
+    leaves at ``h`` is the writer's output's, not the linear's."""
+
+    def __init__(self, write: str):
+        super().__init__()
+        self.a, self.b, self.write = nn.Linear(8, 8), nn.Linear(8, 8), write
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        h.mul_(2) if self.write == "mul_" else h.relu_()
+        return self.b(h)
+
+
+@pytest.mark.parametrize("write", ["mul_", "relu_"])
+@pytest.mark.parametrize("schedule", ["zb_h1", "zb_v", "dualpipe_v"])
+def test_a_weight_op_whose_output_is_written_in_place_gets_its_own_gradient(schedule, write):
+    """The fuzzer found it: W's direct kernels took the in-place writer's output gradient for the
+    linear's (a.weight's gradient half the reference after mul_(2))."""
+    from tests.training import check_training, dot_loss
+
+    torch.manual_seed(0)
+    model = WrittenAfter(write)
+    prog = pipesplit.compile(model, torch.randn(8, 8), num_stages=2, progress=False)
+    pipe = pipesplit.Pipeline(prog, schedule, num_microbatches=4, loss_fn=dot_loss, loss_reduction="sum")
+    check_training(model, pipe, [((torch.randn(8, 8),), {})], m=4)

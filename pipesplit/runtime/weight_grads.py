@@ -82,10 +82,12 @@ def _direct(node: fx.Node, aliases: list[fx.Node], classes: StorageClasses, deri
             place: Callable[[fx.Node], int]) -> Direct | None:
     """The :class:`Direct` of ``node``, each tensor argument where ``place`` puts it in the extras, or
     None (and nothing placed) where W must go through autograd: another op, keyword arguments, a
-    weight where an activation goes, a sparse embedding, or an activation whose storage is written
-    in place anywhere in the graph."""
+    weight where an activation goes, a sparse embedding, an activation whose storage is written
+    in place anywhere in the graph, or an output written in place after the op (``h = a(x);
+    h.mul_(2)``): the gradient I leaves at that tensor is the last writer's output's, which
+    autograd carries back through the writers to the op, and the op's own kernels would not."""
     allowed = _DIRECT_WEIGHTS.get(node.target)  # type: ignore[call-overload]
-    if allowed is None or node.kwargs or not _tensor_val(node):
+    if allowed is None or node.kwargs or not _tensor_val(node) or classes.is_written(node):
         return None
     if node.target is aten.embedding.default and len(node.args) > 4 and node.args[4]:
         return None
