@@ -16,7 +16,7 @@ from pipesplit.agree import agree_on_plan
 from pipesplit.bench.refine import refine_plan
 from pipesplit.capture import as_args, capture
 from pipesplit.errors import PlanError
-from pipesplit.devices import device_name
+from pipesplit.devices import device_name, machine_devices
 from pipesplit.export import paused_gc
 from pipesplit.passes.split.generalise import recapture_fn
 from pipesplit.passes.annotate.costs import annotate_costs
@@ -69,8 +69,9 @@ def _check_devices_exist(devices: Any, num_stages: int | None) -> None:
     for s, d in enumerate(devices):
         try:
             dev = torch.device(d)
-        except (RuntimeError, TypeError) as e:
-            raise PlanError(f"devices[{s}]={d!r} is not a device ({e}); use names like 'cpu' or 'cuda:0'.") from None
+        except (RuntimeError, TypeError):  # torch's message lists every device type it knows, not what is here
+            raise PlanError(f"devices[{s}]={d!r} is not a device; this machine has "
+                            f"{', '.join(map(repr, machine_devices()))}.") from None
         module = getattr(torch, dev.type, None)
         if dev.type == "cpu" or module is None or not hasattr(module, "device_count"):
             continue
