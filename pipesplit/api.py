@@ -21,6 +21,8 @@ from pipesplit.export import paused_gc
 from pipesplit.passes.split.generalise import recapture_fn
 from pipesplit.passes.annotate.costs import annotate_costs
 from pipesplit.passes.annotate.calibrate import calibrate
+from pipesplit.passes.plan.advice import plan_warnings
+from pipesplit.passes.plan.chain import compute_nodes
 from pipesplit.passes.plan.objective import CommModel, MemoryModel
 from pipesplit.passes.plan.planner import (
     CostSpec,
@@ -278,6 +280,10 @@ def compile(
             program.recapture = recapture_fn(model, example_input, example_kwargs, batch_dim, unbatched)
     timings["export"] = captured.export_seconds
     program.timings = timings
+    fn = cost_function(cost)[1]
+    for warning in plan_warnings(gm, chosen, {n.name: fn(n) for n in compute_nodes(gm)}):
+        program.notes.append(warning)
+        log.warning("pipesplit: %s", warning)
     return program
 
 

@@ -389,3 +389,15 @@ def test_devices_that_are_not_devices_name_this_machines(factory_dir, capsys):
     assert f"argument --devices: 'gpu' is not a device; this machine has {', '.join(here)}" in err, err
     assert "mkldnn" not in err and "privateuseone" not in err, "torch's list of every device type it knows"
 
+
+def test_a_stage_count_the_model_cannot_balance_is_warned(capsys, caplog):
+    args = ["split", "pipesplit.models:gpt", "--kwarg", "layers=2", "--kwarg", "dim=32", "--kwarg", "seq=16",
+            "--input-shape", "4x16:int64", "--quiet"]
+    with caplog.at_level(logging.WARNING, logger="pipesplit"):
+        assert main([*args, "--stages", "2"]) == 0
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+    with caplog.at_level(logging.WARNING, logger="pipesplit"):
+        assert main([*args, "--stages", "12"]) == 0
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert any("num_stages=12 is more than this model can balance" in w and "in head" in w for w in warned), warned
+    capsys.readouterr()

@@ -340,6 +340,44 @@ def test_a_missing_plan_file_is_a_plan_error(no_export, tmp_path, monkeypatch):
         pipesplit.compile(TwoInputs(), (torch.randn(2, 8), torch.randn(2, 8)), plan="bad.json")
 
 
+# ------------------------------------------------------------ stage counts the model cannot balance
+
+
+def _gpt_warnings(k: int, caplog) -> tuple[object, list[str]]:
+    torch.manual_seed(0)
+    model = gpt(layers=2, dim=32, vocab=512, seq=16)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="pipesplit"):
+        prog = pipesplit.compile(model, torch.randint(0, 512, (4, 16)), num_stages=k)
+    return prog, [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_more_stages_than_the_model_can_balance_are_warned(caplog):
+    prog, warned = _gpt_warnings(16, caplog)
+    plan = prog.plan
+    total, largest = sum(plan.stage_costs), plan.lower_bound  # the lower bound is the largest op here
+    assert largest > total / 16
+    most = int(total // largest)
+    balance = [n for n in prog.notes if "more than this model can balance" in n]
+    assert len(balance) == 1 and f"pipesplit: {balance[0]}" in warned, (prog.notes, warned)
+    note = balance[0]
+    assert note.startswith("num_stages=16 is more than this model can balance: its largest op, ")
+    assert "in head)" in note  # the op that sets the bottleneck, and where it is
+    assert f"balance {plan.bottleneck / (total / 16):.2f}x the mean" in note
+    assert f"compile with num_stages={most} or fewer" in note
+    empty = [s for s, c in enumerate(plan.stage_costs) if c == 0]
+    assert empty, plan.stage_costs  # this many stages leaves some with nothing to compute
+    which = f"stage {empty[0]} of 16 does" if len(empty) == 1 else f"stages {', '.join(map(str, empty))} of 16 do"
+    assert any(n.startswith(f"{which} no compute") for n in prog.notes), prog.notes
+    _, warned = _gpt_warnings(most, caplog)  # the count it suggests balances
+    assert not [w for w in warned if "balance" in w or "no compute" in w], warned
+
+
+def test_a_stage_count_that_balances_says_nothing(caplog):
+    prog, warned = _gpt_warnings(2, caplog)
+    assert warned == [] and prog.notes == []
+
+
 # ------------------------------------------------------------ pinned batch
 
 
