@@ -16,11 +16,13 @@ from pipesplit.agree import agree_on_plan
 from pipesplit.bench.refine import refine_plan
 from pipesplit.capture import as_args, capture
 from pipesplit.errors import PlanError
-from pipesplit.devices import device_name
+from pipesplit.devices import device_name, machine_devices
 from pipesplit.export import paused_gc
 from pipesplit.passes.split.generalise import recapture_fn
 from pipesplit.passes.annotate.costs import annotate_costs
 from pipesplit.passes.annotate.calibrate import calibrate
+from pipesplit.passes.plan.advice import plan_warnings
+from pipesplit.passes.plan.chain import compute_nodes
 from pipesplit.passes.plan.objective import CommModel, MemoryModel
 from pipesplit.passes.plan.planner import (
     CostSpec,
@@ -69,8 +71,9 @@ def _check_devices_exist(devices: Any, num_stages: int | None) -> None:
     for s, d in enumerate(devices):
         try:
             dev = torch.device(d)
-        except (RuntimeError, TypeError) as e:
-            raise PlanError(f"devices[{s}]={d!r} is not a device ({e}); use names like 'cpu' or 'cuda:0'.") from None
+        except (RuntimeError, TypeError):  # torch's message lists every device type it knows, not what is here
+            raise PlanError(f"devices[{s}]={d!r} is not a device; this machine has "
+                            f"{', '.join(map(repr, machine_devices()))}.") from None
         module = getattr(torch, dev.type, None)
         if dev.type == "cpu" or module is None or not hasattr(module, "device_count"):
             continue
@@ -277,6 +280,10 @@ def compile(
             program.recapture = recapture_fn(model, example_input, example_kwargs, batch_dim, unbatched)
     timings["export"] = captured.export_seconds
     program.timings = timings
+    fn = cost_function(cost)[1]
+    for warning in plan_warnings(gm, chosen, {n.name: fn(n) for n in compute_nodes(gm)}):
+        program.notes.append(warning)
+        log.warning("pipesplit: %s", warning)
     return program
 
 

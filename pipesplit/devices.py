@@ -40,3 +40,17 @@ def current_index(kind: str) -> int | None:
     if available is None or not available():
         return None
     return int(module.current_device())
+
+
+def machine_devices() -> list[str]:
+    """The devices this machine has, by name: ``cpu``, then each available accelerator's
+    (``cuda:0``, ``cuda:1``..., ``mps:0``), for an error that says what to use instead."""
+    names = ["cpu"]
+    for kind in ("cuda", "xpu", "mps"):
+        module: Any = getattr(torch, kind, None)
+        available = getattr(module, "is_available", None)
+        if available is None or not available():
+            continue
+        count = getattr(module, "device_count", lambda: 1)()
+        names += [f"{kind}:{i}" for i in range(int(count))]
+    return names

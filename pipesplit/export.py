@@ -12,6 +12,7 @@ import gc
 import io
 import logging
 import os
+import re
 import sys
 import time
 import traceback
@@ -38,13 +39,7 @@ def export_quietly(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[s
     except Exception as e:  # torch.export raises many unrelated types
         if printed.getvalue():
             log.debug("pipesplit: torch.export printed before failing:\n%s", printed.getvalue())
-        where = _user_frame(e)
-        first = "\n".join(str(e).strip().splitlines()[:8])
-        raise CaptureError(
-            f"torch.export could not capture {type(model).__name__}: {type(e).__name__}: {first}\n"
-            + (f"  failing code: {where}\n" if where else "")
-            + f"  hint: {_export_hint(str(e))}"
-        ) from e
+        raise CaptureError(capture_message(type(model).__name__, e)) from e
     seconds = time.perf_counter() - start
     sys.stderr.write(printed.getvalue())  # what a successful export printed (the model's warnings) is the user's
     return ep, seconds
@@ -125,8 +120,21 @@ def unlift(ep: Any) -> tuple[fx.GraphModule, pytree.TreeSpec, pytree.TreeSpec]:
     return gm, ep.call_spec.in_spec, ep.call_spec.out_spec
 
 
-def _user_frame(exc: BaseException) -> str | None:
-    """The innermost traceback frame outside torch: where the user's code failed."""
+def capture_message(model_name: str, exc: BaseException) -> str:
+    """What a CaptureError says: where the user's code failed (``file:line in function:`` and the
+    line itself), pipesplit's hint, then torch's own first paragraph less its boilerplate."""
+    where = _user_frame(exc)
+    said = torch_summary(str(exc))
+    head = f"torch.export could not capture {model_name}"
+    lines = [f"{head} at {where[0]}:", f"    {where[1]}"] if where else [f"{head}."]
+    lines.append(f"hint: {_export_hint(str(exc))}")
+    lines.append(f"torch.export says: {type(exc).__name__}" + (f": {said}" if said else "").replace("\n", "\n  "))
+    return "\n".join(lines)
+
+
+def _user_frame(exc: BaseException) -> tuple[str, str] | None:
+    """The innermost traceback frame outside torch, where the user's code failed: its
+    ``file:line in function`` and its source line."""
     frames = traceback.extract_tb(exc.__traceback__)
     cause = exc.__cause__ or exc.__context__
     while cause is not None:
@@ -139,7 +147,35 @@ def _user_frame(exc: BaseException) -> str | None:
     if not user:
         return None
     f = user[-1]
-    return f"{f.filename}:{f.lineno} in {f.name}: {f.line}"
+    return f"{f.filename}:{f.lineno} in {f.name}", (f.line or "").strip()
+
+
+# torch's advice to itself: environment variables to set, links, internal APIs to call, where in
+# torch it failed and "for more information" pointers. Matched by shape, not by one release's text.
+_BOILERPLATE = re.compile(
+    r"\b[A-Z][A-Z0-9]*(?:_[A-Z0-9]+)+=|https?://|guard_or_(?:true|false)|statically_known_true|draft_export"
+    r"|^\s*(?:for (?:more|extended|c\+\+)\b|if you (?:suspect|would like|want)|caused by:|the following call"
+    r"|the error above|user stack|developer debug|explanation:|hint:|from user code)",
+    re.IGNORECASE,
+)
+_SHOWN_LINES = 3  # of torch's first paragraph
+_SHOWN_CHARS = 300  # of each line
+
+
+def torch_summary(text: str) -> str:
+    """The first paragraph of a torch error message that is not boilerplate, at most a few lines.
+
+    >>> torch_summary('Could not guard on x.\\n\\nconsider guard_or_false.\\nFor more information, run with TORCH_LOGS="dynamic"')
+    'Could not guard on x.'
+    """
+    kept = [line for line in text.strip().splitlines() if not _BOILERPLATE.search(line)]
+    paragraph: list[str] = []
+    for line in kept:
+        if line.strip():
+            paragraph.append(line.strip()[:_SHOWN_CHARS])
+        elif paragraph:
+            break
+    return "\n".join(paragraph[:_SHOWN_LINES])
 
 
 def _export_hint(message: str) -> str:
@@ -154,7 +190,8 @@ def _export_hint(message: str) -> str:
         return "pass use_cache=False (or config.use_cache=False) so the model returns no KV-cache object."
     if "constraint" in low or "specializ" in low:
         return "the model fixes a dimension the example marks dynamic; pass an example with the real shape."
-    return "see the torch.export message above; models must be traceable by torch.export (non-strict)."
+    return ("the model must be traceable by torch.export (non-strict); torch's full account is this error's "
+            "__cause__ (the CLI shows it with --debug).")
 
 
 _NOISY_LOGGERS = (

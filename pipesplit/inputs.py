@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -88,3 +88,20 @@ def check_range(info: InputInfo, dim: int, size: int, what: str = "") -> None:
             "and its graph only holds inside that range. Use a size in the range, or compile with an example "
             "whose size takes the other branch."
         )
+
+
+def batch_sizes(flat: Sequence[Any], infos: Sequence[InputInfo], batch_dim: int = 0, *, check: bool = True) -> dict[str, int]:
+    """The size along ``batch_dim`` of each input that carries the batch, by name; with ``check``,
+    raises InputError when they disagree (every batched input is cut into microbatches along it)."""
+    sizes = {
+        info.name: int(value.shape[batch_dim])
+        for value, info in zip(flat, infos)
+        if isinstance(value, torch.Tensor) and info.batched and value.dim() > batch_dim
+    }
+    if check and len(set(sizes.values())) > 1:
+        raise InputError(
+            f"inputs disagree on the batch size along dim {batch_dim}: {sizes}. Every input with a batch "
+            "dimension is cut into microbatches along it; an input without one (a lookup table, a shared mask) "
+            "must be marked when compiling: pipesplit.compile(..., unbatched=['<forward argument name>'])."
+        )
+    return sizes

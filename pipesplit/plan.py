@@ -120,8 +120,18 @@ class Plan:
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> "Plan":
-        with open(path) as f:
-            return cls.from_json(f.read())
+        try:
+            with open(path) as f:
+                text = f.read()
+        except FileNotFoundError:
+            raise PlanError(f"plan file {os.fspath(path)!r} does not exist ({os.path.abspath(path)}); save one with "
+                            "prog.plan.save(path), or `pipesplit split ... --plan-out F`.") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise PlanError(f"cannot read plan file {os.fspath(path)!r}: {e}") from None
+        try:
+            return cls.from_json(text)
+        except PlanError as e:
+            raise PlanError(f"plan file {os.fspath(path)!r}: {e}") from None
 
 
 Plan.__init__ = num_keywords(Plan.__init__)  # type: ignore[method-assign]  # Plan(n_microbatches=...) until 0.3

@@ -60,5 +60,5 @@ def test_the_cli_refuses_a_bad_device_name():
 
     from pipesplit.cli.commands import device_list
 
-    with pytest.raises(argparse.ArgumentTypeError, match="not a list of devices"):
+    with pytest.raises(argparse.ArgumentTypeError, match="'gpu7' is not a device; this machine has cpu"):
         device_list("cpu,gpu7")

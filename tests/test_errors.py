@@ -99,6 +99,37 @@ def test_data_dependent_branch_names_the_user_line():
     assert isinstance(info.value, pipesplit.PipesplitError)
 
 
+def test_a_capture_error_leads_with_the_failing_line_and_the_hint():
+    with pytest.raises(pipesplit.CaptureError) as info:
+        pipesplit.compile(Branchy(), torch.randn(2, 4), num_stages=2)
+    first, code, hint, *rest = str(info.value).splitlines()
+    line = _line_of(Branchy.forward, "if h.sum() > 0")
+    assert first == f"torch.export could not capture Branchy at {os.path.abspath(__file__)}:{line} in forward:"
+    assert code.strip().startswith("if h.sum() > 0:")
+    assert hint.startswith("hint: ") and "torch.where" in hint and "torch.cond" in hint
+    # torch's own words follow, less its advice to itself (kept on __cause__, whatever the release says)
+    boilerplate = re.compile(r"TORCH_LOGS|TORCHDYNAMO_|https?://|guard_or_false|^\s*for more information", re.I | re.M)
+    assert not boilerplate.search(str(info.value)), str(info.value)
+    assert rest and rest[0].startswith("torch.export says: ") and len(rest) <= 3, rest
+    assert boilerplate.search(str(info.value.__cause__)), "torch's whole account stays on __cause__"
+
+
+def test_torch_boilerplate_is_dropped_by_its_shape():
+    from pipesplit.export import torch_summary
+
+    text = (
+        "Could not guard on data-dependent expression Eq(u7, 1) (unhinted: Eq(u7, 1)).\n\n"
+        "consider using data-dependent friendly APIs such as guard_or_false, guard_or_true. A new sentence.\n"
+        "Caused by: (_export/non_strict_utils.py:9999 in __torch_function__)\n"
+        'For more information, run with TORCH_LOGS="+dynamic,guards"\n'
+        'For extended logs when we create symbols, also add TORCHDYNAMO_EXTENDED_DEBUG_CREATE_SYMBOL="u7"\n'
+        "If you suspect the guard was triggered from C++, add TORCHDYNAMO_EXTENDED_DEBUG_CPP=1\n"
+        "For more debugging help, see https://example.org/some/new/page\n"
+    )
+    assert torch_summary(text) == "Could not guard on data-dependent expression Eq(u7, 1) (unhinted: Eq(u7, 1))."
+    assert torch_summary("\nA first line.\nA second line.\n\nLater.") == "A first line.\nA second line."
+
+
 def test_a_capture_failure_shows_only_pipesplits_message(capfd, caplog):
     # torch's loggers do not propagate and write through their own handlers: listen on each
     watched = [logging.getLogger(name) for name in
@@ -203,7 +234,7 @@ def test_a_device_this_machine_does_not_have(no_export, monkeypatch, count):
 
 
 @pytest.mark.parametrize("devices, says", [
-    (["gpu:0", "cpu"], "devices[0]='gpu:0' is not a device"),
+    (["gpu:0", "cpu"], "devices[0]='gpu:0' is not a device; this machine has 'cpu'"),
     ("cpu", "devices takes one device per stage, got the single device 'cpu'; pass a list, e.g. devices=['cpu'] * 2"),
 ])
 def test_devices_that_are_not_devices(no_export, devices, says):
@@ -268,6 +299,83 @@ def test_non_tensor_for_a_tensor_input(two):
     _, prog = two
     with pytest.raises(pipesplit.InputError, match=r"'y' must be a tensor, got float"):
         prog(torch.randn(3, 8), 1.0)
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_inputs_that_disagree_on_the_batch_raise_what_a_pipeline_raises(dynamic):
+    torch.manual_seed(0)
+    model = TwoInputs()
+    prog = pipesplit.compile(model, (torch.randn(4, 8), torch.randn(4, 8)), num_stages=2, dynamic_batch=dynamic)
+    x, y = torch.randn(8, 8), torch.randn(6, 8)
+    with pytest.raises(pipesplit.InputError) as called:
+        prog(x, y)
+    with pytest.raises(pipesplit.InputError) as stepped:
+        pipesplit.Pipeline(prog, "gpipe", num_microbatches=2).step(x, y)
+    assert str(called.value) == str(stepped.value)
+    assert "inputs disagree on the batch size along dim 0: {'x': 8, 'y': 6}" in str(called.value)
+    assert prog.notes == [], "refused before capturing the model again for another batch"
+    x, y = torch.randn(6, 8), torch.randn(6, 8)
+    assert_close(prog(x, y), model(x, y), name="output")  # and a call that agrees still runs
+
+
+def test_an_unbatched_input_may_differ():
+    torch.manual_seed(0)
+    model = TwoInputs()
+    prog = pipesplit.compile(model, (torch.randn(4, 8), torch.randn(1, 8)), num_stages=2, unbatched=["y"])
+    x, y = torch.randn(6, 8), torch.randn(1, 8)
+    assert_close(prog(x, y), model(x, y), name="output")
+
+
+# ------------------------------------------------------------ plan files
+
+
+def test_a_missing_plan_file_is_a_plan_error(no_export, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(pipesplit.PlanError) as info:
+        pipesplit.compile(TwoInputs(), (torch.randn(2, 8), torch.randn(2, 8)), plan="nope.json")
+    assert "plan file 'nope.json' does not exist" in str(info.value)
+    assert str(tmp_path / "nope.json") in str(info.value)
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(pipesplit.PlanError, match=r"plan file 'bad.json': the plan is not valid JSON"):
+        pipesplit.compile(TwoInputs(), (torch.randn(2, 8), torch.randn(2, 8)), plan="bad.json")
+
+
+# ------------------------------------------------------------ stage counts the model cannot balance
+
+
+def _gpt_warnings(k: int, caplog) -> tuple[object, list[str]]:
+    torch.manual_seed(0)
+    model = gpt(layers=2, dim=32, vocab=512, seq=16)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="pipesplit"):
+        prog = pipesplit.compile(model, torch.randint(0, 512, (4, 16)), num_stages=k)
+    return prog, [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_more_stages_than_the_model_can_balance_are_warned(caplog):
+    prog, warned = _gpt_warnings(16, caplog)
+    plan = prog.plan
+    total, largest = sum(plan.stage_costs), plan.lower_bound  # the lower bound is the largest op here
+    assert largest > total / 16
+    most = int(total // largest)
+    balance = [n for n in prog.notes if "more than this model can balance" in n]
+    assert len(balance) == 1 and f"pipesplit: {balance[0]}" in warned, (prog.notes, warned)
+    note = balance[0]
+    assert note.startswith("num_stages=16 is more than this model can balance: its largest op, ")
+    assert "in head)" in note  # the op that sets the bottleneck, and where it is
+    assert f"balance {plan.bottleneck / (total / 16):.2f}x the mean" in note
+    assert f"compile with num_stages={most} or fewer" in note
+    empty = [s for s, c in enumerate(plan.stage_costs) if c == 0]
+    assert empty, plan.stage_costs  # this many stages leaves some with nothing to compute
+    which = f"stage {empty[0]} of 16 does" if len(empty) == 1 else f"stages {', '.join(map(str, empty))} of 16 do"
+    assert any(n.startswith(f"{which} no compute") for n in prog.notes), prog.notes
+    _, warned = _gpt_warnings(most, caplog)  # the count it suggests balances
+    assert not [w for w in warned if "balance" in w or "no compute" in w], warned
+
+
+def test_a_stage_count_that_balances_says_nothing(caplog):
+    prog, warned = _gpt_warnings(2, caplog)
+    assert warned == [] and prog.notes == []
 
 
 # ------------------------------------------------------------ pinned batch

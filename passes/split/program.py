@@ -15,7 +15,7 @@ from pipesplit.capture import Captured, InputInfo, static_dim
 from pipesplit.devices import concrete_device
 from pipesplit.errors import InputError, PipesplitError, PlanError
 from pipesplit.passes.split.generalise import batched_outputs
-from pipesplit.inputs import Shown, shown, describe_structure, check_input, check_range
+from pipesplit.inputs import Shown, shown, describe_structure, batch_sizes, check_input, check_range
 from pipesplit.passes.split.devices import capture_device, retarget
 from pipesplit.passes.split.modes import eval_module
 from pipesplit.passes.split import Boundary, SplitGraph, StagePiece
@@ -139,6 +139,8 @@ class SplitProgram(ProgramState):
         # the only batch size the stage graphs take (captured at the example's shapes); None: any
         self.static_batch: int | None = captured.static_batch
         self.example_batch: int | None = captured.example_batch
+        # the example's batched inputs agree on the batch size, so every call's must
+        self.batch_shared = len(set(batch_sizes(captured.example_flat, self.inputs, d, check=False).values())) <= 1
         self.captured_gm = captured.gm
         self._outputs = split.outputs
         self.batch_symbols = {
@@ -272,6 +274,8 @@ class SplitProgram(ProgramState):
                 f"  expected: {self._expected_structure()}\n  got:      {got}\n"
                 "Pass the same positional arguments and keyword names as the example."
             )
+        if self.batch_shared:  # checked before a re-capture, as Pipeline.step checks it
+            batch_sizes(flat, self.inputs, self.batch_dim)
         free: int | None = None
         if self.static_batch is not None and whole_batch:
             free = self.batch_dim

@@ -44,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _report(e: BaseException, debug: bool) -> None:
+    """One ``pipesplit: error:`` line, the message's other lines indented under it, one ``hint:``
+    per hint (the error's ``hint`` and its own ``hint:`` lines), and the --debug pointer where a
+    traceback would show more than the message (see :func:`traceback_helps`)."""
     if debug:
         traceback.print_exc()
     if isinstance(e, PipesplitError):
@@ -51,11 +54,23 @@ def _report(e: BaseException, debug: bool) -> None:
     else:  # a bug, or something pipesplit did not anticipate
         first, rest = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}", []
     print(f"pipesplit: error: {first}", file=sys.stderr)
-    hints = [getattr(e, "hint", "")] + [line.strip() for line in rest]
+    hints = [line.strip() for line in rest if line.strip().startswith("hint:")] + [getattr(e, "hint", "")]
+    for line in rest:
+        if line.strip() and not line.strip().startswith("hint:"):
+            print(f"  {line.rstrip()}" if not line.startswith(" ") else line.rstrip(), file=sys.stderr)
     for hint in filter(None, hints):
         print(hint if hint.startswith("hint:") else f"hint: {hint}", file=sys.stderr)
-    if not debug:
+    if not debug and traceback_helps(e):
         print("hint: run with --debug for the full traceback", file=sys.stderr)
+
+
+def traceback_helps(e: BaseException) -> bool:
+    """A traceback shows more than the message: for an error pipesplit did not raise on purpose (a
+    bug, or an exception from the user's code), and for one of pipesplit's errors that wraps another
+    (a failed capture, a factory that raised), not for a usage error whose message says it all."""
+    if not isinstance(e, PipesplitError):
+        return True
+    return e.__cause__ is not None and not isinstance(e.__cause__, PipesplitError)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -80,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         ours.setLevel(level)
 
 
-__all__ = ["CLIError", "build_parser", "main"]
+__all__ = ["CLIError", "build_parser", "main", "traceback_helps"]
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -10,7 +10,7 @@ from typing import Any, Callable
 import torch
 
 from pipesplit.cli.factory import CLIError, check_fits, default_int_high, load_model, make_inputs, parse_kwargs
-from pipesplit.devices import device_name
+from pipesplit.devices import device_name, machine_devices
 from pipesplit.passes.plan.planner import cost_function
 
 
@@ -32,10 +32,14 @@ def name_list(text: str) -> list[str]:
 
 def device_list(text: str) -> list[str]:
     """argparse type: ``"cuda,cpu"`` -> ``["cuda:0", "cpu"]`` (an accelerator without an index is the current one)."""
-    try:
-        return [device_name(v) for v in name_list(text)]
-    except RuntimeError as e:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a list of devices ({e}); use names like cpu or cuda:0") from None
+    names = []
+    for v in name_list(text):
+        try:
+            names.append(device_name(v))
+        except RuntimeError:  # torch's message lists every device type it knows, not what is here
+            raise argparse.ArgumentTypeError(
+                f"{v!r} is not a device; this machine has {', '.join(machine_devices())}") from None
+    return names
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:

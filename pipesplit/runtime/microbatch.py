@@ -8,29 +8,18 @@ import torch
 
 from pipesplit.capture import InputInfo
 from pipesplit.errors import InputError
-from pipesplit.inputs import check_range
+from pipesplit.inputs import batch_sizes, check_range
 
 
 def batch_size(flat: Sequence[Any], infos: Sequence[InputInfo], batch_dim: int = 0) -> int:
     """The batch size shared by the inputs that carry the batch dimension."""
-    sizes = {
-        info.name: value.shape[batch_dim]
-        for value, info in zip(flat, infos)
-        if _is_batched(value, info, batch_dim)
-    }
+    sizes = batch_sizes(flat, infos, batch_dim)
     if not sizes:
         raise InputError(
             "no input has a dynamic batch dimension to split into microbatches "
             f"(batch_dim={batch_dim}). Compile with an example batch of 2 or more so torch.export keeps it dynamic."
         )
-    distinct = set(sizes.values())
-    if len(distinct) > 1:
-        raise InputError(
-            f"inputs disagree on the batch size along dim {batch_dim}: {sizes}. Every input with a batch "
-            "dimension is cut into microbatches along it; an input without one (a lookup table, a shared mask) "
-            "must be marked when compiling: pipesplit.compile(..., unbatched=['<forward argument name>'])."
-        )
-    return int(distinct.pop())
+    return next(iter(sizes.values()))  # batch_sizes checked that they agree
 
 
 def _is_batched(value: Any, info: InputInfo, batch_dim: int) -> bool:

@@ -1,0 +1,60 @@
+"""Warnings on a plan a user would want to hear of: more stages than the model can balance, empty stages."""
+
+from __future__ import annotations
+
+import math
+
+import torch.fx as fx
+
+from pipesplit.meta import node_cost, node_module_paths
+from pipesplit.passes.plan.chain import compute_nodes
+from pipesplit.plan import Plan
+from pipesplit.units import format_cost
+
+_TOLERANCE = 1e-9  # relative: a largest op of exactly a k-th of the model still balances k stages
+# warn once the largest op alone is this far above the mean stage: a little above is the usual
+# granularity of a small model, not a stage count chosen too high
+_UNBALANCED = 1.25
+
+
+def plan_warnings(gm: fx.GraphModule, plan: Plan, node_costs: dict[str, float]) -> list[str]:
+    """What is wrong with ``plan``'s stage count, one sentence each (``[]``: nothing).
+
+    A stage count is more than the model can balance when its largest op, which no cut can
+    divide, costs more than the model's total over that count (warned from ``_UNBALANCED``
+    times that): no split reaches the mean, and that op sets the bottleneck. ``node_costs``
+    holds each compute node's cost in the plan's unit. A stage without FLOPs (lookups, views,
+    copies) does no compute: its rank only waits and passes values on.
+    """
+    out = []
+    k = plan.num_stages
+    total = sum(node_costs.values())
+    if k > 1 and node_costs:
+        name, biggest = max(node_costs.items(), key=lambda item: item[1])
+        if biggest > 0 and biggest * k > total * _UNBALANCED:
+            most = max(1, math.floor(total / biggest * (1 + _TOLERANCE)))
+            unit = plan.cost_name
+            out.append(
+                f"num_stages={k} is more than this model can balance: its largest op, {_describe(gm, name)}, costs "
+                f"{format_cost(biggest, unit)}, more than 1/{k} of the model ({format_cost(total / k, unit)}); no cut "
+                f"divides an op, so the bottleneck stage cannot cost less (balance {plan.bottleneck / (total / k):.2f}x "
+                f"the mean). At most {most} stage{'s' if most > 1 else ''} balance{'' if most > 1 else 's'}: "
+                f"compile with num_stages={most} or fewer."
+            )
+    by_name = {n.name: n for n in compute_nodes(gm)}
+    empty = [s for s, names in enumerate(plan.stages)
+             if not any(node_cost(by_name[x]).total_flops for x in names if x in by_name)]
+    if empty and len(empty) < k:  # a model without FLOPs at all (a lookup) is not split wrongly
+        which = f"stage {empty[0]}" if len(empty) == 1 else f"stages {', '.join(map(str, empty))}"
+        out.append(
+            f"{which} of {k} {'does' if len(empty) == 1 else 'do'} no compute (0 FLOPs: only lookups, views or "
+            "copies), a rank that only waits and passes values on. Compile with fewer stages."
+        )
+    return out
+
+
+def _describe(gm: fx.GraphModule, name: str) -> str:
+    node = next(n for n in gm.graph.nodes if n.name == name)
+    paths = node_module_paths(node)
+    target = getattr(node.target, "__name__", str(node.target)) if node.op != "call_function" else str(node.target)
+    return f"{name!r} ({target}{f' in {paths[-1]}' if paths else ''})"
