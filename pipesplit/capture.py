@@ -10,11 +10,10 @@ from typing import Any, Collection, cast
 
 import torch
 import torch.fx as fx
-import torch.utils._pytree as pytree
 from torch import nn
 from torch.export import Dim
-from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
+from pipesplit.compat import is_concrete_int, pytree
 from pipesplit.errors import CaptureError
 from pipesplit.export import export_quietly, unlift
 
