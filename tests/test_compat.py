@@ -1,0 +1,50 @@
+"""pipesplit.compat: each fallback gives what the newer torch API gives, and the release facts hold."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.export import Dim
+
+from pipesplit import compat
+from pipesplit.compat import optimization_hint
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_torch_floor_is_what_pyproject_declares_and_this_torch_meets_it():
+    declared = re.search(r'"torch>=(\d+)\.(\d+)"', (ROOT / "pyproject.toml").read_text())
+    assert declared and tuple(map(int, declared.groups())) == compat.TORCH_FLOOR
+    assert compat.TORCH_VERSION[:2] >= compat.TORCH_FLOOR
+
+
+def test_version_parsing():
+    assert compat._release("2.13.0+cpu") == (2, 13, 0)
+    assert compat._release("2.16.0.dev20260101+cu128") == (2, 16, 0)
+    assert compat._release("2.10") == (2, 10, 0)
+
+
+def test_optimization_hint_and_its_fallback_give_the_example_size():
+    """A dynamic batch dimension is a SymInt in the exported graph; both hints read the example's
+    value, on the installed torch (2.12+: torch's optimization_hint; before: the fallback)."""
+    ep = torch.export.export(nn.Linear(3, 2), (torch.randn(5, 3),), dynamic_shapes=({0: Dim("batch")},))
+    (x,) = [n for n in ep.graph.nodes if n.op == "placeholder" and n.name == "input"]
+    size = x.meta["val"].shape[0]
+    assert isinstance(size, torch.SymInt)
+    assert optimization_hint(size) == compat._hint_before_2_12(size) == 5
+    assert optimization_hint(4) == compat._hint_before_2_12(4) == 4
+
+
+def test_state_mutations_cover_buffers_and_parameters():
+    from torch.export.graph_signature import OutputKind
+
+    assert set(compat.STATE_MUTATIONS) == {OutputKind.BUFFER_MUTATION, OutputKind.PARAMETER_MUTATION}
+
+
+def test_torch_csv_send_waits_came_with_2_15():
+    """Read in the releases' own schedules.py: 2.10.0, 2.13.0 and 2.14.1 have no WAIT_SEND_F, 2.15.0 has."""
+    assert compat.torch_csv_send_waits() == (compat.TORCH_VERSION >= (2, 15))
+
