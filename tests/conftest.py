@@ -22,3 +22,8 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
         if Path(str(item.fspath)).name in TORCH_MATRIX:
             item.add_marker(matrix)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Which torch this run tested (CI runs several): before pytest's closing line."""
+    terminalreporter.write_line(f"pipesplit tests ran on torch {torch.__version__}")

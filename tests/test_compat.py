@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 from torch.export import Dim
@@ -27,6 +28,7 @@ def test_version_parsing():
     assert compat._release("2.10") == (2, 10, 0)
 
 
+@pytest.mark.filterwarnings("ignore:use guarding_hint_or_throw")  # torch >= 2.12 deprecates the fallback's size_hint
 def test_optimization_hint_and_its_fallback_give_the_example_size():
     """A dynamic batch dimension is a SymInt in the exported graph; both hints read the example's
     value, on the installed torch (2.12+: torch's optimization_hint; before: the fallback)."""
@@ -48,3 +50,18 @@ def test_torch_csv_send_waits_came_with_2_15():
     """Read in the releases' own schedules.py: 2.10.0, 2.13.0 and 2.14.1 have no WAIT_SEND_F, 2.15.0 has."""
     assert compat.torch_csv_send_waits() == (compat.TORCH_VERSION >= (2, 15))
 
+
+
+def test_readme_names_exactly_the_releases_ci_tests():
+    """The README's torch claims are what CI runs: the legs of .ci/run and the README's own torch."""
+    readme = (ROOT / "README.md").read_text()
+    (line,) = [p for p in readme.split("\n\n") if p.startswith("Tested torch releases:")]
+    claimed = set(re.findall(r"\b(\d+\.\d+\.\d+)\b", line))
+    legs = re.search(r'^TORCH_LEGS="([^"]*)"', (ROOT / ".ci" / "run").read_text(), re.M)
+    assert legs, ".ci/run names its torch legs in TORCH_LEGS"
+    default = re.search(r"pip install -q torch==(\S+) ", readme)
+    assert default
+    assert claimed == set(legs.group(1).split()) | {default.group(1)}
+    oldest = min(tuple(map(int, v.split("."))) for v in claimed)
+    assert oldest[:2] == compat.TORCH_FLOOR
+    assert "torch_matrix" in (ROOT / ".ci" / "torch_leg.sh").read_text()
