@@ -1,8 +1,10 @@
 """Every private or recently added torch API pipesplit uses, with its fallback for older releases."""
 
-# The one module that reaches into torch's private names (tests/test_compat.py checks that no
-# other module does). Each entry says the release that added it, as read in the installed
-# releases' own source (2.10.0, 2.13.0, 2.14.1, 2.15.0); TORCH_FLOOR is the oldest tested.
+# The one module that reaches into torch's private names (tests/test_layers.py checks that no
+# other module does). Each entry says when torch added it, as read in the releases' own source
+# (installed 2.10.0, 2.13.0, 2.15.0; 2.14.1's wheel); TORCH_FLOOR is the oldest tested. pytree,
+# torch._ops, is_concrete_int, _LazyGraphModule and _has_compatible_shallow_copy_type are in
+# every one of them: they sit here so that a release that moves them breaks one module.
 
 from __future__ import annotations
 
@@ -53,8 +55,8 @@ _optimization_hint: Callable[[Any], int] = getattr(symbolic_shapes, "optimizatio
 def optimization_hint(x: torch.SymInt | int) -> int:
     """A concrete int for a possibly symbolic size: the value it had in the example, no guard added.
 
-    ``symbolic_shapes.optimization_hint`` (torch 2.12; absent in 2.10 and 2.11) or, before it,
-    the shape environment's ``size_hint``.
+    ``symbolic_shapes.optimization_hint`` (absent in 2.10, and in 2.11 as issue 23 found; there
+    in 2.13, 2.14.1, 2.15) or, before it, the shape environment's ``size_hint`` (there in all).
 
     >>> optimization_hint(7)
     7
