@@ -17,7 +17,7 @@ python3 -m venv "$VENV"
 # pip's configuration here may carry a constraint file capping torch (global.constraint). The
 # PIP_CONSTRAINT variable replaces the configured file for this leg's installs only, with one that
 # pins torch to the release asked for, so installing the project cannot swap torch either.
-PIN="$VENV/torch-pin.txt"
+PIN="$PWD/$VENV/torch-pin.txt"  # absolute: pip runs from other folders too (test_packaging)
 echo "torch==$VERSION" >"$PIN"
 export PIP_CONSTRAINT="$PIN"
 
