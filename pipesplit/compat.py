@@ -22,7 +22,7 @@ from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 __all__ = [
     "TORCH_FLOOR", "TORCH_VERSION", "HigherOrderOperator", "LazyGraphModule", "OpOverload", "OpOverloadPacket",
-    "STATE_MUTATIONS", "TORCH_LOGGERS", "FAKE_TENSOR_LOGGER", "has_compatible_shallow_copy_type",
+    "EXPORTS_META_MODELS", "STATE_MUTATIONS", "TORCH_LOGGERS", "FAKE_TENSOR_LOGGER", "has_compatible_shallow_copy_type",
     "is_concrete_int", "optimization_hint", "pytree", "torch_csv_send_waits",
 ]
 
@@ -70,6 +70,11 @@ STATE_MUTATIONS: tuple[OutputKind, ...] = tuple(
     getattr(OutputKind, name) for name in ("BUFFER_MUTATION", "PARAMETER_MUTATION") if hasattr(OutputKind, name)
 )
 """The export output kinds that write a parameter or buffer back (``ep.module()`` copies them)."""
+
+EXPORTS_META_MODELS = TORCH_VERSION >= (2, 13)
+"""Whether torch.export captures a model built on the meta device from real (CPU) example inputs:
+2.10 and 2.12 fail in fake-tensor device propagation (``found two different devices meta, cpu``),
+2.13 and 2.15 capture it (the README's meta-device recipe; tests/test_checkpoint.py)."""
 
 TORCH_LOGGERS = (
     "torch._dynamo", "torch.export", "torch._export", "torch.fx.experimental.symbolic_shapes",

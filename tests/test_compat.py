@@ -65,3 +65,21 @@ def test_readme_names_exactly_the_releases_ci_tests():
     oldest = min(tuple(map(int, v.split("."))) for v in claimed)
     assert oldest[:2] == compat.TORCH_FLOOR
     assert "torch_matrix" in (ROOT / ".ci" / "torch_leg.sh").read_text()
+
+
+def test_a_meta_model_compiles_or_says_which_torch_can():
+    """The README's meta-device recipe: torch >= 2.13 exports it; older torch gets pipesplit's error
+    (2.10 and 2.12 fail inside torch's fake tensors: 'found two different devices meta, cpu')."""
+    import pipesplit
+    from pipesplit.errors import CaptureError
+
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Embedding(16, 8), nn.Linear(8, 4))
+    idx = torch.randint(0, 16, (2, 5))
+    if compat.EXPORTS_META_MODELS:
+        prog = pipesplit.compile(model, idx, num_stages=2, progress=False)
+        assert all(p.is_meta for p in prog.parameters())
+    else:
+        with pytest.raises(CaptureError, match=r"built on the meta device and the example inputs are on cpu: torch "
+                                               r"2\.\d+.*torch 2\.13 or newer can"):
+            pipesplit.compile(model, idx, num_stages=2, progress=False)
