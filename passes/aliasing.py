@@ -19,8 +19,9 @@ from typing import Any, Iterable
 
 import torch
 import torch.fx as fx
-import torch.utils._pytree as pytree
 from networkx.utils import UnionFind
+
+from pipesplit.compat import HigherOrderOperator, OpOverload, pytree
 
 # Their schema marks no write, but in training they update running_mean/var in place: per op, the
 # argument that says so (instance_norm updates them from each instance's statistics, averaged).
@@ -99,13 +100,13 @@ def storage_classes(graph: fx.Graph) -> StorageClasses:
         target = node.target
         aliased: list[fx.Node] = []
         written: list[fx.Node] = []
-        if isinstance(target, torch._ops.OpOverload):
+        if isinstance(target, OpOverload):
             aliased, written = _overload_effects(node)
         elif target is operator.getitem and isinstance(node.args[0], fx.Node):
             outputs, index = hop_outputs.get(node.args[0]), node.args[1]
             known = outputs is not None and isinstance(index, int) and -len(outputs) <= index < len(outputs)
             aliased = outputs[index] if known else [node.args[0]]  # type: ignore[index]
-        elif isinstance(target, torch._ops.HigherOrderOperator):
+        elif isinstance(target, HigherOrderOperator):
             per_output, written, pure_subgraph[node] = _hop_effects(node)
             if per_output is None:  # a layout not understood: it may alias every operand
                 aliased = node.all_input_nodes
@@ -181,7 +182,7 @@ def written_operand(node: fx.Node) -> fx.Node | None:
     graph, operands = sub
     outs = pytree.tree_leaves(next(n for n in graph.nodes if n.op == "output").args[0])
     v = outs[i] if i < len(outs) else None
-    while isinstance(v, fx.Node) and v.op == "call_function" and isinstance(v.target, torch._ops.OpOverload) and v.args:
+    while isinstance(v, fx.Node) and v.op == "call_function" and isinstance(v.target, OpOverload) and v.args:
         aliased, written = _overload_effects(v)
         if v.args[0] not in written or v.args[0] not in aliased:
             return None
@@ -201,16 +202,16 @@ def pure_op(node: fx.Node, classes: StorageClasses) -> bool:
     if node.op != "call_function" or node in classes.writes:
         return False
     target = node.target
-    if isinstance(target, torch._ops.OpOverload):
+    if isinstance(target, OpOverload):
         if torch.Tag.nondeterministic_seeded in target.tags:
             return False
         return _is_check(target) or not node.is_impure()
-    if isinstance(target, torch._ops.HigherOrderOperator):
+    if isinstance(target, HigherOrderOperator):
         return classes.pure_subgraph.get(node, False) and not node.is_impure()
     return target is operator.getitem or _is_plain_function(target)
 
 
-def _is_check(op: torch._ops.OpOverload) -> bool:
+def _is_check(op: OpOverload) -> bool:
     """An assertion (``_assert_tensor_metadata``, ``_assert_scalar``...): kept by dead-code
     elimination as a side effect, but running it again changes nothing."""
     name = op._schema.name.split("::")[-1]

@@ -10,11 +10,10 @@ from typing import Any, Collection, cast
 
 import torch
 import torch.fx as fx
-import torch.utils._pytree as pytree
 from torch import nn
 from torch.export import Dim
-from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
+from pipesplit.compat import EXPORTS_META_MODELS, is_concrete_int, pytree
 from pipesplit.errors import CaptureError
 from pipesplit.export import export_quietly, unlift
 from pipesplit.passes.lookups import indexed_by
@@ -245,6 +244,20 @@ def _input_infos(
     return infos
 
 
+def _check_meta_export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """A model on the meta device with real example inputs needs a torch that can export it."""
+    if EXPORTS_META_MODELS or not any(t.is_meta for t in (*model.parameters(), *model.buffers())):
+        return
+    real = sorted({str(t.device) for t in pytree.tree_leaves((args, kwargs))
+                   if isinstance(t, torch.Tensor) and not t.is_meta})
+    if real:
+        raise CaptureError(
+            f"{type(model).__name__} is built on the meta device and the example inputs are on {', '.join(real)}: "
+            f"torch {torch.__version__} cannot export that (its fake tensors refuse to mix meta and {real[0]}); "
+            "torch 2.13 or newer can. Upgrade torch (pip install 'torch>=2.13'), or build the model on a real device."
+        )
+
+
 def capture(
     model: nn.Module,
     args: Any,
@@ -290,6 +303,7 @@ def capture(
             f"unbatched names {unknown}, which the example call does not pass; the arguments passed are "
             f"{sorted(set(owners))}."
         )
+    _check_meta_export(model, args, kwargs)
     ep, export_seconds = export_quietly(model, args, kwargs, dyn if dynamic else None)
     gm, in_spec, out_spec = unlift(ep)  # flat in, flat out; the specs are kept here
 

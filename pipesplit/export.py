@@ -20,8 +20,8 @@ from typing import Any, Iterator, Sequence, cast
 
 import torch
 import torch.fx as fx
-import torch.utils._pytree as pytree
 
+from pipesplit.compat import TORCH_LOGGERS, pytree
 from pipesplit.errors import CaptureError
 
 log = logging.getLogger(__name__)
@@ -73,11 +73,12 @@ def unlift(ep: Any) -> tuple[fx.GraphModule, pytree.TreeSpec, pytree.TreeSpec]:
     module's code is generated on first call (most of pipesplit only reads the graph).
     """
     from torch.export.graph_signature import InputKind, OutputKind
-    from torch.fx._lazy_graph_module import _LazyGraphModule
+
+    from pipesplit.compat import STATE_MUTATIONS, LazyGraphModule
 
     from pipesplit.state import attach
 
-    gm = _LazyGraphModule.from_graphmodule(ep.graph_module)
+    gm = LazyGraphModule.from_graphmodule(ep.graph_module)
     graph, sig = gm.graph, ep.graph_signature
     lifted = (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR, InputKind.CUSTOM_OBJ)
     non_persistent = set(sig.non_persistent_buffers)
@@ -105,7 +106,7 @@ def unlift(ep: Any) -> tuple[fx.GraphModule, pytree.TreeSpec, pytree.TreeSpec]:
     values = list(cast(Sequence[Any], output.args[0]))
     kept = []
     for value, spec in zip(values, sig.output_specs):
-        if spec.kind in (OutputKind.BUFFER_MUTATION, OutputKind.PARAMETER_MUTATION):
+        if spec.kind in STATE_MUTATIONS:
             with graph.inserting_before(output):
                 graph.call_function(torch.ops.aten.copy_.default, (by_target[spec.target], value))
         elif spec.kind is OutputKind.USER_INPUT_MUTATION:
@@ -194,16 +195,12 @@ def _export_hint(message: str) -> str:
             "__cause__ (the CLI shows it with --debug).")
 
 
-_NOISY_LOGGERS = (
-    "torch._dynamo", "torch.export", "torch._export", "torch.fx.experimental.symbolic_shapes",
-    "torch._subclasses.fake_tensor", "torch._functorch",
-)
 
 
 @contextlib.contextmanager
 def _quiet_export(printed: io.StringIO) -> Iterator[None]:
     """Silence torch's export loggers and collect what it prints to stderr, for this block only."""
-    loggers = [logging.getLogger(name) for name in _NOISY_LOGGERS]
+    loggers = [logging.getLogger(name) for name in TORCH_LOGGERS]
     levels = [logger.level for logger in loggers]
     for logger in loggers:
         logger.setLevel(logging.CRITICAL + 1)

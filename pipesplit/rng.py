@@ -19,6 +19,7 @@ from typing import Any, Iterator
 import torch
 import torch.fx as fx
 
+from pipesplit.compat import OpOverload
 from pipesplit.devices import concrete_device
 
 _MASK = (1 << 64) - 1
@@ -107,7 +108,7 @@ def seeded(op: Any, *args: Any, **kwargs: Any) -> Any:
 
 def _is_random(node: fx.Node) -> bool:
     op = node.target
-    if node.op != "call_function" or not isinstance(op, torch._ops.OpOverload):
+    if node.op != "call_function" or not isinstance(op, OpOverload):
         return False
     if torch.Tag.nondeterministic_seeded not in op.tags:
         return False

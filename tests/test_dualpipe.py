@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import types
 from collections import Counter
 
 import pytest
 import torch
 
 import pipesplit
+from pipesplit import compat
 from pipesplit.errors import ScheduleError
 from pipesplit.schedules import (
     Action,
@@ -29,6 +29,7 @@ from pipesplit.schedules import (
     with_communication,
 )
 from pipesplit.schedules.io import tokens
+from tests.torch_schedules import schedules_module, torch_loads, torch_schedule
 from tests.training import check_training, dot_loss
 from tests.zoo import CASE_BY_NAME
 
@@ -121,17 +122,9 @@ def test_dualpipe_v_is_registered_with_its_constraints() -> None:
 
 
 def torch_dualpipe_v_rows(p: int, m: int) -> list[list[str]]:
-    """torch's ScheduleDualPipeV order for p ranks and m microbatches, as its action strings.
-
-    Its constructor needs live stages, but the per-rank order comes from a method that reads
-    only the group size and the microbatch count, so a stand-in ``self`` with those two is enough.
-    """
-    schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
-    if not hasattr(schedules, "ScheduleDualPipeV"):
-        pytest.skip("this torch has no ScheduleDualPipeV")
-    sizes = types.SimpleNamespace(pp_group_size=p, _n_microbatches=m)
-    order = schedules.ScheduleDualPipeV._calculate_single_rank_operations
-    return [[str(a) for a in order(sizes, r)] for r in range(p)]
+    """torch's ScheduleDualPipeV order for p ranks and m microbatches, as its action strings."""
+    order = torch_schedule("ScheduleDualPipeV", p, 2 * p, m).pipeline_order
+    return [[str(a) for a in order[r]] for r in range(p)]
 
 
 @pytest.mark.parametrize("p, m", SIZES)
@@ -202,30 +195,6 @@ def test_pipeline_refuses_too_few_microbatches_for_dualpipe_v() -> None:
 BUILTINS = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zb_h1", "zb_v", "dualpipe_v")
 
 
-def torch_schedules() -> types.ModuleType:
-    schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
-    for needed in ("_PipelineScheduleRuntime", "ScheduleDualPipeV", "ScheduleZBVZeroBubble", "ScheduleInterleaved1F1B"):
-        if not hasattr(schedules, needed):
-            pytest.skip(f"this torch has no {needed}")
-    return schedules
-
-
-def torch_runtime(cls_name: str, **sizes: int):
-    """A torch schedule object without its constructor, which needs live stages in a process group:
-    only the sizes that its order method, CSV loader/writer and lowering passes read."""
-    cls = getattr(torch_schedules(), cls_name)
-    runtime = object.__new__(cls)
-    vars(runtime).update(pipeline_order={}, _stages=[], _defer_pp_recv=False, **sizes)
-    return runtime
-
-
-def torch_loads(path, num_ranks: int, num_stages: int, m: int, comm: bool):
-    """What torch's own loader (``_PipelineScheduleRuntime._load_csv``) makes of the file."""
-    runtime = torch_runtime("_PipelineScheduleRuntime", pp_group_size=num_ranks, _num_stages=num_stages, _n_microbatches=m)
-    runtime._load_csv(str(path), format="compute_comms" if comm else "compute_only")
-    return runtime
-
-
 def build(name: str, p: int, m: int) -> Schedule:
     spr = schedule_info(name).constraints.stages_per_rank or 2
     return get_schedule(name, num_stages=spr * p, num_ranks=p, num_microbatches=m)
@@ -242,6 +211,44 @@ def test_export_reads_back_in_torchs_own_loader(name: str, comm: bool, tmp_path)
     assert [[str(a) for a in order[r]] for r in range(s.num_ranks)] == to_torch_actions(s)
     assert runtime.stage_index_to_group_rank == dict(enumerate(s.stage_to_rank))
     assert from_torch_csv(path, name=s.name) == s
+    for waits in (False, True):  # both releases' formats read back
+        assert from_torch_csv(to_torch_csv(s, tmp_path / f"{waits}.csv", send_waits=waits), name=s.name) == s
+
+
+def _flat(row: list[str]) -> list[str]:
+    """A row's actions, each overlapped pair ``(a;b)OVERLAP_F_B`` as its two actions."""
+    return [a for cell in row for a in (cell[1:cell.index(")")].split(";") if cell.startswith("(") else [cell])]
+
+
+@pytest.mark.parametrize("name", BUILTINS)
+def test_each_send_gets_one_wait_where_torch_2_15_puts_it(name: str) -> None:
+    s = with_communication(build(name, 3, 6))
+    for rank, row in enumerate(to_torch_actions(s, send_waits=True)):
+        flat = _flat(row)
+        assert [a for a in flat if "WAIT" not in a] == _flat(to_torch_actions(s, send_waits=False)[rank])
+        sends = [a for a in flat if "SEND_" in a and "WAIT" not in a]
+        waits = [a for a in flat if "WAIT_SEND_" in a]
+        assert sorted(w.replace("WAIT_", "") for w in waits) == sorted(sends), f"rank {rank}: one wait per send"
+        for wait in waits:
+            send = wait.replace("WAIT_", "")
+            assert flat.index(wait) > flat.index(send), f"rank {rank}: {wait} before its send"
+            stage, mb = send.split("SEND_")[0], send.split("SEND_")[1][1:]
+            backward = [a for a in (f"{stage}B{mb}", f"{stage}I{mb}") if a in flat]
+            if "SEND_F" in send and backward:  # right after the backward that proves the peer received it
+                assert flat.index(wait) == flat.index(backward[0]) + 1, f"rank {rank}: {wait}"
+            else:  # a backward send's, at the end of the row
+                assert flat.index(wait) >= len(flat) - len(waits), f"rank {rank}: {wait}"
+
+
+def test_this_torch_refuses_the_other_releases_format(tmp_path) -> None:
+    """torch 2.15 refuses a send without a wait; older torch misreads ``1WAIT_SEND_B5`` as the
+    weight backward ``1W`` and refuses it: only the installed torch's format (the default) loads."""
+    s = with_communication(build("1f1b", 3, 6))
+    newer = compat.torch_csv_send_waits()
+    path = to_torch_csv(s, tmp_path / "other.csv", send_waits=not newer)
+    with pytest.raises((ValueError, AssertionError), match="no matching wait" if newer else "Backward Weight"):
+        torch_loads(path, s.num_ranks, s.num_stages, s.num_microbatches, comm=True)
+    assert from_torch_csv(path, name=s.name) == s
 
 
 def test_export_writes_pairs_as_torch_overlap_actions(tmp_path) -> None:
@@ -249,30 +256,26 @@ def test_export_writes_pairs_as_torch_overlap_actions(tmp_path) -> None:
     text = to_torch_csv(s, tmp_path / "d.csv").read_text()
     assert text.splitlines()[0] == ("0F0,0F1,0F2,3F0,3I0,3W0,3F1,(0F3;3B1)OVERLAP_F_B,(3F2;0B0)OVERLAP_F_B,3B2,"
                                     "(3F3;0B1)OVERLAP_F_B,3B3,0I2,0W2,0I3,0W3")
-    parsed = torch_schedules()._Action.from_str("(0F3;3B1)OVERLAP_F_B")
+    parsed = schedules_module()._Action.from_str("(0F3;3B1)OVERLAP_F_B")
     assert [str(a) for a in parsed.sub_actions] == ["0F3", "3B1"]
 
 
 @pytest.mark.parametrize(
-    "cls_name, sizes, ours",
+    "cls_name, ours",
     [
-        ("ScheduleDualPipeV", dict(pp_group_size=3, _n_microbatches=7), ("dualpipe_v", 6, 3, 7)),
-        ("ScheduleZBVZeroBubble", dict(pp_group_size=3, _n_microbatches=6, num_stages=6), ("zb_v", 6, 3, 6)),
-        ("ScheduleInterleaved1F1B", dict(pp_group_size=3, _n_microbatches=6, n_local_stages=2, number_of_rounds=2,
-                                         microbatches_per_round=3), ("interleaved_1f1b", 6, 3, 6)),
+        ("ScheduleDualPipeV", ("dualpipe_v", 6, 3, 7)),
+        ("ScheduleZBVZeroBubble", ("zb_v", 6, 3, 6)),
+        ("ScheduleInterleaved1F1B", ("interleaved_1f1b", 6, 3, 6)),
     ],
 )
-def test_csv_written_by_torch_loads_and_validates(cls_name: str, sizes: dict[str, int], ours: tuple, tmp_path) -> None:
-    # torch builds its order (from the sizes alone) and writes it with its own _dump_csv.
-    torch_schedule = torch_runtime(cls_name, **sizes)
-    p = sizes["pp_group_size"]
-    torch_schedule.pipeline_order = {r: torch_schedule._calculate_single_rank_operations(r) for r in range(p)}
-    torch_schedule._dump_csv(str(tmp_path / "compute.csv"), format="compute_only")
-    loaded = from_torch_csv(tmp_path / "compute.csv")  # validates
+def test_csv_written_by_torch_loads_and_validates(cls_name: str, ours: tuple, tmp_path) -> None:
+    # torch's own class builds its order and writes it with its own _dump_csv.
     name, num_stages, num_ranks, m = ours
+    torch_schedule(cls_name, num_ranks, num_stages, m)._dump_csv(str(tmp_path / "compute.csv"), format="compute_only")
+    loaded = from_torch_csv(tmp_path / "compute.csv")  # validates
     assert loaded == dataclasses.replace(get_schedule(name, num_stages=num_stages, num_ranks=num_ranks, num_microbatches=m),
                                          name="compute")
-    # torch's lowering adds its sends and receives, and FSDP's UNSHARD/RESHARD/REDUCE_GRAD.
+    # torch's lowering adds its sends and receives, FSDP's UNSHARD/RESHARD/REDUCE_GRAD, and (2.15) the send waits.
     lowered = torch_loads(tmp_path / "compute.csv", num_ranks, num_stages, m, comm=False)
     lowered._dump_csv(str(tmp_path / "comms.csv"), format="compute_comms")
     with pytest.raises(ScheduleError, match=r"comms.csv'.*Rank 0, cell 0 \('0UNSHARD'\): UNSHARD is torch's FSDP "

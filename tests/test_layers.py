@@ -13,6 +13,7 @@ The source is read with ``ast``, not imported, so the test sees every import, la
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import networkx as nx
@@ -23,6 +24,7 @@ PACKAGES = {"pipesplit": ROOT / "pipesplit", "pipesplit.passes": ROOT / "passes"
 
 # bottom to top; a module belongs to the layer of its longest matching prefix
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("torch: the one module that reaches into torch's private or recent APIs", ("pipesplit.compat",)),
     ("base: errors, node metadata, units, small data types", (
         "pipesplit.errors", "pipesplit.deprecation", "pipesplit.devices", "pipesplit.meta", "pipesplit.units", "pipesplit.rng", "pipesplit.state",
         "pipesplit.export", "pipesplit.models", "pipesplit.passes")),  # passes/__init__ imports nothing
@@ -149,3 +151,23 @@ def test_the_check_sees_a_package_that_pulls_in_a_driver():
         "pipesplit.passes", "pipesplit.passes.annotate", "pipesplit.passes.annotate.flops"]
     assert _layer("pipesplit.bench") < _layer("pipesplit.bench.run"), "bench/__init__ must not import its driver"
 
+
+
+# A private (``torch._ops``, ``torch.utils._pytree``, ``torch.fx._lazy_graph_module``) or experimental
+# (``torch.fx.experimental``) torch name, in code or in a logger name.
+TORCH_PRIVATE = re.compile(r"\btorch(\.\w+)*\._(?!_)\w|\btorch\.fx\.experimental\b")
+
+
+def test_only_compat_reaches_into_torch_private_apis():
+    """Every private or recent torch API goes through pipesplit.compat, where its fallback for
+    older releases lives: a use elsewhere would break on some release nobody checks."""
+    found = [f"{module} line {n}: {line.strip()}" for module, path in MODULES.items() if module != "pipesplit.compat"
+             for n, line in enumerate(path.read_text().splitlines(), 1) if TORCH_PRIVATE.search(line)]
+    assert not found, "private torch APIs outside pipesplit/compat.py:\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize("line", ["import torch.utils._pytree as pytree", "isinstance(t, torch._ops.OpOverload)",
+                                  "from torch.fx.experimental.symbolic_shapes import hint", '"torch._dynamo"'])
+def test_the_check_sees_a_private_torch_name(line):
+    assert TORCH_PRIVATE.search(line)
+    assert not TORCH_PRIVATE.search("torch.utils.checkpoint.checkpoint(torch.fx.Graph(), torch.__version__)")

@@ -10,7 +10,9 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from mypy import api
+import pytest
+
+api = pytest.importorskip("mypy.api", reason="mypy is not installed (pip install -e \".[test]\")")
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -10,8 +10,8 @@ from typing import Any, Sequence
 
 import torch
 import torch.fx as fx
-import torch.utils._pytree as pytree
 
+from pipesplit.compat import pytree
 from pipesplit.meta import NodeCost, node_cost, set_node_cost
 from pipesplit.passes.aliasing import written_operand
 from pipesplit.passes.annotate.flops import OpFlops, hint, op_flops, op_name

@@ -14,7 +14,9 @@ from typing import Any, Callable, Sequence, cast
 
 import torch
 import torch.fx as fx
-from torch.fx.experimental.symbolic_shapes import optimization_hint
+
+from pipesplit.compat import OpOverload, OpOverloadPacket, optimization_hint
+
 
 
 @dataclass(frozen=True)
@@ -243,9 +245,9 @@ FREE_OPS = frozenset(
 
 def op_name(target: Any) -> str:
     """The bare aten op name of a call_function target (``aten.linear.default`` -> ``linear``)."""
-    if isinstance(target, torch._ops.OpOverload):
+    if isinstance(target, OpOverload):
         return target._schema.name.split("::")[-1]
-    if isinstance(target, torch._ops.OpOverloadPacket):
+    if isinstance(target, OpOverloadPacket):
         return target._qualified_op_name.split("::")[-1]
     return getattr(target, "__name__", str(target))
 
@@ -253,7 +255,7 @@ def op_name(target: Any) -> str:
 def op_flops(node: fx.Node) -> OpFlops | None:
     """FLOPs of one call_function node, or None when no formula is known for its op."""
     target = node.target
-    if target is operator.getitem or not isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+    if target is operator.getitem or not isinstance(target, (OpOverload, OpOverloadPacket)):
         if getattr(target, "__module__", None) in {"_operator", "operator", "math", "builtins"} or target is operator.getitem:
             return OpFlops(0, {})
         if "sym" in getattr(target, "__name__", ""):
@@ -264,7 +266,7 @@ def op_flops(node: fx.Node) -> OpFlops | None:
     for candidate in (name, base):
         if candidate in FORMULAS:
             return FORMULAS[candidate](node)
-    if isinstance(target, torch._ops.OpOverload):
+    if isinstance(target, OpOverload):
         if torch.Tag.pointwise in target.tags:
             return _pointwise(node)
         if target.is_view:

@@ -19,9 +19,9 @@ from typing import Any, Sequence
 
 import torch
 import torch.fx as fx
-import torch.utils._pytree as pytree
 from tqdm.auto import tqdm
 
+from pipesplit.compat import pytree
 from pipesplit.devices import concrete_device
 from pipesplit.meta import COMPUTE_OPS, node_cost, set_node_cost
 from pipesplit.passes.aliasing import written_get_attrs

@@ -6,8 +6,8 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-import torch.utils._pytree as pytree
 
+from pipesplit.compat import pytree
 from pipesplit.capture import Captured
 
 

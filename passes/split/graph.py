@@ -14,8 +14,8 @@ from typing import Any, Collection, Sequence
 
 import torch
 import torch.fx as fx
-from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
+from pipesplit.compat import is_concrete_int
 import pipesplit.passes.split.comm as comm
 from pipesplit.devices import device_name
 from pipesplit.errors import PlanError

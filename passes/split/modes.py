@@ -19,6 +19,7 @@ from typing import Any, cast
 import torch
 import torch.fx as fx
 
+from pipesplit.compat import OpOverload
 from pipesplit.rng import seed_random_ops, seeded
 
 aten = torch.ops.aten
@@ -52,7 +53,7 @@ def mode_arguments(node: fx.Node) -> list[tuple[int, str]]:
     """(position, name) of each argument of ``node``'s op that carries the module's mode, where the
     op is one whose result depends on it (a norm with running statistics to use instead)."""
     op = node.target
-    if node.op != "call_function" or not isinstance(op, torch._ops.OpOverload):
+    if node.op != "call_function" or not isinstance(op, OpOverload):
         return []
     schema = op._schema.arguments
     names = [a.name for a in schema]

@@ -8,10 +8,10 @@ from typing import Any, Callable, Mapping
 
 import torch
 import torch.fx as fx
-import torch.utils._pytree as pytree
 from torch import nn
 
 from pipesplit.capture import Captured, InputInfo, static_dim
+from pipesplit.compat import pytree
 from pipesplit.devices import concrete_device
 from pipesplit.errors import InputError, PipesplitError, PlanError
 from pipesplit.passes.split.generalise import batched_outputs

@@ -11,7 +11,6 @@ import time
 from typing import Any, Callable, Sequence
 
 import torch
-import torch.utils._pytree as pytree
 from torch import nn
 
 from pipesplit.api import compile as compile_model
@@ -19,6 +18,7 @@ from pipesplit.bench.load import load_summary, machine_load
 from pipesplit.bench.predict import Prediction, boundary_bytes_per_step, predict
 from pipesplit.bench.result import BenchmarkResult, BenchRow, RunDetail
 from pipesplit.capture import as_args
+from pipesplit.compat import pytree
 from pipesplit.devices import device_name
 from pipesplit.errors import InputError, PipesplitError, ScheduleError
 from pipesplit.passes.plan.planner import BUILTIN_COSTS, cost_function

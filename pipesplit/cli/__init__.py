@@ -10,6 +10,7 @@ import traceback
 from pipesplit.cli.commands import add_bench, add_schedule, add_split
 from pipesplit.cli.demo import add_demo
 from pipesplit.cli.factory import CLIError
+from pipesplit.compat import FAKE_TENSOR_LOGGER
 from pipesplit.errors import PipesplitError
 
 _EPILOG = """examples:
@@ -78,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     if not args.debug:  # torch logs failed fake-tensor ops with tracebacks before raising the error we report
-        logging.getLogger("torch._subclasses.fake_tensor").setLevel(logging.CRITICAL)
+        logging.getLogger(FAKE_TENSOR_LOGGER).setLevel(logging.CRITICAL)
     # the compile phases as they finish (INFO); --debug adds what torch.export printed on a failed capture
     ours = logging.getLogger("pipesplit")
     level = ours.level

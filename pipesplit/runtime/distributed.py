@@ -20,6 +20,7 @@ from typing import Any, Iterable, Sequence
 import torch
 from torch import nn
 
+from pipesplit.compat import has_compatible_shallow_copy_type
 from pipesplit.errors import PipesplitError
 
 
@@ -109,7 +110,7 @@ def move_stages(prog: Any, stages: Iterable[int], device: torch.device) -> None:
             if t.device == device:
                 continue
             data = to(t)
-            if torch._has_compatible_shallow_copy_type(t, data):  # CPU <-> CUDA: what Module.cuda() does
+            if has_compatible_shallow_copy_type(t, data):  # CPU <-> CUDA: what Module.cuda() does
                 t.data = data
             else:  # e.g. to "meta": swap the contents, the object stays
                 new = data.detach()

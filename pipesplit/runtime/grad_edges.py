@@ -8,8 +8,8 @@ from typing import Any, Sequence
 
 import torch
 import torch.fx as fx
-import torch.utils._pytree as pytree
 
+from pipesplit.compat import pytree
 from pipesplit.errors import PipesplitError
 from pipesplit.meta import node_cost
 from pipesplit.passes.aliasing import written_operand

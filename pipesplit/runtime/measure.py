@@ -35,8 +35,8 @@ import time
 from typing import Any, Callable, Sequence
 
 import torch
-import torch.utils._pytree as pytree
 
+from pipesplit.compat import pytree
 from pipesplit.errors import PipesplitError
 from pipesplit.passes.split.program import SplitProgram
 from pipesplit.runtime.microbatch import batch_size, split_microbatches, split_target

@@ -7,6 +7,7 @@ from typing import Any, Sequence
 import torch
 
 from pipesplit.capture import InputInfo
+from pipesplit.compat import pytree
 from pipesplit.errors import InputError
 from pipesplit.inputs import batch_sizes, check_range
 
@@ -75,10 +76,10 @@ def split_target(target: Any, num_microbatches: int, batch_dim: int | None = 0, 
     a tensor leaf whose size along ``batch_dim`` is not a multiple of the inputs' batch
     size is refused (a multiple is a flattened batch, e.g. ``(batch * seq,)`` token labels).
     """
-    leaves, spec = torch.utils._pytree.tree_flatten_with_path(target)
+    leaves, spec = pytree.tree_flatten_with_path(target)
     pieces: list[list[Any]] = [[] for _ in range(num_microbatches)]
     for path, leaf in leaves:
-        where = "the target" + torch.utils._pytree.keystr(path)
+        where = "the target" + pytree.keystr(path)
         if batch_dim is not None and isinstance(leaf, torch.Tensor) and leaf.dim() > batch_dim:
             size = leaf.shape[batch_dim]
             if batch is not None and size % batch:
@@ -95,7 +96,7 @@ def split_target(target: Any, num_microbatches: int, batch_dim: int | None = 0, 
         else:
             for m in range(num_microbatches):
                 pieces[m].append(leaf)
-    return [torch.utils._pytree.tree_unflatten(p, spec) for p in pieces]
+    return [pytree.tree_unflatten(p, spec) for p in pieces]
 
 
 def merge_outputs(per_microbatch: Sequence[Sequence[Any]], batched: Sequence[bool], batch_dim: int = 0) -> list[Any]:

@@ -8,9 +8,9 @@ from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Optional, Sequence, cast
 
 import torch
-import torch.utils._pytree as pytree
 from torch import nn
 
+from pipesplit.compat import pytree
 from pipesplit.errors import PipesplitError, ScheduleError
 from pipesplit.materialize import check_initialised, init_weights
 from pipesplit.passes.split.program import SplitProgram

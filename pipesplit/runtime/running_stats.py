@@ -22,8 +22,8 @@ from pipesplit.passes.split.program import SplitProgram
 
 # Args as batch_norm's (instance_norm's flag is use_input_stats; its update averages each instance's
 # statistics over the batch, so it is as linear in each microbatch's part as batch_norm's)
-_NORMS = {torch.ops.aten.batch_norm.default, torch.ops.aten._native_batch_norm_legit.default,
-          torch.ops.aten.instance_norm.default}
+aten = torch.ops.aten
+_NORMS = {aten.batch_norm.default, aten._native_batch_norm_legit.default, aten.instance_norm.default}
 _RUNNING, _TRAINING, _MOMENTUM = (3, 4), 5, 6
 
 

@@ -26,6 +26,7 @@ from typing import Any, Callable, Sequence, cast
 import torch
 import torch.fx as fx
 
+from pipesplit.compat import pytree
 from pipesplit.passes.aliasing import StorageClasses, storage_classes
 from pipesplit.passes.annotate.rates import measured_once, quartile_seconds
 
@@ -176,7 +177,7 @@ def weight_graph(gm: fx.GraphModule) -> WeightGraph | None:
             unsafe |= used  # W must go from the stage outputs: see _written_only_in_chain
             continue
         found.append((node, used))
-    returned = set(torch.utils._pytree.tree_leaves(out))  # graph_copy made no output node: what the stage returns
+    returned = set(pytree.tree_leaves(out))  # graph_copy made no output node: what the stage returns
     for node in derived:  # a weight-derived value the stage returns (sent over a cut): reached from the outputs
         if node in returned:
             unsafe |= derived[node]

@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
-import torch.utils._pytree as pytree
 from torch.utils.checkpoint import checkpoint
 
+from pipesplit.compat import pytree
 from pipesplit.passes.split.program import SplitProgram, Stage
 from pipesplit.rng import random_stream, stream_seed
 from pipesplit.runtime.weight_grads import WeightGraph, input_grads, weight_backward, weight_graph

@@ -7,6 +7,7 @@ import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from pipesplit.compat import torch_csv_send_waits
 from pipesplit.errors import ScheduleError
 from pipesplit.schedules.actions import Action, ActionKind
 from pipesplit.schedules.io import tokens
@@ -16,30 +17,67 @@ from pipesplit.deprecation import num_keywords
 
 OVERLAP = "OVERLAP_F_B"
 """torch's kind for a group of actions run together: ``(0F3;3B1)OVERLAP_F_B``."""
-FSDP_KINDS = ("UNSHARD", "RESHARD", "REDUCE_GRAD")
+FSDP_KINDS = ("UNSHARD", "RESHARD", "REDUCE_GRAD", "WAIT_REDUCE_GRAD")
 """torch's actions for FSDP-sharded stages and the gradient reduction after the last backward."""
+SEND_WAITS = {"WAIT_SEND_F": "SEND_F", "WAIT_SEND_B": "SEND_B"}
+"""torch 2.15's wait for an earlier send (matched by stage and microbatch); pipesplit's executors
+wait for their sends themselves, so reading drops them."""
 _CELL = re.compile(r"(\d+)([A-Z_]+?)(\d*)")
 _GROUP = re.compile(r"\((.*)\)([A-Z_]+)")
 _KINDS = {kind.value: kind for kind in ActionKind}
 
 
-def to_torch_actions(schedule: Schedule) -> list[list[str]]:
+def to_torch_actions(schedule: Schedule, *, send_waits: bool | None = None) -> list[list[str]]:
     """Per rank, the cells torch's ``_Action.from_str`` reads back: ``2F0``, ``0I2``,
     ``1SEND_B4``, and each overlapped pair as ``(0F3;3B1)OVERLAP_F_B``.
 
-    >>> from pipesplit.schedules import get_schedule
+    ``send_waits`` (default: whether the installed torch needs them, torch >= 2.15) adds after
+    each send the ``WAIT_SEND_F``/``WAIT_SEND_B`` torch 2.15's loader requires, where torch's
+    own lowering puts it: a forward send's after the rank's backward of that stage and
+    microbatch (which proves the peer received it), the others at the end of the row.
+
+    >>> from pipesplit.schedules import get_schedule, with_communication
     >>> to_torch_actions(get_schedule("1f1b", num_ranks=2, num_microbatches=2))
     [['0F0', '0F1', '0B0', '0B1'], ['1F0', '1B0', '1F1', '1B1']]
+    >>> to_torch_actions(with_communication(get_schedule("gpipe", num_ranks=2, num_microbatches=1)), send_waits=True)
+    [['0F0', '0SEND_F0', '0RECV_B0', '0B0', '0WAIT_SEND_F0'], ['1RECV_F0', '1F0', '1B0', '1SEND_B0', '1WAIT_SEND_B0']]
     """
-    return [tokens(schedule, rank, pair=f"({{}};{{}}){OVERLAP}") for rank in range(schedule.num_ranks)]
+    waits = torch_csv_send_waits() if send_waits is None else send_waits
+    rows = [tokens(schedule, rank, pair=f"({{}};{{}}){OVERLAP}") for rank in range(schedule.num_ranks)]
+    if waits:
+        rows = [_with_send_waits(schedule.actions[rank], row) for rank, row in enumerate(rows)]
+    return rows
 
 
-def to_torch_csv(schedule: Schedule, path: str | Path) -> Path:
+def _with_send_waits(actions: Sequence[Action], row: list[str]) -> list[str]:
+    """``row`` (the cells of ``actions``) with one wait per send, placed as torch 2.15's
+    ``_add_wait_send`` places them; a cell holds one action or an overlapped pair of them."""
+    pending: dict[tuple[ActionKind, int, int], None] = {}  # sends not yet waited for, in order
+    out: list[str] = []
+    i = 0
+    for cell in row:
+        width = 2 if cell.startswith("(") else 1
+        out.append(cell)
+        for action in actions[i:i + width]:
+            if action.kind in (ActionKind.SEND_F, ActionKind.SEND_B):
+                pending[(action.kind, action.stage, action.microbatch)] = None
+            elif action.kind in (ActionKind.FULL_BACKWARD, ActionKind.BACKWARD_INPUT):
+                key = (ActionKind.SEND_F, action.stage, action.microbatch)
+                if key in pending:
+                    del pending[key]
+                    out.append(f"{action.stage}WAIT_SEND_F{action.microbatch}")
+        i += width
+    return out + [f"{stage}WAIT_{kind.value}{mb}" for kind, stage, mb in pending]
+
+
+def to_torch_csv(schedule: Schedule, path: str | Path, *, send_waits: bool | None = None) -> Path:
     """Write ``schedule`` as the CSV that torch's ``_load_csv`` (and torchtitan) read.
 
     One row per rank, no header: torch infers the stage placement from where stages
     appear. A schedule with SEND/RECV actions loads with ``format="compute_comms"``,
     one without with ``format="compute_only"`` (torch then adds its own communication).
+    ``send_waits``: as in :func:`to_torch_actions`; torch 2.15 refuses a compute+comms file
+    without them, older torch refuses one with them.
 
     >>> import tempfile, os
     >>> from pipesplit.schedules import get_schedule
@@ -49,7 +87,7 @@ def to_torch_csv(schedule: Schedule, path: str | Path) -> Path:
     """
     out = Path(path)
     with out.open("w", newline="", encoding="utf-8") as file:
-        csv.writer(file).writerows(to_torch_actions(schedule))
+        csv.writer(file).writerows(to_torch_actions(schedule, send_waits=send_waits))
     return out
 
 
@@ -152,6 +190,8 @@ def _plain(text: str, where: str, drop_fsdp: bool) -> list[Action]:
             f"'2F0', '1SEND_B4', '0UNSHARD', or a group '(0F3;3B1){OVERLAP}'."
         )
     stage, code, microbatch = found.groups()
+    if code in SEND_WAITS:
+        return []
     if code in FSDP_KINDS:
         if drop_fsdp:
             return []

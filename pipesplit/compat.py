@@ -1,0 +1,100 @@
+"""Every private or recently added torch API pipesplit uses, with its fallback for older releases."""
+
+# The one module that reaches into torch's private names (tests/test_layers.py checks that no
+# other module does). Each entry says when torch added it, as read in the releases' own source
+# (installed 2.10.0, 2.13.0, 2.15.0; 2.14.1's wheel); TORCH_FLOOR is the oldest tested. pytree,
+# torch._ops, is_concrete_int, _LazyGraphModule and _has_compatible_shallow_copy_type are in
+# every one of them: they sit here so that a release that moves them breaks one module.
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree  # private, but the module torch.export's specs are built from
+from torch._ops import HigherOrderOperator, OpOverload, OpOverloadPacket
+from torch.export.graph_signature import OutputKind
+from torch.fx._lazy_graph_module import _LazyGraphModule as LazyGraphModule
+from torch.fx.experimental import symbolic_shapes
+from torch.fx.experimental.symbolic_shapes import is_concrete_int
+
+__all__ = [
+    "TORCH_FLOOR", "TORCH_VERSION", "HigherOrderOperator", "LazyGraphModule", "OpOverload", "OpOverloadPacket",
+    "EXPORTS_META_MODELS", "STATE_MUTATIONS", "TORCH_LOGGERS", "FAKE_TENSOR_LOGGER", "has_compatible_shallow_copy_type",
+    "is_concrete_int", "optimization_hint", "pytree", "torch_csv_send_waits",
+]
+
+TORCH_FLOOR = (2, 10)
+"""The oldest torch release pipesplit is tested on (pyproject's ``torch>=2.10``)."""
+
+
+def _release(version: str) -> tuple[int, int, int]:
+    found = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", version)
+    if found is None:  # a source build with an odd version string: assume the newest
+        return (99, 0, 0)
+    major, minor, patch = found.groups()
+    return int(major), int(minor), int(patch or 0)
+
+
+TORCH_VERSION = _release(torch.__version__)
+"""The installed torch as (major, minor, patch): ``2.13.0+cpu`` -> ``(2, 13, 0)``."""
+
+
+def _hint_before_2_12(x: torch.SymInt | int) -> int:
+    """torch < 2.12 (no ``optimization_hint``): the example's value, as ``size_hint`` gives it."""
+    if isinstance(x, int):
+        return x
+    return int(x.node.shape_env.size_hint(x.node.expr))
+
+
+_optimization_hint: Callable[[Any], int] = getattr(symbolic_shapes, "optimization_hint", _hint_before_2_12)
+
+
+def optimization_hint(x: torch.SymInt | int) -> int:
+    """A concrete int for a possibly symbolic size: the value it had in the example, no guard added.
+
+    ``symbolic_shapes.optimization_hint`` (absent in 2.10, and in 2.11 as issue 23 found; there
+    in 2.13, 2.14.1, 2.15) or, before it, the shape environment's ``size_hint`` (there in all).
+
+    >>> optimization_hint(7)
+    7
+    """
+    return int(_optimization_hint(x))
+
+
+# OutputKind.PARAMETER_MUTATION: present in 2.10 (not in 2.6); the getattr keeps an older
+# torch, which never emits it, importing.
+STATE_MUTATIONS: tuple[OutputKind, ...] = tuple(
+    getattr(OutputKind, name) for name in ("BUFFER_MUTATION", "PARAMETER_MUTATION") if hasattr(OutputKind, name)
+)
+"""The export output kinds that write a parameter or buffer back (``ep.module()`` copies them)."""
+
+EXPORTS_META_MODELS = TORCH_VERSION >= (2, 13)
+"""Whether torch.export captures a model built on the meta device from real (CPU) example inputs:
+2.10 and 2.12 fail in fake-tensor device propagation (``found two different devices meta, cpu``),
+2.13 and 2.15 capture it (the README's meta-device recipe; tests/test_checkpoint.py)."""
+
+TORCH_LOGGERS = (
+    "torch._dynamo", "torch.export", "torch._export", "torch.fx.experimental.symbolic_shapes",
+    "torch._subclasses.fake_tensor", "torch._functorch",
+)
+"""torch's loggers that speak during a capture (silenced around torch.export)."""
+FAKE_TENSOR_LOGGER = "torch._subclasses.fake_tensor"
+"""The logger that prints a failed fake-tensor op's traceback before the error is raised."""
+
+
+def has_compatible_shallow_copy_type(t: torch.Tensor, data: torch.Tensor) -> bool:
+    """Whether ``t.data = data`` may swap the storage (CPU <-> CUDA), what ``Module.cuda()`` checks."""
+    return bool(torch._has_compatible_shallow_copy_type(t, data))
+
+
+def torch_csv_send_waits() -> bool:
+    """Whether the installed torch's schedule CSV needs a ``WAIT_SEND_F``/``WAIT_SEND_B`` after
+    each send (torch 2.15: its loader refuses a send without one; 2.14 has no such action)."""
+    if not torch.distributed.is_available():
+        return TORCH_VERSION >= (2, 15)
+    from torch.distributed.pipelining import schedules
+
+    return hasattr(schedules._ComputationType, "WAIT_SEND_F")
