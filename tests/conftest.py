@@ -11,6 +11,8 @@ TORCH_MATRIX = frozenset({
     "test_exact.py", "test_training.py", "test_runtime.py", "test_semantics.py",  # exactness and training
     "test_interop.py", "test_dualpipe.py", "test_schedules.py",  # torch interop, torch's schedule CSV
     "test_packaging.py", "test_compat.py", "test_layers.py", "test_costs.py",  # install, torch differences
+    "test_weight_grads.py", "test_modes.py", "test_state_writes.py", "test_running_stats.py",  # issue 22's
+    "test_inputs.py", "test_generalise.py", "test_devices.py",  # silent wrong results, on every torch
 })
 
 
