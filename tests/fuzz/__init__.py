@@ -1,0 +1,1 @@
+"""Differential fuzzing: random models and configurations through pipesplit against plain PyTorch."""
