@@ -11,7 +11,7 @@ import time
 import torch
 from hypothesis import HealthCheck, Phase, given, seed as hseed, settings
 
-from tests.fuzz.check import FuzzFailure, Stats, cases, run
+from tests.fuzz.check import STEERED, FuzzFailure, Stats, cases, run
 from tests.fuzz.configs import KNOWN
 
 
@@ -66,7 +66,10 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     stats = fuzz(args.minutes, args.seed, args.include_known, args.max_layers, args.out)
     print("\n" + stats.summary())
-    print(f"\nKNOWN table ({len(KNOWN)} entries{', drawn anyway' if args.include_known else ', steered around'})")
+    print(f"\nKNOWN table ({len(KNOWN)} entries{', drawn anyway' if args.include_known else ', steered around'}); "
+          "draws steered off, by entry:")
+    for why in KNOWN.values():
+        print(f"  {STEERED[why]:6d}  {why}")
     for i, (first, text) in enumerate(stats.failures.items()):
         print(f"\n==== failure {i}: {first}\n{text}")
     return 1 if stats.failures else 0

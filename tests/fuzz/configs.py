@@ -36,6 +36,17 @@ KNOWN: dict[frozenset[str], str] = {
     frozenset({"mesh", "instancenorm_tracked"}): "issue 22 defect 7: InstanceNorm running statistics on a dp mesh",
     frozenset({"mesh", "eval=pipe"}): "issue 22 defect 8: pipe(x) on a mesh returns this replica's rows",
     frozenset({"mesh", "eval=train_forward"}): "issue 22 defect 8: pipe(x) on a mesh returns this replica's rows",
+    frozenset({"ema", "m>1", "multi_stage"}): "new: a buffer written in place then read (x + ema) with 2+ stages and "
+                                              "m > 1: wrong loss, varying run to run (rank threads race on it)",
+    frozenset({"inplace_input", "m>1"}): "new: the model writes its input in place (x.relu_(), x.add_(h)) with m > 1: "
+                                          "raw autograd error 'modified by an inplace operation' (microbatches are "
+                                          "views of one tensor, sharing its version counter)",
+    frozenset({"sparse", "tied_head"}): "new: nn.Embedding(sparse=True) tied to a head: raw RuntimeError "
+                                        "'add(sparse, dense) is not supported' summing the tied gradients",
+    frozenset({"checkpoint", "inplace", "multi_stage"}): "new: checkpoint=True on 2+ stages with an in-place op "
+                                                         "(v.relu_()): raw autograd 'modified by an inplace operation'",
+    frozenset({"ema", "dead_code"}): "new: capture of a model with unused Linear outputs and a buffer written in "
+                                     "place: raw SystemError (KeyError 'linear' in export.unlift)",
     frozenset({"dist", "eval=prog"}): "new: prog(x) under torchrun after a Pipeline kept only this rank's stages: "
                                       "raw TypeError 'NoneType' object is not callable, not a PipesplitError",
 }
@@ -98,5 +109,5 @@ def features(spec: ModelSpec, cfg: dict[str, Any], dist: str | None = None) -> s
     flags = {"rendezvous": cfg["transport"] == "rendezvous", "checkpoint": cfg["checkpoint"],
              "recapture": cfg["example_batch"] != cfg["mb"], "batch_change": cfg["mb2"] != cfg["mb"],
              "no_zero_grad": cfg["no_zero_grad"], "eval_pipe": cfg["eval_pipe"] and cfg["eval"] == "pipe",
-             "freeze_mid": cfg["freeze_mid"], "m>1": cfg["m"] > 1, "dist": dist is not None, "mesh": dist == "mesh"}
+             "freeze_mid": cfg["freeze_mid"], "m>1": cfg["m"] > 1, "multi_stage": cfg["stages"] > 1, "dist": dist is not None, "mesh": dist == "mesh"}
     return out | {name for name, on in flags.items() if on}

@@ -159,6 +159,11 @@ def model_features(spec: ModelSpec) -> set[str]:
             out.add("dropout_p")
         if layer.op == "linear" and not layer.flag:
             out.add("linear_nobias")
+    alias = {0} if not spec.tokens else set()  # values that are the caller's input tensor itself
+    for i, layer in enumerate(spec.layers, 1):
+        if OPS[layer.op][1] and min(layer.src, i - 1) in alias:
+            alias.add(i)
+            out.add("inplace_input")
     for name in ("tokens", "sparse", "padding_idx", "tied_head", "kwarg", "input_grad"):
         if getattr(spec, name) and (name == "tokens" or spec.tokens or name in ("kwarg", "input_grad")):
             out.add(name)
@@ -167,6 +172,16 @@ def model_features(spec: ModelSpec) -> set[str]:
     if spec.tied_head and not spec.tokens:
         out.discard("tied_head")
     out.add(f"out_{spec.outputs}")
+    n = len(spec.layers)
+    live = {n} | ({n // 2} if spec.outputs != "tensor" else set())
+    for i in range(n, 0, -1):  # values no output depends on (in-place writes count as used)
+        layer = spec.layers[i - 1]
+        if i in live or OPS[layer.op][1] or layer.op == "ema":
+            live |= {min(layer.src, i - 1)} | ({min(layer.arg, i - 1)} if layer.op in ("add", "add_") else set())
+    if any(i not in live and OPS[spec.layers[i - 1].op][0] for i in range(1, n + 1)):
+        out.add("dead_code")
+    if any(OPS[layer.op][1] for layer in spec.layers):
+        out.add("inplace")
     return out
 
 

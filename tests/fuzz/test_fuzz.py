@@ -32,7 +32,7 @@ _start: list[float] = []
 
 
 @seed(22)
-@settings(max_examples=300, deadline=None, database=None, derandomize=False, print_blob=False,
+@settings(max_examples=600, deadline=None, database=None, derandomize=False, print_blob=False,
           report_multiple_bugs=False, suppress_health_check=list(HealthCheck),
           phases=[Phase.generate, Phase.shrink])
 @given(case=cases(max_layers=6))
