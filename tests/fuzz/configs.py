@@ -45,8 +45,9 @@ KNOWN: dict[frozenset[str], str] = {
                                         "'add(sparse, dense) is not supported' summing the tied gradients",
     frozenset({"checkpoint", "inplace", "multi_stage"}): "new: checkpoint=True on 2+ stages with an in-place op "
                                                          "(v.relu_()): raw autograd 'modified by an inplace operation'",
-    frozenset({"ema", "dead_code"}): "new: capture of a model with unused Linear outputs and a buffer written in "
-                                     "place: raw SystemError (KeyError 'linear' in export.unlift)",
+    frozenset({"state_write", "dead_code"}): "new: capture of a model with unused Linear outputs and a buffer or "
+                                             "parameter written in place: raw SystemError (KeyError 'linear' in "
+                                             "pipesplit/export.py unlift)",
     frozenset({"dist", "eval=prog"}): "new: prog(x) under torchrun after a Pipeline kept only this rank's stages: "
                                       "raw TypeError 'NoneType' object is not callable, not a PipesplitError",
 }

@@ -182,6 +182,8 @@ def model_features(spec: ModelSpec) -> set[str]:
         out.add("dead_code")
     if any(OPS[layer.op][1] for layer in spec.layers):
         out.add("inplace")
+    if any(layer.op in ("ema", "clamp_w") for layer in spec.layers):
+        out.add("state_write")  # a buffer or parameter written in place inside forward
     return out
 
 
