@@ -43,11 +43,15 @@ KNOWN: dict[frozenset[str], str] = {
                                           "views of one tensor, sharing its version counter)",
     frozenset({"sparse", "tied_head"}): "new: nn.Embedding(sparse=True) tied to a head: raw RuntimeError "
                                         "'add(sparse, dense) is not supported' summing the tied gradients",
-    frozenset({"checkpoint", "inplace", "multi_stage"}): "new: checkpoint=True on 2+ stages with an in-place op "
-                                                         "(v.relu_()): raw autograd 'modified by an inplace operation'",
-    frozenset({"state_write", "dead_code"}): "new: capture of a model with unused Linear outputs and a buffer or "
-                                             "parameter written in place: raw SystemError (KeyError 'linear' in "
-                                             "pipesplit/export.py unlift)",
+    **{frozenset({"inplace", f"schedule={name}"}): "new: split backward (zb_h1, zb_v, dualpipe_v) takes an op's "
+       "weight gradient at the wrong output gradient when its output is then written in place: h = a(x); "
+       "h.mul_(2); b(h) gives a.weight.grad = half the reference (near defect 1's code, another symptom)"
+       for name in SPLIT_BACKWARD},
+    frozenset({"checkpoint", "inplace"}): "new: checkpoint=True with an in-place op (v.relu_(), also on the input, "
+                                          "1 stage, m=1): raw autograd 'modified by an inplace operation'",
+    frozenset({"state_write", "dead_code"}): "new: unused layer outputs beside a buffer or parameter written in place: "
+                                             "raw SystemError at capture (KeyError 'linear' in export.py unlift), or a "
+                                             "missing gradient (looped_bfs), or wrong InstanceNorm running stats",
     frozenset({"dist", "eval=prog"}): "new: prog(x) under torchrun after a Pipeline kept only this rank's stages: "
                                       "raw TypeError 'NoneType' object is not callable, not a PipesplitError",
 }

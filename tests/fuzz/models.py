@@ -182,8 +182,9 @@ def model_features(spec: ModelSpec) -> set[str]:
         out.add("dead_code")
     if any(OPS[layer.op][1] for layer in spec.layers):
         out.add("inplace")
-    if any(layer.op in ("ema", "clamp_w") for layer in spec.layers):
-        out.add("state_write")  # a buffer or parameter written in place inside forward
+    if any(layer.op in ("ema", "clamp_w") or (layer.op == "batchnorm" and layer.arg % 2 == 0)
+           or (layer.op == "instancenorm" and layer.arg % 2) for layer in spec.layers):
+        out.add("state_write")  # a buffer or parameter written in place inside forward (running stats too)
     return out
 
 
