@@ -32,6 +32,7 @@ KNOWN: dict[frozenset[str], str] = {
     frozenset({"eval_pipe", "batch_change"}): "issue 22 defect 12: two Pipelines on a program that re-captures",
     frozenset({"eval_pipe", "recapture"}): "issue 22 defect 12: two Pipelines on a program that re-captures",
     frozenset({"branch", "recapture"}): "issue 22 defect 9: the first step after a re-capture skips the guard",
+    frozenset({"branch", "batch_change"}): "issue 22 defect 9: the first step after a re-capture skips the guard",
     frozenset({"dist", "frozen", "tied_head", "opt=adamw"}): "issue 22 defect 5: a frozen tied weight moves",
     frozenset({"mesh", "batchnorm"}): "issue 22 defect 7: BatchNorm statistics on a dp mesh",
     frozenset({"mesh", "ema"}): "issue 22 defect 7: any buffer written in place (here an EMA) on a dp mesh diverges",
