@@ -23,7 +23,8 @@ import torch.utils._pytree as pytree
 import pipesplit
 from pipesplit.rng import random_stream, stream_seed
 
-RTOL = 1e-4  # relative norm; float32 sums in another order stay ~1e-6 on these small models
+RTOL = 5e-4  # relative norm: float32 sums in another order reach ~1e-4 where activations grow large (x 2 in
+# place, repeated); a gradient 0.1% off is still caught
 
 
 class Invalid(Exception):
@@ -234,8 +235,9 @@ def run_case(make_model: Callable[[], torch.nn.Module], io: dict, cfg: dict, mes
         opt.step(), opt_ref.step()
         opt.zero_grad(), opt_ref.zero_grad()
         ref_params = dict(ref.named_parameters())
-        for name, p in held.items():
-            close(f"{name} after the optimizer step {step}", p, ref_params[name])
+        floor = 1e-4 * max((q.detach().double().norm().item() for q in ref_params.values()), default=0.0)
+        for name, p in held.items():  # a bias at ~0 moved by a ~0 gradient compares against its neighbours' scale
+            close(f"{name} after the optimizer step {step}", p, ref_params[name], floor)
     check_outputs(cfg, io, ref, pipe, eval_pipe, prog, gen)
 
 
