@@ -27,7 +27,8 @@ KNOWN: dict[frozenset[str], str] = {
     frozenset({"batchnorm_untracked", "eval=pipe"}): "issue 22 defect 14: eval with untracked BatchNorm",
     frozenset({"clamp_w", "m>1"}): "issue 22 defect 15: a parameter written in place in forward, m > 1",
     frozenset({"clamp_w", "multi_stage"}): "issue 22 defect 15 (new symptom): the clamp and the weight's use in two "
-                                           "stages, m=1: raw 'element 0 of tensors does not require grad'",
+                                           "stages, m=1: raw 'element 0 of tensors does not require grad', or under "
+                                           "zb_h1 no gradient at all for the clamped weight",
     frozenset({"freeze_mid"}): "issue 22 defect 13: freezing a parameter after the Pipeline is built",
     frozenset({"eval_pipe", "batch_change"}): "issue 22 defect 12: two Pipelines on a program that re-captures",
     frozenset({"eval_pipe", "recapture"}): "issue 22 defect 12: two Pipelines on a program that re-captures",
@@ -55,6 +56,8 @@ KNOWN: dict[frozenset[str], str] = {
     frozenset({"state_write", "dead_code"}): "new: unused layer outputs beside a buffer or parameter written in place: "
                                              "raw SystemError at capture (KeyError 'linear' in export.py unlift), or a "
                                              "missing gradient (looped_bfs), or wrong InstanceNorm running stats",
+    frozenset({"instancenorm_tracked", "recompute=auto", "multi_stage"}): "new: recompute='auto' copies an "
+        "InstanceNorm(track_running_stats=True) of the input into 2+ stages: running stats off 47% after one step",
     frozenset({"dist", "eval=prog"}): "new: prog(x) under torchrun after a Pipeline kept only this rank's stages: "
                                       "raw TypeError 'NoneType' object is not callable, not a PipesplitError",
 }
