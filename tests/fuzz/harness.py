@@ -155,8 +155,9 @@ def compare_step(step: int, loss: Any, want: torch.Tensor, held: dict, ref: torc
         assert x.grad is not None, f"step {step}: the input's gradient is None (the model computes it)"
         close(f"input gradient at step {step}", x.grad, x_ref.grad)
     ref_state = ref.state_dict()
+    floor = 1e-4 * max((t.double().norm().item() for t in ref_state.values() if t.is_floating_point()), default=0.0)
     for name in state:
-        close(f"{name} after step {step}", state[name], ref_state[name])
+        close(f"{name} after step {step}", state[name], ref_state[name], floor)
 
 
 def held_state(pipe: Any) -> dict:
