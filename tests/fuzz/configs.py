@@ -44,8 +44,8 @@ KNOWN: dict[frozenset[str], str] = {
                                               "m > 1: wrong loss, varying run to run (rank threads race on it)",
     frozenset({"inplace_input", "m>1"}): "new: the model writes its input in place (x.relu_(), x.add_(h)) with m > 1: "
                                           "raw autograd error 'modified by an inplace operation' (microbatches are "
-                                          "views of one tensor, sharing its version counter); also after Dropout(0.0), which the "
-                                          "capture makes the input itself while eager returns a copy",
+                                          "views of one tensor, sharing its version counter); Dropout(0.0) returns the input "
+                                          "itself, so a write after it counts",
     frozenset({"sparse", "tied_head"}): "new: nn.Embedding(sparse=True) tied to a head: raw RuntimeError "
                                         "'add(sparse, dense) is not supported' summing the tied gradients",
     **{frozenset({"inplace", f"schedule={name}"}): "new: split backward (zb_h1, zb_v, dualpipe_v) takes an op's "

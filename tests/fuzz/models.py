@@ -165,7 +165,7 @@ def model_features(spec: ModelSpec) -> set[str]:
             alias.add(i)
             out.add("inplace_input")
         elif layer.op == "dropout" and not layer.flag and min(layer.src, i - 1) in alias:
-            alias.add(i)  # the capture turns Dropout(0.0) into the input itself (eager returns a copy)
+            alias.add(i)  # Dropout(0.0) returns its input itself (eager and captured alike)
     for name in ("tokens", "sparse", "padding_idx", "tied_head", "kwarg", "input_grad"):
         if getattr(spec, name) and (name == "tokens" or spec.tokens or name in ("kwarg", "input_grad")):
             out.add(name)
