@@ -1,0 +1,126 @@
+"""Random configurations (stages, schedule, microbatches, planner and runtime options) and the
+KNOWN table: feature combinations the drawing avoids until their defects are fixed."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from pipesplit.errors import ScheduleError
+from pipesplit.schedules import list_schedules, resolve_schedule
+
+from tests.fuzz.models import ModelSpec, model_features
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zb_h1", "zb_v", "dualpipe_v")
+SPLIT_BACKWARD = ("zb_h1", "zb_v", "dualpipe_v")
+
+# One entry per defect the drawing steers around: a set of features -> why. A case whose features
+# include every feature of an entry is not drawn (``--include-known`` draws it anyway). Delete an
+# entry when its fix merges; a NEW finding goes here as "new: ..." only with a repro in the report.
+KNOWN: dict[frozenset[str], str] = {
+    frozenset({"input_grad"}): "issue 22 defect 2: pipe.step leaves the input's .grad None",
+    frozenset({"sparse", "schedule=zb_h1"}): "issue 22 defect 11: sparse embedding under split backward",
+    frozenset({"sparse", "schedule=zb_v"}): "issue 22 defect 11: sparse embedding under split backward",
+    frozenset({"sparse", "schedule=dualpipe_v"}): "issue 22 defect 11: sparse embedding under split backward",
+    frozenset({"instancenorm_tracked", "eval=pipe"}): "issue 22 defect 6: InstanceNorm(track_running_stats) eval twin",
+    frozenset({"instancenorm_tracked", "eval=prog"}): "issue 22 defect 6: InstanceNorm(track_running_stats) eval twin",
+    frozenset({"batchnorm_untracked", "eval=prog"}): "issue 22 defect 14: prog.eval() with untracked BatchNorm",
+    frozenset({"batchnorm_untracked", "eval=pipe"}): "issue 22 defect 14: eval with untracked BatchNorm",
+    frozenset({"clamp_w", "m>1"}): "issue 22 defect 15: a parameter written in place in forward, m > 1",
+    frozenset({"clamp_w", "multi_stage"}): "issue 22 defect 15 (new symptom): the clamp and the weight's use in two "
+                                           "stages, m=1: raw 'element 0 of tensors does not require grad', or under "
+                                           "zb_h1 no gradient at all for the clamped weight",
+    frozenset({"freeze_mid"}): "issue 22 defect 13: freezing a parameter after the Pipeline is built",
+    frozenset({"eval_pipe", "batch_change"}): "issue 22 defect 12: two Pipelines on a program that re-captures",
+    frozenset({"eval_pipe", "recapture"}): "issue 22 defect 12: two Pipelines on a program that re-captures",
+    frozenset({"branch", "recapture"}): "issue 22 defect 9: the first step after a re-capture skips the guard",
+    frozenset({"branch", "batch_change"}): "issue 22 defect 9: the first step after a re-capture skips the guard",
+    frozenset({"dist", "frozen", "tied_head", "opt=adamw"}): "issue 22 defect 5: a frozen tied weight moves",
+    frozenset({"mesh", "batchnorm"}): "issue 22 defect 7: BatchNorm statistics on a dp mesh",
+    frozenset({"mesh", "ema"}): "issue 22 defect 7: any buffer written in place (here an EMA) on a dp mesh diverges",
+    frozenset({"mesh", "instancenorm_tracked"}): "issue 22 defect 7: InstanceNorm running statistics on a dp mesh",
+    frozenset({"mesh", "eval=pipe"}): "issue 22 defect 8: pipe(x) on a mesh returns this replica's rows",
+    frozenset({"mesh", "eval=train_forward"}): "issue 22 defect 8: pipe(x) on a mesh returns this replica's rows",
+    frozenset({"ema", "m>1", "multi_stage"}): "new: a buffer written in place then read (x + ema) with 2+ stages and "
+                                              "m > 1: wrong loss, varying run to run (rank threads race on it)",
+    frozenset({"inplace_input", "m>1"}): "new: the model writes its input in place (x.relu_(), x.add_(h)) with m > 1: "
+                                          "raw autograd error 'modified by an inplace operation' (microbatches are "
+                                          "views of one tensor, sharing its version counter); Dropout(0.0) returns the input "
+                                          "itself, so a write after it counts",
+    frozenset({"sparse", "tied_head"}): "new: nn.Embedding(sparse=True) tied to a head: raw RuntimeError "
+                                        "'add(sparse, dense) is not supported' summing the tied gradients",
+    **{frozenset({"inplace", f"schedule={name}"}): "new: split backward (zb_h1, zb_v, dualpipe_v) takes an op's "
+       "weight gradient at the wrong output gradient when its output is then written in place: h = a(x); "
+       "h.mul_(2); b(h) gives a.weight.grad = half the reference (near defect 1's code, another symptom)"
+       for name in SPLIT_BACKWARD},
+    frozenset({"checkpoint", "inplace"}): "new: checkpoint=True with an in-place op (v.relu_(), also on the input, "
+                                          "1 stage, m=1): raw autograd 'modified by an inplace operation'",
+    frozenset({"state_write", "dead_code"}): "new: unused layer outputs beside a buffer or parameter written in place: "
+                                             "raw SystemError at capture (KeyError 'linear' in export.py unlift), or a "
+                                             "missing gradient (looped_bfs), or wrong InstanceNorm running stats",
+    frozenset({"instancenorm_tracked", "recompute=auto", "multi_stage"}): "new: recompute='auto' copies an "
+        "InstanceNorm(track_running_stats=True) of the input into 2+ stages: running stats off 47% after one step",
+    frozenset({"dist", "eval=prog"}): "new: prog(x) under torchrun after a Pipeline kept only this rank's stages: "
+                                      "raw TypeError 'NoneType' object is not callable, not a PipesplitError",
+}
+
+
+def known(features: set[str]) -> list[str]:
+    """The KNOWN entries this case falls under."""
+    return [why for combo, why in KNOWN.items() if combo <= features]
+
+
+def valid_combos(max_stages: int = 4, max_m: int = 4, ranks: int | None = None) -> list[tuple[str, int, int]]:
+    """(schedule, stages, microbatches) that the Pipeline accepts (num_ranks left to its default, or
+    ``ranks`` under torchrun): the registry's own constraints decide, not a copy of them here."""
+    out = []
+    for name in SCHEDULES:
+        assert name in list_schedules(), name
+        for stages in range(1, max_stages + 1):
+            for m in range(1, max_m + 1):
+                try:
+                    s = resolve_schedule(name, stages, ranks, m)
+                except ScheduleError:
+                    continue
+                if ranks is None or s.num_ranks == ranks:
+                    out.append((name, stages, m))
+    return out
+
+
+COMBOS = valid_combos()
+
+
+def draw_config(pick: Callable[[Any], Any], integer: Callable[[int, int], int], spec: ModelSpec,
+                combos: list[tuple[str, int, int]] = COMBOS, local: bool = True) -> dict[str, Any]:
+    name = pick(tuple(dict.fromkeys(c[0] for c in combos)))  # each schedule equally often, then its sizes
+    schedule, stages, m = pick([c for c in combos if c[0] == name])
+    mb = integer(1, 3)  # rare options are the high draws: shrinking goes back to the plain defaults
+    recapture, batch_change = integer(0, 3) == 3, integer(0, 3) == 3
+    example = (2 if mb != 2 else 3) if recapture else mb
+    mb2 = mb % 3 + 1 if batch_change else mb
+    if example == 1 and mb2 != 1:
+        example = 2  # an example batch of 1 pins the batch size (a clear InputError): capture at 2
+    opt = "sgd0" if spec.tokens and spec.sparse else pick(("sgd", "adamw"))
+    writes_buffers = any(x.op == "ema" or (x.op == "batchnorm" and x.arg % 2 == 0)
+                         or (x.op == "instancenorm" and x.arg % 2) for x in spec.layers)
+    return {
+        "seed": integer(0, 2**16), "stages": stages, "schedule": schedule, "m": m, "mb": mb,
+        "example_batch": example, "mb2": mb2,
+        "order": pick(("auto", "program")), "recompute": pick(("auto", "never")),
+        "cost": pick(("flops", "params", "uniform")),
+        "transport": pick(("auto", "rendezvous")) if local else "auto",
+        # checkpointing a stage that updates buffers is refused clearly (they would update twice)
+        "checkpoint": not writes_buffers and integer(0, 3) == 3, "no_zero_grad": integer(0, 3) == 3, "opt": opt,
+        "eval": pick(("none", "train_forward", "pipe", "prog")), "eval_pipe": integer(0, 4) == 4,
+        "freeze_mid": integer(0, 9) == 9,
+    }
+
+
+def features(spec: ModelSpec, cfg: dict[str, Any], dist: str | None = None) -> set[str]:
+    out = model_features(spec)
+    out |= {f"schedule={cfg['schedule']}", f"stages={cfg['stages']}", f"opt={cfg['opt']}", f"eval={cfg['eval']}",
+            f"cost={cfg['cost']}", f"order={cfg['order']}", f"recompute={cfg['recompute']}"}
+    flags = {"rendezvous": cfg["transport"] == "rendezvous", "checkpoint": cfg["checkpoint"],
+             "recapture": cfg["example_batch"] != cfg["mb"], "batch_change": cfg["mb2"] != cfg["mb"],
+             "no_zero_grad": cfg["no_zero_grad"], "eval_pipe": cfg["eval_pipe"] and cfg["eval"] == "pipe",
+             "freeze_mid": cfg["freeze_mid"], "m>1": cfg["m"] > 1, "multi_stage": cfg["stages"] > 1, "dist": dist is not None, "mesh": dist == "mesh"}
+    return out | {name for name, on in flags.items() if on}

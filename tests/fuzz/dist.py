@@ -1,0 +1,86 @@
+"""Run under torchrun (gloo, CPU): fuzz cases with one process per pipeline rank (``--mesh pp``,
+2 ranks) or on a 2 (dp) x 2 (pp) DeviceMesh (``--mesh mesh``, 4 ranks). Every rank draws the
+same cases from a seeded random; a case that fails on any rank stops the run."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import random
+import sys
+import tempfile
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from tests.fuzz.check import ALL_OPS, FuzzFailure, Stats, run  # noqa: E402
+from tests.fuzz.configs import draw_config, valid_combos  # noqa: E402
+from tests.fuzz.models import draw_model  # noqa: E402
+from tests.launch import end_rank  # noqa: E402
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--mesh", choices=["pp", "mesh"], default="pp")
+    p.add_argument("--cases", type=int, default=6, help="cases that run (not counting skipped draws)")
+    p.add_argument("--minutes", type=float, default=10.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--include-known", action="store_true")
+    args = p.parse_args()
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    torch.set_num_threads(1)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = None
+    if args.mesh == "mesh":
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "pp"))
+    pp = 2 if mesh is not None else world
+    combos = valid_combos(ranks=pp)
+    stats, failures, draws = Stats(), 0, 0
+    deadline = time.monotonic() + 60 * args.minutes
+    while stats.ran < args.cases and time.monotonic() < deadline and draws < 50 * args.cases:
+        rng = random.Random(args.seed * 100_003 + draws)
+        draws += 1
+        spec = draw_model(rng.choice, rng.randint, ALL_OPS, max_layers=6)
+        # dropout p > 0 is checked against the stages run in turn on one process (harness.streamed_step);
+        # a rank holds only its own stages, so here dropout is drawn with p = 0
+        spec = dataclasses.replace(spec, layers=tuple(
+            dataclasses.replace(x, flag=False) if x.op == "dropout" else x for x in spec.layers))
+        cfg = draw_config(rng.choice, rng.randint, spec, combos, local=False)
+        cfg["eval_pipe"] = False  # a second Pipeline needs a schedule for the same ranks
+        error = ""
+        try:
+            outcome = run(spec, cfg, stats=stats, include_known=args.include_known, mesh=mesh,
+                          dist=args.mesh)
+        except FuzzFailure as e:
+            outcome, error = "failed", str(e)
+            path = os.path.join(tempfile.gettempdir(), f"pipesplit-fuzz-rank{rank}-draw{draws - 1}.txt")
+            with open(path, "w") as f:
+                f.write(error)
+        print(f"rank {rank} draw {draws - 1}: {outcome} {error[:300]}", file=sys.stderr, flush=True)
+        flag = torch.tensor([1 if error else 0])
+        dist.all_reduce(flag)
+        if error:
+            print(f"rank {rank}: FAILURE on draw {draws - 1}: {error}", flush=True)
+        if flag.item():
+            failures += 1
+            break
+        if rank == 0:
+            print(f"fuzz dist draw {draws - 1}: {outcome} ({cfg['schedule']}, {cfg['stages']} stages, "
+                  f"m={cfg['m']})", flush=True)
+    dist.barrier()
+    if rank == 0:
+        print(stats.summary(), flush=True)
+        print(f"fuzz dist: {failures} failures", flush=True)
+    dist.destroy_process_group()
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    end_rank(main())

@@ -1,0 +1,271 @@
+"""One fuzz case: a model trained through pipesplit against a deep copy trained by gradient
+accumulation over the same microbatches. Imports only torch and pipesplit: a repro script
+carries this file's text whole.
+
+What is compared, step by step: the loss, every parameter gradient, the input's gradient,
+every buffer, and the parameters after one optimizer step (SGD with momentum or AdamW with
+weight decay); then outputs in train mode (``pipe(x)``), in eval mode (``pipe.eval(x)``,
+a second Pipeline for eval, ``prog.eval(); prog(x)``). A model with dropout (p > 0) is not
+compared bit for bit with the plain model: pipesplit draws each (stage, microbatch) mask
+from its own stream (pipesplit/rng.py), so its training step is compared with the split
+program run stage after stage on those same streams, and its eval outputs with the model.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+import pipesplit
+from pipesplit.rng import random_stream, stream_seed
+
+RTOL = 5e-4  # relative norm: float32 sums in another order reach ~1e-4 where activations grow large (x 2 in
+# place, repeated); a gradient 0.1% off is still caught
+
+
+class Invalid(Exception):
+    """The plain model itself fails on this case (e.g. autograd refuses an in-place write): no test."""
+
+
+class Refused(Exception):
+    """pipesplit refused the case with a PipesplitError: allowed, counted, not a failure."""
+
+
+def close(name: str, got: Any, want: Any, floor: float = 0.0, rtol: float = RTOL) -> None:
+    if not isinstance(want, torch.Tensor):
+        assert got == want, f"{name}: {got!r} != {want!r}"
+        return
+    assert isinstance(got, torch.Tensor), f"{name}: expected a tensor, got {got!r}"
+    got, want = (t.detach().to_dense() if t.is_sparse else t.detach() for t in (got, want))
+    assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    if not want.is_floating_point():
+        assert torch.equal(got, want), f"{name}: integer values differ: {got.tolist()} vs {want.tolist()}"
+        return
+    diff = torch.linalg.vector_norm(got.double() - want.double()).item()
+    den = max(torch.linalg.vector_norm(want.double()).item(), torch.linalg.vector_norm(got.double()).item(), floor)
+    err = 0.0 if den == 0.0 else diff / den
+    assert err <= rtol, f"{name}: relative error {err:.3g} > {rtol:g} (|diff| {diff:.3g}, |want| {den:.3g})"
+
+
+def close_tree(name: str, got: Any, want: Any) -> None:
+    g, gs = pytree.tree_flatten(got)
+    w, ws = pytree.tree_flatten(want)
+    assert gs == ws, f"{name}: structure {gs} != {ws}"
+    for i, (a, b) in enumerate(zip(g, w)):
+        close(f"{name}[{i}]", a, b)
+
+
+def make_inputs(io: dict, batch: int, gen: torch.Generator) -> tuple[tuple, dict]:
+    if io["tokens"]:
+        x = torch.randint(0, io["vocab"], (batch, io["seq"]), generator=gen)
+    else:
+        x = torch.randn(batch, io["seq"], io["dim"], generator=gen)
+    kw = {"gate": torch.randn(batch, io["seq"], io["dim"], generator=gen)} if io["kwarg"] else {}
+    return (x,), kw
+
+
+def fresh(args: tuple, kw: dict, grad: bool) -> tuple[tuple, dict]:
+    """Copies of the inputs (a model may write them in place); the first one a leaf needing grad."""
+    args = tuple(a.clone().requires_grad_(grad and i == 0) for i, a in enumerate(args))
+    return args, {k: v.clone() for k, v in kw.items()}
+
+
+def dot_loss(out: Any, target: Any) -> torch.Tensor:
+    total: Any = 0.0
+    for o, t in zip(pytree.tree_leaves(out), pytree.tree_leaves(target)):
+        total = total + (o.float() * t).sum()
+    return total
+
+
+def chunks(args: tuple, kw: dict, target: Any, m: int) -> list[tuple[tuple, dict, Any]]:
+    def cut(tree: Any) -> list[Any]:
+        leaves, spec = pytree.tree_flatten(tree)
+        parts = [x.chunk(m) for x in leaves]
+        return [pytree.tree_unflatten([p[i] for p in parts], spec) for i in range(m)]
+    return [(a, k, t) for (a, k), t in zip(cut((args, kw)), cut(target) if target is not None else [None] * m)]
+
+
+def reference_step(ref: torch.nn.Module, args: tuple, kw: dict, target: Any, m: int) -> torch.Tensor:
+    total = torch.zeros(())
+    try:
+        for a, k, t in chunks(args, kw, target, m):
+            loss = dot_loss(ref(*a, **k), t)
+            loss.backward()
+            total = total + loss.detach()
+    except Exception as e:  # the plain model cannot run this case: not a test of pipesplit
+        raise Invalid(f"{type(e).__name__}: {e}") from e
+    return total
+
+
+def reference_forward(ref: torch.nn.Module, args: tuple, kw: dict, m: int) -> Any:
+    with torch.no_grad():
+        outs = [ref(*a, **k) for a, k, _ in chunks(args, kw, None, m)]
+    leaves = [pytree.tree_flatten(o)[0] for o in outs]
+    return pytree.tree_unflatten([torch.cat(col) for col in zip(*leaves)], pytree.tree_flatten(outs[0])[1])
+
+
+class _Streamed(fx.Interpreter):
+    """The split program's root, stage ``s`` drawing from the stream (step seed, s, microbatch)."""
+
+    def __init__(self, prog: Any, seed: int, microbatch: int):
+        super().__init__(prog.root)
+        self.seed, self.microbatch = seed, microbatch
+
+    def call_module(self, target: Any, args: Any, kwargs: Any) -> Any:
+        with random_stream(stream_seed(self.seed, int(str(target).rsplit("_", 1)[1]), self.microbatch)):
+            return super().call_module(target, args, kwargs)
+
+
+def streamed_step(prog: Any, args: tuple, kw: dict, target: Any, m: int, seed: int) -> torch.Tensor:
+    total = torch.zeros(())
+    for i, (a, k, t) in enumerate(chunks(args, kw, target, m)):
+        prog.sync_tied()
+        flat = _Streamed(prog, seed, i).run(*prog.flatten_inputs(a, k))
+        loss = dot_loss(pytree.tree_unflatten(prog.assemble_outputs(flat), prog.out_spec), t)
+        loss.backward()
+        total = total + loss.detach()
+    return total
+
+
+def optimizer(kind: str, params: Any) -> torch.optim.Optimizer:
+    params = [p for p in params if p.requires_grad] or [torch.zeros(1, requires_grad=True)]  # all frozen
+    if kind == "adamw":  # eps well above rounding noise: a gradient that is ~0 must not become +-lr
+        return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, eps=1e-3)
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9 if kind == "sgd" else 0.0)
+
+
+def compare_step(step: int, loss: Any, want: torch.Tensor, held: dict, ref: torch.nn.Module,
+                 state: dict, x: Any, x_ref: Any) -> None:
+    close(f"loss at step {step}", loss, want)
+    ref_params = dict(ref.named_parameters())
+    norms = [p.grad.to_dense().double().norm().item() for p in ref_params.values() if p.grad is not None]
+    floor = 1e-3 * max(norms, default=0.0)  # a gradient that is 0 up to rounding (a bias before a norm) is noise
+    for name, p in held.items():
+        g = ref_params[name].grad
+        if g is None:
+            assert p.grad is None or not p.grad.to_dense().any(), f"step {step}: {name} has a gradient, the model none"
+        else:
+            assert p.grad is not None, f"step {step}: no gradient for {name}"
+            close(f"gradient of {name} at step {step}", p.grad, g, floor)
+    if x_ref is not None:
+        assert x.grad is not None, f"step {step}: the input's gradient is None (the model computes it)"
+        close(f"input gradient at step {step}", x.grad, x_ref.grad)
+    ref_state = ref.state_dict()
+    floor = 1e-4 * max((t.double().norm().item() for t in ref_state.values() if t.is_floating_point()), default=0.0)
+    for name in state:
+        close(f"{name} after step {step}", state[name], ref_state[name], floor)
+
+
+def held_state(pipe: Any) -> dict:
+    """The program's state this process holds (under torchrun a rank's copy of other stages is stale)."""
+    state = pipe.prog.state_dict()
+    if pipe.executor == "local":
+        return state
+    names = {pipe.prog.state_entry(i).name for s in pipe.workers for i in pipe.prog.stage_entries[s]}
+    return {k: v for k, v in state.items() if k in names}
+
+
+def run_case(make_model: Callable[[], torch.nn.Module], io: dict, cfg: dict, mesh: Any = None) -> None:
+    """Raises AssertionError on a difference, Refused on a PipesplitError, Invalid if the model fails."""
+    torch.manual_seed(cfg["seed"])
+    model = make_model()
+    ref = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(cfg["seed"])
+    m, dp = cfg["m"], (mesh["dp"].size() if mesh is not None and "dp" in mesh.mesh_dim_names else 1)
+    try:
+        ex_args, ex_kw = make_inputs(io, cfg["example_batch"], gen)
+        prog = pipesplit.compile(model, ex_args, example_kwargs=ex_kw, num_stages=cfg["stages"], cost=cfg["cost"],
+                                 order=cfg["order"], recompute=cfg["recompute"], progress=False)
+        pipe = pipesplit.Pipeline(prog, cfg["schedule"], num_microbatches=m, loss_fn=dot_loss, loss_reduction="sum",
+                                  checkpoint=cfg["checkpoint"], transport=cfg["transport"], timeout=60, mesh=mesh)
+        eval_pipe = pipesplit.Pipeline(prog, "gpipe", num_microbatches=1, timeout=60, mesh=mesh) \
+            if cfg["eval_pipe"] and cfg["eval"] == "pipe" else pipe
+    except pipesplit.PipesplitError as e:
+        raise Refused(f"{type(e).__name__}: {e}") from e
+    held = dict(pipe.named_parameters())
+    opt, opt_ref = optimizer(cfg["opt"], held.values()), optimizer(cfg["opt"], ref.parameters())
+    for step, mb in enumerate((cfg["mb"], cfg["mb2"])):
+        if step == 1 and cfg["freeze_mid"]:  # freeze the first trainable parameter of both
+            name = next((n for n, p in ref.named_parameters() if p.requires_grad), None)
+            if name is not None:
+                dict(ref.named_parameters())[name].requires_grad_(False)
+                if name in held:
+                    held[name].requires_grad_(False)
+        args, kw = make_inputs(io, mb * m * dp, gen)
+        with torch.no_grad():
+            shapes = copy.deepcopy(ref)(*fresh(args, kw, False)[0], **fresh(args, kw, False)[1])
+        target = pytree.tree_map(lambda o: torch.randn(o.shape, generator=gen), shapes)
+        r_args, r_kw = fresh(args, kw, io["input_grad"])
+        p_args, p_kw = fresh(args, kw, io["input_grad"])
+        if io["dropout"]:
+            reference_step(copy.deepcopy(ref), r_args, r_kw, target, m * dp)  # Invalid if the model cannot train
+        torch.manual_seed(1000 + step)
+        seed = int(torch.randint(0, 2**62, ()).item())  # the draw pipe.step makes for its streams
+        torch.manual_seed(1000 + step)
+        if io["dropout"]:  # masks from pipesplit's streams: compare with the stages run in turn on them
+            before = {k: v.clone() for k, v in prog.state_dict().items()}  # the stages run again from here
+            loss = pipe.step(*p_args, target=target, **p_kw)
+            grads = {n: None if p.grad is None else p.grad.clone() for n, p in held.items()}
+            pipe.zero_grad()
+            with torch.no_grad():
+                for k, v in prog.state_dict().items():
+                    v.copy_(before[k])
+            want = streamed_step(prog, fresh(args, kw, False)[0], kw, target, m, seed)
+            close("loss (dropout, streamed)", loss, want)
+            for n, p in held.items():
+                if p.grad is not None:
+                    close(f"gradient of {n} (dropout, streamed)", grads[n], p.grad, 1e-4 * max(
+                        (q.grad.to_dense().norm().item() for q in held.values() if q.grad is not None), default=0))
+            with torch.no_grad():  # the statistics the masks gave, so that eval compares the same state
+                ref.load_state_dict(prog.state_dict(), strict=False)
+            break
+        want = reference_step(ref, r_args, r_kw, target, m * dp)
+        try:
+            loss = pipe.step(*p_args, target=target, **p_kw)
+        except pipesplit.PipesplitError as e:
+            raise Refused(f"{type(e).__name__} at step {step}: {e}") from e
+        state = held_state(pipe)
+        compare_step(step, loss, want, held, ref, state, p_args[0] if io["input_grad"] else None,
+                     r_args[0] if io["input_grad"] else None)
+        if cfg["no_zero_grad"] and step == 0:
+            continue  # the second step accumulates into the first one's gradients
+        opt.step(), opt_ref.step()
+        opt.zero_grad(), opt_ref.zero_grad()
+        ref_params = dict(ref.named_parameters())
+        floor = 1e-4 * max((q.detach().double().norm().item() for q in ref_params.values()), default=0.0)
+        for name, p in held.items():  # a bias at ~0 moved by a ~0 gradient compares against its neighbours' scale
+            close(f"{name} after the optimizer step {step}", p, ref_params[name], floor)
+    check_outputs(cfg, io, ref, pipe, eval_pipe, prog, gen)
+
+
+def check_outputs(cfg: dict, io: dict, ref: torch.nn.Module, pipe: Any, eval_pipe: Any, prog: Any,
+                  gen: torch.Generator) -> None:
+    """Outputs after training: ``pipe(x)`` (train mode), ``pipe.eval(x)`` or ``prog.eval(); prog(x)``."""
+    mode, n = cfg["eval"], (eval_pipe.num_microbatches if cfg["eval"] == "pipe" else
+                            pipe.num_microbatches if cfg["eval"] == "train_forward" else 1)
+    args, kw = make_inputs(io, cfg["mb2"] * n * (getattr(pipe, "dp_size", 1) if mode != "prog" else 1), gen)
+    try:
+        if mode == "train_forward" and not io["dropout"]:
+            got = pipe(*fresh(args, kw, False)[0], **kw)
+            if got is not None:
+                close_tree("pipe(x) in train mode", got, reference_forward(ref, fresh(args, kw, False)[0], kw, n))
+        if mode == "pipe":
+            got = eval_pipe.eval(*fresh(args, kw, False)[0], **kw)
+            if got is not None:
+                close_tree("pipe.eval(x)", got, reference_forward(ref.eval(), fresh(args, kw, False)[0], kw, n))
+            ref.train()
+        if mode == "prog":
+            prog.eval()
+            got = prog(*fresh(args, kw, False)[0], **kw)
+            close_tree("prog.eval(); prog(x)", got, reference_forward(ref.eval(), fresh(args, kw, False)[0], kw, 1))
+            prog.train(), ref.train()
+    except pipesplit.PipesplitError as e:
+        raise Refused(f"{type(e).__name__} in {mode}: {e}") from e
+    if mode != "none" and pipe.executor == "local":
+        state, ref_state = prog.state_dict(), ref.state_dict()
+        for name in state:
+            close(f"{name} after {mode}", state[name], ref_state[name])

@@ -1,0 +1,206 @@
+"""Random models as plain data: a list of layer specs that becomes Python source, a module, a repro."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from torch import nn
+
+D, T, VOCAB, HEADS = 8, 4, 16, 2  # hidden size, sequence length, vocabulary, attention heads
+
+# op -> (has parameters, writes its source in place)
+OPS: dict[str, tuple[bool, bool]] = {
+    "linear": (True, False), "conv1d": (True, False), "conv2d": (True, False), "layernorm": (True, False),
+    "batchnorm": (True, False), "instancenorm": (True, False), "groupnorm": (True, False),
+    "dropout": (False, False), "sdpa": (True, False), "mha": (True, False), "act": (False, False),
+    "relu_": (False, True), "add": (False, False), "add_": (False, True), "mul_": (False, True),
+    "ema": (False, False), "gate": (False, False), "reuse": (False, False), "branch": (False, False),
+    "clamp_w": (True, False),
+}
+ACTS = ("relu", "gelu", "tanh", "silu")
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One node of the DAG: reads value ``src`` (0 is the input's hidden state, i the i-th layer's
+    output) and ``arg`` (a second value, a layer to reuse, or a variant), makes value i+1."""
+
+    op: str
+    src: int = 0
+    arg: int = 0
+    flag: bool = False  # bias / affine / causal / p > 0, by op
+    frozen: bool = False
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    layers: tuple[Layer, ...] = ()
+    tokens: bool = False  # token ids through an nn.Embedding, else float (B, T, D) input
+    sparse: bool = False
+    padding_idx: bool = False
+    tied_head: bool = False  # logits = F.linear(h, embedding.weight)
+    kwarg: bool = False  # a ``gate`` keyword input
+    input_grad: bool = False  # the float input requires grad
+    outputs: str = "tensor"  # "tensor" | "tuple" | "dict"
+    extra: tuple[str, ...] = field(default=())  # reserved for future features
+
+
+def _src(spec: ModelSpec, i: int, v: int) -> str:
+    return f"v{min(v, i - 1)}"
+
+
+def _init_line(spec: ModelSpec, i: int, layer: Layer) -> list[str]:
+    op, f, name = layer.op, layer.flag, f"self.l{i}"
+    lines = {
+        "linear": [f"{name} = nn.Linear({D}, {D}, bias={f})"],
+        "clamp_w": [f"{name} = nn.Linear({D}, {D}, bias={f})"],
+        "conv1d": [f"{name} = nn.Conv1d({D}, {D}, 3, padding=1, bias={f})"],
+        "conv2d": [f"{name} = nn.Conv2d(1, 1, 3, padding=1, bias={f})"],
+        "layernorm": [f"{name} = nn.LayerNorm({D}, elementwise_affine={f})"],
+        "batchnorm": [f"{name} = nn.BatchNorm1d({D}, affine={f}, track_running_stats={layer.arg % 2 == 0})"],
+        "instancenorm": [f"{name} = nn.InstanceNorm1d({D}, affine={f}, track_running_stats={layer.arg % 2 == 1})"],
+        "groupnorm": [f"{name} = nn.GroupNorm(2, {D}, affine={f})"],
+        "dropout": [f"{name} = nn.Dropout({0.25 if f else 0.0})"],
+        "sdpa": [f"{name} = nn.Linear({D}, {3 * D}, bias={f})", f"self.o{i} = nn.Linear({D}, {D})"],
+        "mha": [f"{name} = nn.MultiheadAttention({D}, {HEADS}, bias={f}, batch_first=True)"],
+        "relu_": ["self.relu_inplace = nn.ReLU(inplace=True)"] if f else [],
+        "ema": [f"self.register_buffer('ema{i}', torch.zeros({D}))"],
+    }.get(op, [])
+    if layer.frozen and OPS[op][0]:
+        lines.append(f"{name}.requires_grad_(False)")
+    return lines
+
+
+def _forward_line(spec: ModelSpec, i: int, layer: Layer) -> list[str]:
+    """Lines computing ``v{i}`` (layer i-1 of the list, 1-based value numbering)."""
+    op, f, a, x, out = layer.op, layer.flag, layer.arg, _src(spec, i, layer.src), f"v{i}"
+    other = _src(spec, i, a)
+    m = f"self.l{i}"
+    if op == "reuse":  # the module of an earlier parametrised layer, called a second time
+        linears = [j for j in range(1, i) if spec.layers[j - 1].op == "linear"]
+        return [f"{out} = self.l{linears[a % len(linears)]}({x})"] if linears else [f"{out} = {x} * 0.5"]
+    return {
+        "linear": [f"{out} = {m}({x})"],
+        "clamp_w": ["with torch.no_grad():", f"    {m}.weight.clamp_(-0.3, 0.3)", f"{out} = {m}({x})"],
+        "conv1d": [f"{out} = {m}({x}.transpose(1, 2)).transpose(1, 2)"],
+        "conv2d": [f"{out} = {m}({x}.unsqueeze(1)).squeeze(1)"],
+        "layernorm": [f"{out} = {m}({x})"],
+        "batchnorm": [f"{out} = {m}({x}.transpose(1, 2)).transpose(1, 2)"],
+        "instancenorm": [f"{out} = {m}({x}.transpose(1, 2)).transpose(1, 2)"],
+        "groupnorm": [f"{out} = {m}({x}.transpose(1, 2)).transpose(1, 2)"],
+        "dropout": [f"{out} = {m}({x})"],
+        "sdpa": [f"q, k, v = {m}({x}).view({x}.shape[0], {T}, 3, {HEADS}, {D // HEADS}).permute(2, 0, 3, 1, 4)",
+                 f"{out} = self.o{i}(F.scaled_dot_product_attention(q, k, v, is_causal={f})"
+                 f".transpose(1, 2).reshape({x}.shape[0], {T}, {D}))"],
+        "mha": [f"{out} = {m}({x}, {x}, {x}, need_weights=False)[0]"],
+        "act": [f"{out} = F.{ACTS[a % len(ACTS)]}({x})"],
+        "relu_": [f"{out} = self.relu_inplace({x})" if f else f"{out} = {x}.relu_()"],
+        "add": [f"{out} = {x} + {other}"],
+        "add_": [f"{out} = {x}.add_({other})"],
+        "mul_": [f"{out} = {x}.mul_(2.0)"],
+        "ema": ["with torch.no_grad():", f"    self.ema{i}.mul_(0.9).add_({x}.mean((0, 1)), alpha=0.1)",
+                f"{out} = {x} + self.ema{i}"],
+        "gate": [f"{out} = {x} * gate" if spec.kwarg else f"{out} = {x} * 1.5"],
+        "branch": [f"{out} = {x} * 2.0 if {x}.shape[0] > 2 else {x} - 1.0"],
+    }[op]
+
+
+def source(spec: ModelSpec) -> str:
+    """The model as a standalone Python class ``Model`` (imports included)."""
+    init = ["super().__init__()"]
+    if spec.tokens:
+        pad = ", padding_idx=0" if spec.padding_idx else ""
+        init.append(f"self.emb = nn.Embedding({VOCAB}, {D}, sparse={spec.sparse}{pad})")
+    for i, layer in enumerate(spec.layers, 1):
+        init += _init_line(spec, i, layer)
+    fwd = ["v0 = self.emb(x)" if spec.tokens else "v0 = x"]
+    for i, layer in enumerate(spec.layers, 1):
+        fwd += _forward_line(spec, i, layer)
+    n = len(spec.layers)
+    last = f"F.linear(v{n}, self.emb.weight)" if spec.tokens and spec.tied_head else f"v{n}"
+    aux = f"v{max(0, n // 2)}"
+    ret = {"tensor": last, "tuple": f"({last}, {aux})", "dict": f"{{'out': {last}, 'aux': {aux}}}"}[spec.outputs]
+    fwd.append(f"return {ret}")
+    sig = "self, x, gate=None" if spec.kwarg else "self, x"
+    body = ["import torch", "import torch.nn.functional as F", "from torch import nn", "", "",
+            "class Model(nn.Module):", "    def __init__(self):"]
+    body += [f"        {line}" for line in init]
+    body += ["", f"    def forward({sig}):"] + [f"        {line}" for line in fwd]
+    return "\n".join(body) + "\n"
+
+
+def build(spec: ModelSpec) -> nn.Module:
+    """An instance of the class :func:`source` writes (the very code a repro runs)."""
+    scope: dict[str, Any] = {}
+    exec(compile(source(spec), "<fuzz model>", "exec"), scope)
+    return scope["Model"]()
+
+
+def io(spec: ModelSpec) -> dict[str, Any]:
+    """What the harness needs to make inputs for this model (plain data)."""
+    return {"tokens": spec.tokens, "vocab": VOCAB, "dim": D, "seq": T, "kwarg": spec.kwarg,
+            "input_grad": spec.input_grad and not spec.tokens,
+            "dropout": any(layer.op == "dropout" and layer.flag for layer in spec.layers),
+            "sparse": spec.tokens and spec.sparse}
+
+
+def model_features(spec: ModelSpec) -> set[str]:
+    """Names of what this model exercises (for the statistics and the KNOWN table)."""
+    out = {layer.op for layer in spec.layers}
+    for layer in spec.layers:
+        if layer.frozen and OPS[layer.op][0]:
+            out.add("frozen")
+        if layer.op == "batchnorm" and layer.arg % 2:
+            out.add("batchnorm_untracked")
+        if layer.op == "instancenorm" and layer.arg % 2:
+            out.add("instancenorm_tracked")
+        if layer.op == "dropout" and layer.flag:
+            out.add("dropout_p")
+        if layer.op == "linear" and not layer.flag:
+            out.add("linear_nobias")
+    alias = {0} if not spec.tokens else set()  # values that are the caller's input tensor itself
+    for i, layer in enumerate(spec.layers, 1):
+        if OPS[layer.op][1] and min(layer.src, i - 1) in alias:
+            alias.add(i)
+            out.add("inplace_input")
+        elif layer.op == "dropout" and not layer.flag and min(layer.src, i - 1) in alias:
+            alias.add(i)  # Dropout(0.0) returns its input itself (eager and captured alike)
+    for name in ("tokens", "sparse", "padding_idx", "tied_head", "kwarg", "input_grad"):
+        if getattr(spec, name) and (name == "tokens" or spec.tokens or name in ("kwarg", "input_grad")):
+            out.add(name)
+    if spec.input_grad and spec.tokens:
+        out.discard("input_grad")
+    if spec.tied_head and not spec.tokens:
+        out.discard("tied_head")
+    out.add(f"out_{spec.outputs}")
+    n = len(spec.layers)
+    live = {n} | ({n // 2} if spec.outputs != "tensor" else set())
+    for i in range(n, 0, -1):  # values no output depends on (in-place writes count as used)
+        layer = spec.layers[i - 1]
+        if i in live or OPS[layer.op][1] or layer.op == "ema":
+            live |= {min(layer.src, i - 1)} | ({min(layer.arg, i - 1)} if layer.op in ("add", "add_") else set())
+    if any(i not in live and OPS[spec.layers[i - 1].op][0] for i in range(1, n + 1)):
+        out.add("dead_code")
+    if any(OPS[layer.op][1] for layer in spec.layers):
+        out.add("inplace")
+    if any(layer.op in ("ema", "clamp_w") or (layer.op == "batchnorm" and layer.arg % 2 == 0)
+           or (layer.op == "instancenorm" and layer.arg % 2) for layer in spec.layers):
+        out.add("state_write")  # a buffer or parameter written in place inside forward (running stats too)
+    return out
+
+
+def draw_model(pick: Callable[[Any], Any], integer: Callable[[int, int], int], ops: tuple[str, ...],
+               max_layers: int = 8) -> ModelSpec:
+    """A random model from ``pick(sequence)`` and ``integer(lo, hi)`` (hypothesis or a seeded random)."""
+    n = integer(1, max_layers)
+    layers = []
+    for i in range(1, n + 1):
+        op = pick(ops)
+        layers.append(Layer(op, src=integer(0, i - 1), arg=integer(0, i - 1), flag=pick((False, True)),
+                            frozen=integer(0, 5) == 5))
+    tokens = pick((False, True))
+    return ModelSpec(tuple(layers), tokens=tokens, sparse=tokens and integer(0, 3) == 3,
+                     padding_idx=tokens and pick((False, True)), tied_head=tokens and pick((False, True)),
+                     kwarg=pick((False, True)), input_grad=not tokens and integer(0, 2) == 2,
+                     outputs=pick(("tensor", "tuple", "dict")))
