@@ -17,29 +17,6 @@ SPLIT_BACKWARD = ("zb_h1", "zb_v", "dualpipe_v")
 # include every feature of an entry is not drawn (``--include-known`` draws it anyway). Delete an
 # entry when its fix merges; a NEW finding goes here as "new: ..." only with a repro in the report.
 KNOWN: dict[frozenset[str], str] = {
-    frozenset({"input_grad"}): "issue 22 defect 2: pipe.step leaves the input's .grad None",
-    frozenset({"sparse", "schedule=zb_h1"}): "issue 22 defect 11: sparse embedding under split backward",
-    frozenset({"sparse", "schedule=zb_v"}): "issue 22 defect 11: sparse embedding under split backward",
-    frozenset({"sparse", "schedule=dualpipe_v"}): "issue 22 defect 11: sparse embedding under split backward",
-    frozenset({"instancenorm_tracked", "eval=pipe"}): "issue 22 defect 6: InstanceNorm(track_running_stats) eval twin",
-    frozenset({"instancenorm_tracked", "eval=prog"}): "issue 22 defect 6: InstanceNorm(track_running_stats) eval twin",
-    frozenset({"batchnorm_untracked", "eval=prog"}): "issue 22 defect 14: prog.eval() with untracked BatchNorm",
-    frozenset({"batchnorm_untracked", "eval=pipe"}): "issue 22 defect 14: eval with untracked BatchNorm",
-    frozenset({"clamp_w", "m>1"}): "issue 22 defect 15: a parameter written in place in forward, m > 1",
-    frozenset({"clamp_w", "multi_stage"}): "issue 22 defect 15 (new symptom): the clamp and the weight's use in two "
-                                           "stages, m=1: raw 'element 0 of tensors does not require grad', or under "
-                                           "zb_h1 no gradient at all for the clamped weight",
-    frozenset({"freeze_mid"}): "issue 22 defect 13: freezing a parameter after the Pipeline is built",
-    frozenset({"eval_pipe", "batch_change"}): "issue 22 defect 12: two Pipelines on a program that re-captures",
-    frozenset({"eval_pipe", "recapture"}): "issue 22 defect 12: two Pipelines on a program that re-captures",
-    frozenset({"branch", "recapture"}): "issue 22 defect 9: the first step after a re-capture skips the guard",
-    frozenset({"branch", "batch_change"}): "issue 22 defect 9: the first step after a re-capture skips the guard",
-    frozenset({"dist", "frozen", "tied_head", "opt=adamw"}): "issue 22 defect 5: a frozen tied weight moves",
-    frozenset({"mesh", "batchnorm"}): "issue 22 defect 7: BatchNorm statistics on a dp mesh",
-    frozenset({"mesh", "ema"}): "issue 22 defect 7: any buffer written in place (here an EMA) on a dp mesh diverges",
-    frozenset({"mesh", "instancenorm_tracked"}): "issue 22 defect 7: InstanceNorm running statistics on a dp mesh",
-    frozenset({"mesh", "eval=pipe"}): "issue 22 defect 8: pipe(x) on a mesh returns this replica's rows",
-    frozenset({"mesh", "eval=train_forward"}): "issue 22 defect 8: pipe(x) on a mesh returns this replica's rows",
     frozenset({"ema", "m>1", "multi_stage"}): "new: a buffer written in place then read (x + ema) with 2+ stages and "
                                               "m > 1: wrong loss, varying run to run (rank threads race on it)",
     frozenset({"inplace_input", "m>1"}): "new: the model writes its input in place (x.relu_(), x.add_(h)) with m > 1: "
@@ -48,17 +25,11 @@ KNOWN: dict[frozenset[str], str] = {
                                           "itself, so a write after it counts",
     frozenset({"sparse", "tied_head"}): "new: nn.Embedding(sparse=True) tied to a head: raw RuntimeError "
                                         "'add(sparse, dense) is not supported' summing the tied gradients",
-    **{frozenset({"inplace", f"schedule={name}"}): "new: split backward (zb_h1, zb_v, dualpipe_v) takes an op's "
-       "weight gradient at the wrong output gradient when its output is then written in place: h = a(x); "
-       "h.mul_(2); b(h) gives a.weight.grad = half the reference (near defect 1's code, another symptom)"
-       for name in SPLIT_BACKWARD},
     frozenset({"checkpoint", "inplace"}): "new: checkpoint=True with an in-place op (v.relu_(), also on the input, "
                                           "1 stage, m=1): raw autograd 'modified by an inplace operation'",
     frozenset({"state_write", "dead_code"}): "new: unused layer outputs beside a buffer or parameter written in place: "
                                              "raw SystemError at capture (KeyError 'linear' in export.py unlift), or a "
                                              "missing gradient (looped_bfs), or wrong InstanceNorm running stats",
-    frozenset({"instancenorm_tracked", "recompute=auto", "multi_stage"}): "new: recompute='auto' copies an "
-        "InstanceNorm(track_running_stats=True) of the input into 2+ stages: running stats off 47% after one step",
     frozenset({"dist", "eval=prog"}): "new: prog(x) under torchrun after a Pipeline kept only this rank's stages: "
                                       "raw TypeError 'NoneType' object is not callable, not a PipesplitError",
 }
