@@ -36,10 +36,11 @@ def plan_warnings(gm: fx.GraphModule, plan: Plan, node_costs: dict[str, float]) 
             unit = plan.cost_name
             out.append(
                 f"num_stages={k} is more than this model can balance: its largest op, {_describe(gm, name)}, costs "
-                f"{format_cost(biggest, unit)}, more than 1/{k} of the model ({format_cost(total / k, unit)}); no cut "
+                f"{format_cost(biggest, unit)}, more than a 1/{k} share of the model's {format_cost(total, unit)} "
+                f"({format_cost(total / k, unit)}); no cut "
                 f"divides an op, so the bottleneck stage cannot cost less (balance {plan.bottleneck / (total / k):.2f}x "
                 f"the mean). At most {most} stage{'s' if most > 1 else ''} balance{'' if most > 1 else 's'}: "
-                f"compile with num_stages={most} or fewer."
+                f"compile with num_stages={most}{' or fewer' if most > 1 else ''}."
             )
     by_name = {n.name: n for n in compute_nodes(gm)}
     empty = [s for s, names in enumerate(plan.stages)
