@@ -27,6 +27,9 @@ from pipesplit.compat import HigherOrderOperator, OpOverload, pytree
 # argument that says so (instance_norm updates them from each instance's statistics, averaged).
 BATCH_NORM_OPS = {"batch_norm": "training", "native_batch_norm": "training", "_native_batch_norm_legit": "training",
                   "cudnn_batch_norm": "training", "instance_norm": "use_input_stats"}
+# Their schema promises a new tensor, but they return the input itself where they change nothing
+# (p == 0, or not training): a later in-place write to the result writes the input.
+RETURNS_INPUT_OPS = {"dropout", "alpha_dropout", "feature_dropout", "feature_alpha_dropout"}
 
 
 def _nodes_in(x: Any) -> list[fx.Node]:
@@ -140,6 +143,8 @@ def _overload_effects(node: fx.Node) -> tuple[list[fx.Node], list[fx.Node]]:
             aliased += args
             if a.alias_info.is_write:
                 written += args
+    if schema.name.split("::")[-1] in RETURNS_INPUT_OPS:
+        aliased += _nodes_in(node.args[:1])
     flag = BATCH_NORM_OPS.get(schema.name.split("::")[-1])
     if flag is not None:
         index = {a.name: i for i, a in enumerate(schema.arguments)}

@@ -247,3 +247,27 @@ def test_a_weight_op_whose_output_is_written_in_place_gets_its_own_gradient(sche
     prog = pipesplit.compile(model, torch.randn(8, 8), num_stages=2, progress=False)
     pipe = pipesplit.Pipeline(prog, schedule, num_microbatches=4, loss_fn=dot_loss, loss_reduction="sum")
     check_training(model, pipe, [((torch.randn(8, 8),), {})], m=4)
+
+
+class DropoutThenWrite(nn.Module):
+    """``Dropout(0.0)`` returns its input itself (ATen's dropout changes nothing at p == 0), so
+    ``relu_`` on its result writes the embedding's output: the direct W path must see that write."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.drop, self.head = nn.Embedding(16, 8), nn.Dropout(0.0), nn.Linear(8, 8)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(self.drop(self.emb(idx)).relu_())
+
+
+def test_an_output_written_through_a_dropout_that_returns_it_is_seen():
+    """The fuzzer found it: emb.weight's gradient 74% off under zb_h1 (aliasing took dropout's
+    result for a new tensor, so the embedding kept the direct W path)."""
+    from tests.training import check_training, dot_loss
+
+    torch.manual_seed(0)
+    model = DropoutThenWrite()
+    prog = pipesplit.compile(model, torch.randint(0, 16, (4, 4)), num_stages=1, progress=False)
+    pipe = pipesplit.Pipeline(prog, "zb_h1", num_microbatches=2, loss_fn=dot_loss, loss_reduction="sum")
+    check_training(model, pipe, [((torch.randint(0, 16, (4, 4)),), {})], m=2)

@@ -214,7 +214,8 @@ def run_case(make_model: Callable[[], torch.nn.Module], io: dict, cfg: dict, mes
             with torch.no_grad():
                 for k, v in prog.state_dict().items():
                     v.copy_(before[k])
-            want = streamed_step(prog, fresh(args, kw, False)[0], kw, target, m, seed)
+            s_args, s_kw = fresh(args, kw, io["input_grad"])  # a model without parameters needs a graph too
+            want = streamed_step(prog, s_args, s_kw, target, m, seed)
             close("loss (dropout, streamed)", loss, want)
             for n, p in held.items():
                 if p.grad is not None:
