@@ -103,3 +103,30 @@ def test_a_frozen_parameter_written_in_the_forward_trains_under_any_schedule(sch
     prog = pipesplit.compile(model, torch.randn(8, 8), split_points=["2"], progress=False)
     pipe = pipesplit.Pipeline(prog, schedule, num_microbatches=4, loss_fn=dot_loss, loss_reduction="sum")
     check_training(model, pipe, [((torch.randn(8, 8),), {})], m=4)
+
+
+class FrozenClamp(nn.Module):
+    """A frozen weight clamped in the forward and read by a linear whose input needs a gradient: the
+    linear's backward reads the weight, so overlapping microbatches would see each other's clamp."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(8, 8, bias=False), nn.Linear(8, 8, bias=False)
+        self.l2.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.l1(x)
+        with torch.no_grad():
+            self.l2.weight.clamp_(-0.3, 0.3)
+        return self.l2(h)
+
+
+def test_a_frozen_parameter_a_backward_reads_is_refused_where_microbatches_overlap():
+    """The fuzzer found it: skipping every frozen parameter let autograd's raw in-place error through."""
+    torch.manual_seed(0)
+    model = FrozenClamp()
+    prog = pipesplit.compile(model, torch.randn(8, 8), num_stages=1, progress=False)
+    with pytest.raises(PipesplitError, match=r"'l2\.weight' is written in place"):
+        pipesplit.Pipeline(prog, "gpipe", num_microbatches=2, loss_fn=dot_loss, loss_reduction="sum")
+    pipe = pipesplit.Pipeline(prog, "gpipe", num_microbatches=1, loss_fn=dot_loss, loss_reduction="sum")
+    check_training(model, pipe, [((torch.randn(8, 8),), {})], m=1)

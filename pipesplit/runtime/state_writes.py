@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import operator
+
 from pipesplit.errors import PipesplitError, ScheduleError
 from pipesplit.passes.split.program import SplitProgram
 from pipesplit.schedules import ActionKind, Schedule, resolve_schedule
@@ -34,6 +36,38 @@ def _writer(prog: SplitProgram, stage: int, target: str) -> str:
     return (writers or users)[0].name if users else "?"
 
 
+def _backward_reads(prog: SplitProgram, stage: int, target: str) -> bool:
+    """Whether a backward of stage ``stage`` may read the value of ``target``: some op with a gradient
+    reads it (or a value aliasing it), other than an embedding's lookup table, whose backward needs
+    only the indices, and reads inside a no-grad block, which save nothing."""
+    import torch
+
+    graph = prog.stages[stage].module.graph
+    todo = [n for n in graph.nodes if n.op == "get_attr" and n.target == target]
+    like = todo[0].meta.get("val") if todo else None
+
+    def may_alias(n: object) -> bool:  # a no-grad block's output of another shape or dtype is another tensor
+        val = getattr(n, "meta", {}).get("val")
+        return not (isinstance(val, torch.Tensor) and isinstance(like, torch.Tensor)) or (
+            val.dtype == like.dtype and val.shape == like.shape)
+
+    seen: set[object] = set()
+    while todo:
+        node = todo.pop()
+        for user in node.users:
+            if user in seen:
+                continue
+            seen.add(user)
+            if user.target is operator.getitem or user.target is torch.ops.aten.detach.default:
+                if may_alias(user):
+                    todo.append(user)  # the value again (a no-grad block's result aliases what it wrote)
+            elif "wrap_with_set_grad_enabled" in str(user.target) and user.args and user.args[0] is False:
+                todo.append(user)  # reads in there save nothing; its outputs may alias the tensor
+            elif not (user.target is torch.ops.aten.embedding.default and user.args[0] is node):
+                return True
+    return False
+
+
 def check_state_writes(prog: SplitProgram, schedule: Schedule, num_microbatches: int) -> None:
     """Refuse state written in place where microbatches would see each other's writes: a buffer that
     several stages use, and a parameter written in place inside the forward (``with torch.no_grad(): w.clamp_(...)``)
@@ -62,9 +96,10 @@ def check_state_writes(prog: SplitProgram, schedule: Schedule, num_microbatches:
             continue
         for target in stage.attr_targets:
             idx = prog.target_to_entry.get(target)
-            if target not in prog.mutated_targets or idx is None or not prog.state_entry(idx).is_param \
-                    or not prog.state_entry(idx).tensor.requires_grad:  # no backward reads a frozen one's value
+            if target not in prog.mutated_targets or idx is None or not prog.state_entry(idx).is_param:
                 continue
+            if not prog.state_entry(idx).tensor.requires_grad and not _backward_reads(prog, stage.index, target):
+                continue  # frozen, and no backward reads its value (an EMA codebook looked up by index)
             k, j = overlap[stage.index]
             raise ScheduleError(
                 f"parameter {prog.state_entry(idx).name!r} is written in place inside the forward (op "
