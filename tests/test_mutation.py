@@ -174,3 +174,53 @@ def test_mutating_models_train_through_a_pipeline(build, stages, schedule):
         return
     pipe = pipesplit.Pipeline(prog, schedule, num_microbatches=2, loss_fn=dot_loss, loss_reduction="sum")
     check_training(model, pipe, [((torch.randn(4, 16),), {})], m=2, steps=2)
+
+
+class EmaOfInput(nn.Module):
+    """An EMA buffer written in place and read after the write: ``x + ema`` (sent on to another stage
+    when the cut falls after it) and ``h * ema`` (saved for the backward)."""
+
+    def __init__(self, d: int = 8, saved: bool = False):
+        super().__init__()
+        self.saved = saved
+        self.a, self.b, self.c = (nn.Linear(d, d) for _ in range(3))
+        self.register_buffer("ema", torch.zeros(d))
+
+    def forward(self, x):
+        h = self.b(self.a(x))
+        with torch.no_grad():
+            self.ema.mul_(0.9).add_((h if self.saved else x).mean((0, 1)), alpha=0.1)
+        if self.saved:
+            return self.c(h * self.ema)
+        return self.c(h) + (x + self.ema)
+
+
+def _ema_reference_forward(model: nn.Module, x: torch.Tensor, m: int) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.cat([model(part) for part in x.chunk(m)])
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb_h1", "interleaved_1f1b", "dualpipe_v"])
+@pytest.mark.parametrize("saved", [False, True], ids=["sent", "saved"])
+@pytest.mark.parametrize("stages", [1, 2, 4])
+def test_buffer_written_then_read_equals_accumulation(stages, saved, schedule):
+    """Microbatch k reads the EMA as microbatches < k left it, in training and in eval, whether the
+    value read is sent to another stage (threads hand it over by reference) or saved for a backward
+    that runs after later microbatches' forwards (which write the buffer again)."""
+    from tests.training import check_training, dot_loss
+
+    if schedule in ("interleaved_1f1b", "dualpipe_v") and stages == 1:
+        pytest.skip("the schedule needs 2+ stages")
+    torch.manual_seed(0)
+    model = EmaOfInput(saved=saved)
+    prog = pipesplit.compile(copy.deepcopy(model), torch.randn(2, 4, 8), num_stages=stages, progress=False)
+    assert not prog.shared_mutated_state()
+    pipe = pipesplit.Pipeline(prog, schedule, num_microbatches=4, loss_fn=dot_loss, loss_reduction="sum")
+    batches = [((torch.randn(8, 4, 8),), {}), ((torch.randn(8, 4, 8),), {})]
+    check_training(copy.deepcopy(model), pipe, batches, m=4, steps=3)
+    ref = copy.deepcopy(model)
+    ref.load_state_dict(prog.state_dict())
+    x = torch.randn(8, 4, 8)
+    for run in range(2):  # eval mode writes the EMA too (the model does not check self.training)
+        assert_close(pipe.eval(x), _ema_reference_forward(ref.eval(), x, 4), name=f"pipe.eval(x), run {run}")
+        assert_close(prog.state_dict()["ema"], ref.ema, name=f"ema after eval run {run}")
