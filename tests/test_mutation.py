@@ -224,3 +224,38 @@ def test_buffer_written_then_read_equals_accumulation(stages, saved, schedule):
     for run in range(2):  # eval mode writes the EMA too (the model does not check self.training)
         assert_close(pipe.eval(x), _ema_reference_forward(ref.eval(), x, 4), name=f"pipe.eval(x), run {run}")
         assert_close(prog.state_dict()["ema"], ref.ema, name=f"ema after eval run {run}")
+
+
+class WritesItsInput(nn.Module):
+    """Writes the caller's input in place (``x.relu_()``, ``x.mul_(2)``), then reads it in every stage."""
+
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.a, self.b, self.c = (nn.Linear(d, d) for _ in range(3))
+
+    def forward(self, x):
+        x.relu_()
+        h = self.a(x.mul_(2.0))
+        return self.c(torch.tanh(self.b(h))) + self.c(x)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb_h1"])
+@pytest.mark.parametrize("split", [None, ["b"], ["b", "c"]], ids=["1_stage", "2_stages", "3_stages"])
+def test_model_writing_its_input_equals_accumulation(split, schedule):
+    """Each microbatch of an input the model writes in place is a tensor of its own (a view of the
+    batch shares its version counter: microbatch k's write broke what k - 1 saved for its backward),
+    and the caller's input ends up written as the model writes it."""
+    from tests.training import accumulate, dot_loss
+
+    torch.manual_seed(0)
+    model = WritesItsInput()
+    ref = copy.deepcopy(model)
+    prog = pipesplit.compile(model, torch.randn(2, 4, 8), split_points=split, progress=False)
+    assert any(s.mutated_inputs for s in prog.stages)
+    pipe = pipesplit.Pipeline(prog, schedule, num_microbatches=4, loss_fn=dot_loss, loss_reduction="sum")
+    x, target = torch.randn(8, 4, 8), torch.randn(8, 4, 8)
+    x_ref, x_pipe = x.clone(), x.clone()
+    want = accumulate(ref, (x_ref,), {}, target, 4)
+    assert_close(pipe.step(x_pipe, target=target), want, name="loss")
+    assert_grads_close(pipe.named_parameters(), ref)
+    assert_close(x_pipe, x_ref, name="the caller's input after the step")

@@ -93,6 +93,8 @@ class StageWorker:
         # unfreezing a parameter between steps picks (or makes) the graph for the new set
         self._weight_graphs: dict[tuple[int, tuple[bool, ...]], WeightGraph | None] = {}
         self.backwards_done = 0
+        self.written_inputs = {where for s in prog.stages for name, kind, where in s.inputs  # flat input indices
+                               if kind == "input" and name in s.mutated_inputs}
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -177,6 +179,7 @@ class StageWorker:
                 value = value.detach().requires_grad_(True)
             received[(name, where)] = value
         args: list[Any] = []
+        write_back: list[tuple[torch.Tensor, torch.Tensor]] = []
         for name, kind, where in self.stage.inputs:
             if kind == "input":
                 value = self._to_device(data.inputs[m][where])
@@ -187,6 +190,14 @@ class StageWorker:
                     saved.user_inputs.append((where, value))
                     if name in self.stage.mutated_inputs:
                         value = value.clone()
+                elif isinstance(value, torch.Tensor) and where in self.written_inputs and len(data.inputs) > 1:
+                    # some stage writes this input in place (x.relu_()): microbatches are views of one
+                    # batch sharing its version counter, so each gets a tensor of its own (else microbatch
+                    # k's write invalidates what k - 1 saved for its backward); the writer's result goes
+                    # back to the caller's rows, as the model's write would
+                    value = value.clone()
+                    if name in self.stage.mutated_inputs:
+                        write_back.append((data.inputs[m][where], value))
                 args.append(value)
                 continue
             value = received[(name, where)]
@@ -228,6 +239,10 @@ class StageWorker:
                     saved.tensors, saved.grads = [loss], [None]
                 else:
                     data.outputs[m] = [o.detach() if isinstance(o, torch.Tensor) else o for o in flat]
+        if write_back:
+            with torch.no_grad():
+                for given, value in write_back:
+                    given.copy_(value)
         event = self._event()
         for name, value in zip(self.stage.outputs, outs):
             for dst in self.consumers.get(name, ()) if not self.is_last else ():
