@@ -295,3 +295,36 @@ def test_dead_code_next_to_a_state_write_captures_and_trains(param, stages):
     pipe = pipesplit.Pipeline(prog, "1f1b", num_microbatches=m, loss_fn=dot_loss, loss_reduction="sum")
     batches = [((torch.randint(0, 16, (4, 4)),), {}) for _ in range(2)]
     check_training(model, pipe, batches, m=m, steps=2)
+
+
+class EmaOfInputLate(nn.Module):
+    """The EMA of the input, updated in a no-grad block that the partition puts in the last stage, while
+    the first stage saves the input for its backward (BatchNorm)."""
+
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.register_buffer("ema", torch.zeros(d))
+        self.bn, self.qkv, self.o = nn.BatchNorm1d(d), nn.Linear(d, 3 * d, bias=False), nn.Linear(d, d)
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.ema.mul_(0.9).add_(x.mean((0, 1)), alpha=0.1)
+        h = self.bn(x.transpose(1, 2)).transpose(1, 2)
+        q, k, v = self.qkv(h).view(h.shape[0], 4, 3, 2, 4).permute(2, 0, 3, 1, 4)
+        self.o(torch.nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(h.shape[0], 4, 8))
+        return h * 0.5
+
+
+@pytest.mark.parametrize("m", [1, 2])
+def test_a_no_grad_block_reading_an_input_does_not_write_it(m):
+    """The analysis of a stage's graph sees into a higher-order op's subgraph (an attribute of the captured
+    module): reading ``x`` there is not writing it, so no stage's copy of ``x`` is written back to the
+    caller's input, which an earlier stage saved for its backward."""
+    from tests.training import check_training, dot_loss
+
+    torch.manual_seed(0)
+    model = EmaOfInputLate()
+    prog = pipesplit.compile(copy.deepcopy(model), torch.randn(3, 4, 8), num_stages=2, progress=False)
+    assert not any(s.mutated_inputs for s in prog.stages), [s.mutated_inputs for s in prog.stages]
+    pipe = pipesplit.Pipeline(prog, "1f1b", num_microbatches=m, loss_fn=dot_loss, loss_reduction="sum")
+    check_training(model, pipe, [((torch.randn(6, 4, 8),), {})], m=m, steps=2)

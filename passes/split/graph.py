@@ -168,12 +168,13 @@ def split_graph(
             outs = [n for n in produced if n in consumers]
         graph.output(tuple(env[o] for o in outs))
         attr_objs = {t: operator.attrgetter(t)(gm) for t in attrs[s]}
+        graph.owning_module = gm  # for the analyses: a higher-order op's subgraph is an attribute of gm
         snapshot_state_reads(graph, lambda t: _is_buffer(attr_objs.get(t)))
+        mutated = frozenset(inplace_inputs(graph))
+        graph.owning_module = None
         seed_random_ops(graph)  # reproducible per (stage, microbatch) under a pipeline; see pipesplit.rng
         graph.lint()
-        pieces.append(
-            StagePiece(s, graph, attr_objs, inputs, [o.name for o in outs], list(names), frozenset(inplace_inputs(graph)))
-        )
+        pieces.append(StagePiece(s, graph, attr_objs, inputs, [o.name for o in outs], list(names), mutated))
 
     root, boundaries = _root_graph(gm, pieces, placeholders, devices, stage_of, by_name)
     outputs = [("value", o.name) if isinstance(o, fx.Node) else ("const", o) for o in flat_outputs]
