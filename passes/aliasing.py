@@ -24,6 +24,8 @@ from networkx.utils import UnionFind
 
 # Their schema marks no write, but with training=True they update running_mean/var in place.
 BATCH_NORM_OPS = {"batch_norm", "native_batch_norm", "_native_batch_norm_legit", "cudnn_batch_norm"}
+# Their schema marks no alias, but they return the input itself when p == 0 or not training.
+MAY_RETURN_INPUT = {"dropout", "feature_dropout", "alpha_dropout", "feature_alpha_dropout"}
 
 
 def _nodes_in(x: Any) -> list[fx.Node]:
@@ -137,6 +139,8 @@ def _overload_effects(node: fx.Node) -> tuple[list[fx.Node], list[fx.Node]]:
             aliased += args
             if a.alias_info.is_write:
                 written += args
+    if schema.name.split("::")[-1] in MAY_RETURN_INPUT:
+        aliased += _nodes_in(node.args[:1])
     if schema.name.split("::")[-1] in BATCH_NORM_OPS:
         index = {a.name: i for i, a in enumerate(schema.arguments)}
         if "training" in index and _schema_arg(node, index["training"], "training"):

@@ -328,3 +328,31 @@ def test_a_no_grad_block_reading_an_input_does_not_write_it(m):
     assert not any(s.mutated_inputs for s in prog.stages), [s.mutated_inputs for s in prog.stages]
     pipe = pipesplit.Pipeline(prog, "1f1b", num_microbatches=m, loss_fn=dot_loss, loss_reduction="sum")
     check_training(model, pipe, [((torch.randn(6, 4, 8),), {})], m=m, steps=2)
+
+
+class WritesThroughDropout(nn.Module):
+    """``dropout(p=0)`` returns its input itself (its schema says no alias): writing its output writes the input."""
+
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.a, self.b, self.drop = nn.Linear(d, d), nn.Linear(d, d), nn.Dropout(0.0)
+
+    def forward(self, x):
+        h = self.a(x)
+        g = torch.tanh(h)
+        out = self.drop(self.b(h)).add_(g)
+        return out
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb_h1"])
+def test_a_write_through_dropout_p0_counts_as_writing_its_input(schedule):
+    """A stage that receives ``b(h)`` and writes ``dropout(b(h), p=0)`` in place writes the received tensor
+    (autograd: 'a leaf Variable that requires grad is being used in an in-place operation')."""
+    from tests.training import check_training, dot_loss
+
+    torch.manual_seed(0)
+    model = WritesThroughDropout()
+    prog = pipesplit.compile(copy.deepcopy(model), torch.randn(2, 4, 8), split_points=["drop"], progress=False)
+    assert prog.stages[1].mutated_inputs, [s.nodes for s in prog.stages]
+    pipe = pipesplit.Pipeline(prog, schedule, num_microbatches=2, loss_fn=dot_loss, loss_reduction="sum")
+    check_training(model, pipe, [((torch.randn(4, 4, 8),), {})], m=2, steps=2)
