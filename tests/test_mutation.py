@@ -356,3 +356,34 @@ def test_a_write_through_dropout_p0_counts_as_writing_its_input(schedule):
     assert prog.stages[1].mutated_inputs, [s.nodes for s in prog.stages]
     pipe = pipesplit.Pipeline(prog, schedule, num_microbatches=2, loss_fn=dot_loss, loss_reduction="sum")
     check_training(model, pipe, [((torch.randn(4, 4, 8),), {})], m=2, steps=2)
+
+
+class ReadThenWriteInput(nn.Module):
+    """Reads the input (a LayerNorm feeding an EMA), then writes it in place (``relu_``) on an independent branch."""
+
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.norm, self.group = nn.LayerNorm(d), nn.GroupNorm(2, d)
+        self.register_buffer("ema", torch.zeros(d))
+
+    def forward(self, x):
+        h = self.norm(x)
+        with torch.no_grad():
+            self.ema.mul_(0.9).add_(h.mean((0, 1)), alpha=0.1)
+        v = torch.relu_(x)
+        return self.group(v.transpose(1, 2)).transpose(1, 2)
+
+
+def test_an_input_written_by_a_stage_its_reader_does_not_depend_on_is_refused():
+    """Stage 0 reads ``x`` and the last stage writes it, with no data flowing between them: the stages run
+    concurrently, so the read could see the write (the EMA came out different run to run)."""
+    from tests.training import dot_loss
+
+    prog = pipesplit.compile(ReadThenWriteInput(), torch.randn(2, 4, 8), num_stages=3, recompute="never",
+                             cost="uniform", progress=False)
+    readers = [s.index for s in prog.stages if any(k == "input" for _, k, _ in s.inputs)]
+    writers = [s.index for s in prog.stages if s.mutated_inputs]
+    assert len(readers) > 1 and writers, (readers, writers)
+    with pytest.raises(pipesplit.PipesplitError, match=rf"input 'x' is written in place by stage {writers[0]} and "
+                       r"read by stage \d.*neither stage depends on the other.*x.relu\(\)"):
+        pipesplit.Pipeline(prog, "gpipe", num_microbatches=1, loss_fn=dot_loss)
