@@ -38,6 +38,16 @@ class RuntimeCommError(PipesplitError):
     """A peer did not answer in time or died while others waited on it."""
 
 
+def partial_program(held: list[int], num_stages: int) -> PipesplitError:
+    """Why ``prog(x)`` cannot run on a process that holds only ``held`` of the program's stages."""
+    return PipesplitError(
+        f"this process holds only stage(s) {held} of the program's {num_stages}: a Pipeline under torchrun kept "
+        "this rank's stages and dropped the others', so prog(x) cannot run the whole program here. Run the "
+        "forward through the pipeline on every rank: pipe(x), or pipe.eval(x) in eval mode (the last stage's "
+        "rank gets the outputs); or compile the model again to run it whole in one process."
+    )
+
+
 def did_you_mean(name: object, known: Iterable[str], *, n: int = 3, sentence: bool = False) -> str:
     """The close matches of ``name`` among ``known`` as an error message's hint, or ``""``.
 

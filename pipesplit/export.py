@@ -80,6 +80,7 @@ def unlift(ep: Any) -> tuple[fx.GraphModule, pytree.TreeSpec, pytree.TreeSpec]:
 
     gm = LazyGraphModule.from_graphmodule(ep.graph_module)
     graph, sig = gm.graph, ep.graph_signature
+    _repair_users(graph)
     lifted = (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR, InputKind.CUSTOM_OBJ)
     non_persistent = set(sig.non_persistent_buffers)
     by_target: dict[str, fx.Node] = {}
@@ -119,6 +120,16 @@ def unlift(ep: Any) -> tuple[fx.GraphModule, pytree.TreeSpec, pytree.TreeSpec]:
     graph.lint()
     gm.recompile()  # lazy: code is generated on first call
     return gm, ep.call_spec.in_spec, ep.call_spec.out_spec
+
+
+def _repair_users(graph: fx.Graph) -> None:
+    """Make every node a user of each of its inputs. torch.export can hand back a dead node (an unused
+    ``linear`` of an embedding's output, next to a buffer written in place) that its input no longer lists
+    as a user; rewriting that node's arguments (here, or in any later pass) then fails inside fx."""
+    for node in graph.nodes:
+        for arg in node.all_input_nodes:
+            if node not in arg.users:
+                arg.users[node] = None
 
 
 def capture_message(model_name: str, exc: BaseException) -> str:

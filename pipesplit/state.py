@@ -39,7 +39,7 @@ class Tied:
         if p.grad is None:
             return
         g = p.grad.to(self.owner.device)
-        self.owner.grad = g if self.owner.grad is None else self.owner.grad + g
+        self.owner.grad = g if self.owner.grad is None else sum_grads(self.owner.grad, g)
         p.grad = None
 
     def flush(self) -> None:
@@ -91,7 +91,15 @@ def add_back_grads(params: list[torch.Tensor], earlier: list[torch.Tensor | None
     """Add what :func:`set_aside_grads` took back onto this step's gradients."""
     for p, g in zip(params, earlier):
         if g is not None:
-            p.grad = g if p.grad is None else p.grad + g
+            p.grad = g if p.grad is None else sum_grads(p.grad, g)
+
+
+def sum_grads(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a + b`` as autograd's AccumulateGrad sums a parameter's gradients: sparse + sparse stays sparse,
+    and a sparse one (a sparse embedding's) meeting a dense one (the head tied to it) gives a dense sum."""
+    if a.is_sparse and not b.is_sparse:
+        return b + a  # torch adds a sparse tensor into a dense one, not the other way round
+    return a + b
 
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -107,3 +107,11 @@ def test_input_gradients_on_every_rank_of_a_pipeline_and_a_mesh():
         for schedule in ("1f1b", "zb_h1"):
             matched = set(re.findall(rf"rank (\d+)/{nproc}: input gradients match over 2 steps \({schedule}\)", out))
             assert matched == {str(r) for r in range(nproc)}, out
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])
+def test_sparse_tied_head_across_ranks_and_prog_call_on_a_rank(schedule):
+    """The embedding's sparse gradient and the head's dense one sum (dense) over the two ranks holding the
+    weight (the all-reduce of a sparse and a dense tensor hung); ``prog(x)`` on a rank says what to call."""
+    result = launch.torchrun("dist_rank_check.py", 2, schedule, timeout=120)
+    assert len(re.findall(rf"rank \d: sparse tied gradient and prog\(x\) ok \({schedule}\)", result.stdout)) == 2, result.stdout

@@ -514,3 +514,16 @@ def test_load_state_dict_mismatched_keys():
     for k, v in after.items():
         if k != "ln_f.bias":
             assert torch.equal(v, before[k]), k
+
+
+def test_calling_a_program_a_distributed_pipeline_cut_down_says_what_to_call():
+    """Under torchrun a Pipeline keeps only its rank's stages (``keep_only``); ``prog(x)`` then raised a
+    raw ``TypeError: 'NoneType' object is not callable``."""
+    prog = pipesplit.compile(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)),
+                             torch.randn(2, 4), num_stages=2, progress=False)
+    prog.keep_only({1})  # what rank 1 of a 2-rank Pipeline does
+    with pytest.raises(pipesplit.PipesplitError, match=r"holds only stage\(s\) \[1\] of the program's 2.*pipe\(x\)"):
+        prog(torch.randn(2, 4))
+    prog.eval()
+    with pytest.raises(pipesplit.PipesplitError, match="pipe.eval"):
+        prog(torch.randn(2, 4))

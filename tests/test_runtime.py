@@ -176,6 +176,47 @@ def test_activation_checkpointing_keeps_gradients():
     assert_grads(pipe, ref)
 
 
+class InplaceAcrossCuts(torch.nn.Module):
+    """``relu_`` on the input and on activations: a cut makes a stage write a value it received."""
+
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.a, self.b, self.c = (torch.nn.Linear(d, d) for _ in range(3))
+
+    def forward(self, x):
+        x.mul_(2.0)
+        v = self.a(x)
+        v = self.b(v.relu_())
+        v = self.c(v.mul_(3.0))
+        return v.relu_()
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved_1f1b"])
+@pytest.mark.parametrize("m", [1, 2, 4])
+@pytest.mark.parametrize("stages", [2, 4])
+def test_activation_checkpointing_of_stages_writing_their_inputs(stages, m, schedule):
+    """A stage writing an input in place under ``checkpoint=True``: checkpointing saves the stage's inputs
+    and replays the stage from them, so the copy the write goes to is made inside the replayed stage
+    (made outside, the write changed what was saved: autograd's 'modified by an inplace operation')."""
+    from tests.training import accumulate
+
+    torch.manual_seed(0)
+    model = InplaceAcrossCuts()
+    ref = copy.deepcopy(model)
+    prog = pipesplit.compile(model, torch.randn(2, 4, 8), num_stages=stages, progress=False)
+    assert prog.stages[0].mutated_inputs and any(s.mutated_inputs for s in prog.stages[1:])
+    if schedule == "interleaved_1f1b" and m == 1:
+        pytest.skip("interleaved_1f1b runs 2+ microbatches")
+    pipe = pipesplit.Pipeline(prog, schedule, num_microbatches=m, loss_fn=dot_loss, loss_reduction="sum",
+                              checkpoint=True)
+    x, t = torch.randn(4, 4, 8), torch.randn(4, 4, 8)
+    x_ref, x_pipe = x.clone(), x.clone()
+    want = accumulate(ref, (x_ref,), {}, t, m)
+    assert_close(pipe.step(x_pipe, target=t), want, name="loss")
+    assert_grads(pipe, ref)
+    assert_close(x_pipe, x_ref, name="the caller's input after the step")
+
+
 def test_checkpointing_refuses_stages_that_update_buffers():
     case = CASE_BY_NAME["conv_bn"]
     prog = pipesplit.compile(case.build(), case.inputs(2)[0], num_stages=2)

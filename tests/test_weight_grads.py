@@ -271,3 +271,46 @@ def test_an_output_written_through_a_dropout_that_returns_it_is_seen():
     prog = pipesplit.compile(model, torch.randint(0, 16, (4, 4)), num_stages=1, progress=False)
     pipe = pipesplit.Pipeline(prog, "zb_h1", num_microbatches=2, loss_fn=dot_loss, loss_reduction="sum")
     check_training(model, pipe, [((torch.randint(0, 16, (4, 4)),), {})], m=2)
+
+
+class SparseTiedHead(nn.Module):
+    """A sparse embedding whose weight is also the output head's (``F.linear(h, emb.weight)``)."""
+
+    def __init__(self, vocab: int = 16, d: int = 8):
+        super().__init__()
+        self.emb, self.lin = nn.Embedding(vocab, d, sparse=True), nn.Linear(d, d)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(self.lin(self.emb(ids)), self.emb.weight)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb_h1", "zb_v"])
+@pytest.mark.parametrize("m", [1, 4])
+def test_a_sparse_embedding_tied_to_a_head_sums_as_autograd_does(schedule, m):
+    """The embedding's sparse gradient plus the head's dense one is the dense sum AccumulateGrad makes
+    on the plain model (summing the tied replicas raised ``add(sparse, dense) is not supported``)."""
+    import copy
+
+    from tests.training import chunk_tree, dot_loss
+
+    torch.manual_seed(0)
+    model = SparseTiedHead()
+    ref = copy.deepcopy(model)
+    prog = pipesplit.compile(model, torch.randint(0, 16, (2, 5)), num_stages=2, progress=False)
+    assert sum("emb.weight" in s.attr_targets for s in prog.stages) == 2  # tied across the cut
+    pipe = pipesplit.Pipeline(prog, schedule, num_microbatches=m, loss_fn=dot_loss, loss_reduction="sum")
+    opt, opt_ref = torch.optim.SGD(pipe.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    for _ in range(2):
+        ids, target = torch.randint(0, 16, (8, 5)), torch.randn(8, 5, 16)
+        for i, t in zip(ids.chunk(m), chunk_tree(target, m)):
+            dot_loss(ref(i), t).backward()
+        pipe.step(ids, target=target)
+        held = dict(pipe.named_parameters())
+        for name, p in ref.named_parameters():
+            got = held[name].grad
+            assert got is not None and got.layout == p.grad.layout, (name, got.layout if got is not None else None)
+            torch.testing.assert_close(got, p.grad, msg=name)
+        opt.step(), opt_ref.step()
+        opt.zero_grad(), opt_ref.zero_grad()
+        for name, p in ref.named_parameters():
+            torch.testing.assert_close(held[name].detach(), p.detach(), msg=f"{name} after the step")

@@ -22,6 +22,7 @@ from pipesplit.errors import PlanError
 from pipesplit.meta import COMPUTE_OPS
 from pipesplit.passes.aliasing import inplace_inputs
 from pipesplit.passes.annotate.flops import hint
+from pipesplit.passes.split.snapshots import snapshot_state_reads
 from pipesplit.rng import seed_random_ops
 
 
@@ -167,16 +168,22 @@ def split_graph(
         else:
             outs = [n for n in produced if n in consumers]
         graph.output(tuple(env[o] for o in outs))
+        attr_objs = {t: operator.attrgetter(t)(gm) for t in attrs[s]}
+        graph.owning_module = gm  # for the analyses: a higher-order op's subgraph is an attribute of gm
+        snapshot_state_reads(graph, lambda t: _is_buffer(attr_objs.get(t)))
+        mutated = frozenset(inplace_inputs(graph))
+        graph.owning_module = None
         seed_random_ops(graph)  # reproducible per (stage, microbatch) under a pipeline; see pipesplit.rng
         graph.lint()
-        attr_objs = {t: operator.attrgetter(t)(gm) for t in attrs[s]}
-        pieces.append(
-            StagePiece(s, graph, attr_objs, inputs, [o.name for o in outs], list(names), frozenset(inplace_inputs(graph)))
-        )
+        pieces.append(StagePiece(s, graph, attr_objs, inputs, [o.name for o in outs], list(names), mutated))
 
     root, boundaries = _root_graph(gm, pieces, placeholders, devices, stage_of, by_name)
     outputs = [("value", o.name) if isinstance(o, fx.Node) else ("const", o) for o in flat_outputs]
     return SplitGraph(pieces, root, boundaries, outputs)
+
+
+def _is_buffer(obj: Any) -> bool:
+    return isinstance(obj, torch.Tensor) and not isinstance(obj, torch.nn.Parameter)
 
 
 def _root_graph(

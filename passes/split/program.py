@@ -13,7 +13,7 @@ from torch import nn
 from pipesplit.capture import Captured, InputInfo, static_dim
 from pipesplit.compat import pytree
 from pipesplit.devices import concrete_device
-from pipesplit.errors import InputError, PipesplitError, PlanError
+from pipesplit.errors import InputError, PipesplitError, PlanError, partial_program
 from pipesplit.passes.split.generalise import batched_outputs
 from pipesplit.inputs import Shown, shown, describe_structure, batch_sizes, check_input, check_range
 from pipesplit.passes.split.devices import capture_device, retarget
@@ -316,6 +316,8 @@ class SplitProgram(ProgramState):
 
     def run_flat(self, flat: list[Any]) -> list[Any]:
         """Run on flattened inputs; returns the flat outputs."""
+        if self.root is None:  # keep_only: a rank of a distributed Pipeline holds its own stages alone
+            raise partial_program([s.index for s in self.stages if s.module is not None], self.num_stages)
         self.sync_tied()
         return self.assemble_outputs(self.root(*flat))
 

@@ -177,10 +177,11 @@ class StepCollectives:
         for group, idx in self.tied_groups:
             local = self.prog.held_tensor(idx)
             # over the holders: whether any has a gradient, any is frozen, any trains
-            flags = torch.tensor([local.grad is not None, not local.requires_grad, local.requires_grad],
+            dense = local.grad is not None and not local.grad.is_sparse
+            flags = torch.tensor([local.grad is not None, not local.requires_grad, local.requires_grad, dense],
                                  dtype=torch.int32, device=self.device)
             self.dist.all_reduce(flags, op=self.dist.ReduceOp.MAX, group=group)
-            any_grad, any_frozen, any_trains = (bool(f) for f in flags.tolist())
+            any_grad, any_frozen, any_trains, any_dense = (bool(f) for f in flags.tolist())
             if any_frozen and any_trains:
                 raise PipesplitError(
                     f"the tied weight {self.prog.state_entry(idx).name!r} is frozen (requires_grad=False) on some of "
@@ -191,6 +192,8 @@ class StepCollectives:
                 continue
             if local.grad is None:
                 local.grad = torch.zeros_like(local)
+            elif any_dense and local.grad.is_sparse:  # a sparse embedding's plus its tied head's: dense, as autograd sums them
+                local.grad = local.grad.to_dense()
             self.dist.all_reduce(local.grad, group=group)
 
     # ------------------------------------------------------------ initial state

@@ -79,6 +79,7 @@ def check_state_writes(prog: SplitProgram, schedule: Schedule, num_microbatches:
     refuses: "modified by an inplace operation"). A stage that runs one microbatch at a time (every
     stage at one microbatch; 1F1B's last stage) equals accumulation exactly.
     """
+    check_input_writes(prog)
     if num_microbatches <= 1:
         return
     shared = prog.shared_mutated_state()
@@ -124,3 +125,26 @@ def _working(prog: SplitProgram, stage: int, num_microbatches: int) -> str:
     if not ok:
         return f"No schedule runs stage {stage} one microbatch at a time with {num_microbatches} microbatches. "
     return f"Schedules that run stage {stage} one microbatch at a time (at their default rank count): {', '.join(ok)}. "
+
+
+def check_input_writes(prog: SplitProgram) -> None:
+    """Refuse a program input that one stage writes in place (``x.relu_()``) and another stage reads, where
+    neither stage depends on the other: nothing orders the read before or after the write (the stages run
+    concurrently), so the reader could see either value. A reader downstream of the writer runs after the
+    write (the model reads it after the write), one upstream of it before (the model reads it before)."""
+    after: dict[int, set[int]] = {s.index: set() for s in prog.stages}  # stage -> the stages depending on it
+    for b in sorted((b for b in prog.boundaries if b.kind == "tensor"), key=lambda b: -b.src):  # sizes never travel
+        after[b.src] |= {b.dst} | after[b.dst]
+    for w in prog.stages:
+        for name, kind, where in w.inputs:
+            if kind != "input" or name not in w.mutated_inputs:
+                continue
+            for r in prog.stages:
+                reads = any(k == "input" and i == where for _, k, i in r.inputs)
+                if r.index != w.index and reads and r.index not in after[w.index] and w.index not in after[r.index]:
+                    raise PipesplitError(
+                        f"input {name!r} is written in place by stage {w.index} and read by stage {r.index}, and "
+                        f"neither stage depends on the other, so nothing orders stage {r.index}'s read before or after "
+                        f"the write. Keep the write and the read in one stage (compile(..., pins={{...}}) or "
+                        f"no_split=[...]), or write a copy in the model (x = x.relu() instead of x.relu_())."
+                    )

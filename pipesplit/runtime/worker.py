@@ -93,6 +93,8 @@ class StageWorker:
         # unfreezing a parameter between steps picks (or makes) the graph for the new set
         self._weight_graphs: dict[tuple[int, tuple[bool, ...]], WeightGraph | None] = {}
         self.backwards_done = 0
+        self.written_inputs = {where for s in prog.stages for name, kind, where in s.inputs  # flat input indices
+                               if kind == "input" and name in s.mutated_inputs}
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -177,26 +179,35 @@ class StageWorker:
                 value = value.detach().requires_grad_(True)
             received[(name, where)] = value
         args: list[Any] = []
+        own: set[int] = set()  # positions of the inputs the stage writes in place (relu_, +=): cloned inside
+        write_back: list[tuple[int, torch.Tensor]] = []  # (position, the caller's rows) a write goes back to
         for name, kind, where in self.stage.inputs:
+            value = data.inputs[m][where] if kind == "input" else received[(name, where)]
+            if isinstance(value, torch.Tensor) and name in self.stage.mutated_inputs:
+                # Written in place: autograd forbids that on the leaf we take its gradient at, the sender
+                # may still hold the storage, and checkpointing replays the stage from its inputs as given.
+                # A clone made inside the (replayed) stage costs what the out-of-place op would have.
+                own.add(len(args))
             if kind == "input":
-                value = self._to_device(data.inputs[m][where])
+                given, value = value, self._to_device(value)
                 if data.training and isinstance(value, torch.Tensor) and value.requires_grad:
                     # the caller's tensor (or its microbatch, a view of it): its gradient is taken at a
                     # leaf of this stage's own and added to the caller's after the step, in order
                     value = value.detach().requires_grad_(True)
                     saved.user_inputs.append((where, value))
-                    if name in self.stage.mutated_inputs:
+                elif len(args) in own:  # the write goes back to the caller's rows, as the model's would
+                    write_back.append((len(args), given))
+                    if self.checkpointing and data.training:  # what checkpointing saves to replay from
                         value = value.clone()
+                elif isinstance(value, torch.Tensor) and where in self.written_inputs and len(data.inputs) > 1:
+                    # another stage writes this input in place: microbatches are views of one batch sharing
+                    # its version counter, so each gets a tensor of its own (else microbatch k's write breaks
+                    # what k - 1 saved here for its backward)
+                    value = value.clone()
                 args.append(value)
                 continue
-            value = received[(name, where)]
             if isinstance(value, torch.Tensor) and value.requires_grad and value.is_leaf:
                 saved.inputs.append((name, where, value))
-            if name in self.stage.mutated_inputs and isinstance(value, torch.Tensor):
-                # The stage writes this input in place (relu_, +=): autograd forbids that on the
-                # leaf we take its gradient at, and the sender may still hold the storage. A
-                # clone costs what the out-of-place op would have allocated anyway.
-                value = value.clone()
             args.append(value)
         grad_mode = torch.enable_grad() if data.training else torch.no_grad()
         module, device = self.stage.module, self.stage.device
@@ -206,7 +217,13 @@ class StageWorker:
             module = weights.module
         seed = stream_seed(data.seed, self.index, data.microbatch_offset + m)
 
+        first_run: list[tuple[Any, ...]] = []
+
         def run_stage(*xs: Any) -> Any:  # checkpointing replays it, masks and all, from the same seed
+            if own:
+                xs = tuple(x.clone() if i in own else x for i, x in enumerate(xs))
+                if not first_run:
+                    first_run.append(xs)
             with random_stream(seed, device):
                 return module(*xs)
 
@@ -228,6 +245,10 @@ class StageWorker:
                     saved.tensors, saved.grads = [loss], [None]
                 else:
                     data.outputs[m] = [o.detach() if isinstance(o, torch.Tensor) else o for o in flat]
+        if write_back:
+            with torch.no_grad():
+                for i, given in write_back:
+                    given.copy_(first_run[0][i])
         event = self._event()
         for name, value in zip(self.stage.outputs, outs):
             for dst in self.consumers.get(name, ()) if not self.is_last else ():
