@@ -20,7 +20,7 @@ import pipesplit.passes.split.comm as comm
 from pipesplit.devices import device_name
 from pipesplit.errors import PlanError
 from pipesplit.meta import COMPUTE_OPS
-from pipesplit.passes.aliasing import inplace_inputs
+from pipesplit.passes.aliasing import inplace_inputs, storage_classes
 from pipesplit.passes.annotate.flops import hint
 from pipesplit.passes.split.snapshots import snapshot_state_reads
 from pipesplit.rng import seed_random_ops
@@ -172,6 +172,8 @@ def split_graph(
         graph.owning_module = gm  # for the analyses: a higher-order op's subgraph is an attribute of gm
         snapshot_state_reads(graph, lambda t: _is_buffer(attr_objs.get(t)))
         mutated = frozenset(inplace_inputs(graph))
+        if mutated:
+            _refuse_written_aliases(s, needs[s], mutated, gm)
         graph.owning_module = None
         seed_random_ops(graph)  # reproducible per (stage, microbatch) under a pipeline; see pipesplit.rng
         graph.lint()
@@ -180,6 +182,27 @@ def split_graph(
     root, boundaries = _root_graph(gm, pieces, placeholders, devices, stage_of, by_name)
     outputs = [("value", o.name) if isinstance(o, fx.Node) else ("const", o) for o in flat_outputs]
     return SplitGraph(pieces, root, boundaries, outputs)
+
+
+def _refuse_written_aliases(stage: int, inputs: Collection[fx.Node], mutated: frozenset[str],
+                            gm: fx.GraphModule) -> None:
+    """A stage may write an input in place only where no other input of it is the same tensor in the
+    model (a view, or dropout's result at p == 0): across a cut the two travel as separate tensors, so
+    the write would not reach the other, which the model reads written."""
+    classes = storage_classes(gm.graph)
+    by_root: dict[Any, list[str]] = {}
+    for a in inputs:
+        by_root.setdefault(classes.root(a), []).append(a.name)
+    for names in by_root.values():
+        written = [n for n in names if n in mutated]
+        if written and len(names) > 1:
+            raise PlanError(
+                f"stage {stage} receives {', '.join(repr(n) for n in names)}, which are one tensor in the model "
+                f"(views or aliases of each other), and writes {written[0]!r} in place. Across a cut they travel as "
+                "separate tensors, so the write would not reach the others and the program would differ from the "
+                "model. Keep the ops that make and write them in one stage (compile(..., split_points=[...]) "
+                "elsewhere), or write out of place (x.relu() instead of x.relu_())."
+            )
 
 
 def _is_buffer(obj: Any) -> bool:
