@@ -17,21 +17,6 @@ SPLIT_BACKWARD = ("zb_h1", "zb_v", "dualpipe_v")
 # include every feature of an entry is not drawn (``--include-known`` draws it anyway). Delete an
 # entry when its fix merges; a NEW finding goes here as "new: ..." only with a repro in the report.
 KNOWN: dict[frozenset[str], str] = {
-    frozenset({"ema", "m>1", "multi_stage"}): "new: a buffer written in place then read (x + ema) with 2+ stages and "
-                                              "m > 1: wrong loss, varying run to run (rank threads race on it)",
-    frozenset({"inplace_input", "m>1"}): "new: the model writes its input in place (x.relu_(), x.add_(h)) with m > 1: "
-                                          "raw autograd error 'modified by an inplace operation' (microbatches are "
-                                          "views of one tensor, sharing its version counter); Dropout(0.0) returns the input "
-                                          "itself, so a write after it counts",
-    frozenset({"sparse", "tied_head"}): "new: nn.Embedding(sparse=True) tied to a head: raw RuntimeError "
-                                        "'add(sparse, dense) is not supported' summing the tied gradients",
-    frozenset({"checkpoint", "inplace"}): "new: checkpoint=True with an in-place op (v.relu_(), also on the input, "
-                                          "1 stage, m=1): raw autograd 'modified by an inplace operation'",
-    frozenset({"state_write", "dead_code"}): "new: unused layer outputs beside a buffer or parameter written in place: "
-                                             "raw SystemError at capture (KeyError 'linear' in export.py unlift), or a "
-                                             "missing gradient (looped_bfs), or wrong InstanceNorm running stats",
-    frozenset({"dist", "eval=prog"}): "new: prog(x) under torchrun after a Pipeline kept only this rank's stages: "
-                                      "raw TypeError 'NoneType' object is not callable, not a PipesplitError",
 }
 
 
