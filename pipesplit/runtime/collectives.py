@@ -93,6 +93,19 @@ class Layout:
         return [list(g) for g in sorted({tuple(g) for g in gathered})]
 
 
+def _refuse_sparse_gradients(prog: SplitProgram) -> None:
+    """Replicas sum gradients in dense buckets: a sparse one (``nn.Embedding(sparse=True)``) has no place
+    there, and a replica's error would leave the others waiting, so refuse it on every rank at once."""
+    for stage in prog.stages:
+        for node in stage.module.graph.nodes if stage.module is not None else ():
+            if node.target is torch.ops.aten.embedding.default and len(node.args) > 4 and node.args[4] is True:
+                raise PipesplitError(
+                    f"stage {stage.index} looks up a sparse embedding (nn.Embedding(sparse=True), node {node.name!r}); "
+                    "on a mesh with data parallelism (dp > 1) pipesplit sums gradients across replicas in dense "
+                    "buckets, which cannot hold a sparse gradient. Use nn.Embedding(sparse=False) or dp=1."
+                )
+
+
 class StepCollectives:
     """The collectives of a training step on the distributed executor."""
 
@@ -121,6 +134,8 @@ class StepCollectives:
                 self.shared.append((mine[holding], idx, [layout.global_ranks[r] for r in holding]))
         self.tied_groups = [(group, idx) for group, idx, _ in self.shared if prog.state_entry(idx).is_param]
         self.stats = RunningStats(prog, stage_to_rank, layout.rank) if layout.dp_size > 1 else None
+        if layout.dp_size > 1:
+            _refuse_sparse_gradients(prog)
         self._pending: list[tuple[Any, torch.Tensor, list[torch.Tensor]]] = []
 
     # -------------------------------------------------------------- gradients

@@ -100,12 +100,15 @@ def test_a_wrong_gradient_is_caught(monkeypatch):
     assert "run_case(Model, IO, CFG)" in str(info.value)
 
 
-def test_known_defects_are_steered_around_and_drawn_on_request():
+def test_known_defects_are_steered_around_and_drawn_on_request(monkeypatch):
     spec = ModelSpec((Layer("linear", 0),), input_grad=True)
     cfg = dict(seed=1, stages=1, schedule="gpipe", m=1, mb=2, example_batch=2, mb2=2, order="auto", recompute="auto",
                cost="flops", transport="auto", checkpoint=False, no_zero_grad=False, opt="sgd", eval="none",
                eval_pipe=False, freeze_mid=False)
+    assert not known(features(spec, cfg)) and run(spec, cfg) == "ok"  # KNOWN holds no entry for it
+    monkeypatch.setitem(KNOWN, frozenset({"input_grad"}), "new: an entry made for this test")
     assert known(features(spec, cfg)) and run(spec, cfg) == "known"
+    assert run(spec, cfg, include_known=True) == "ok"
     assert isinstance(build(spec), torch.nn.Module) and harness.RTOL < 1e-3
 
 
