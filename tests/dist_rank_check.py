@@ -8,20 +8,11 @@ import sys
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 import pipesplit
 from tests.close import assert_close
+from tests.test_weight_grads import SparseTiedHead
 from tests.training import chunk_tree, dot_loss
-
-
-class SparseTiedHead(nn.Module):
-    def __init__(self, vocab: int = 16, d: int = 8):
-        super().__init__()
-        self.emb, self.lin = nn.Embedding(vocab, d, sparse=True), nn.Linear(d, d)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(self.lin(self.emb(ids)), self.emb.weight)
 
 
 def main() -> int:

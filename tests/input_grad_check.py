@@ -9,24 +9,11 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 import pipesplit
 from tests.launch import end_rank
+from tests.test_training import TwoInputs
 from tests.training import accumulate, dot_loss, make_target
-
-
-class TwoInputs(nn.Module):
-    """``x`` enters at the first stage, ``scale`` (a keyword) at the last."""
-
-    def __init__(self, d: int = 8):
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(d, d) for _ in range(4))
-
-    def forward(self, x, scale):
-        for layer in self.layers:
-            x = torch.tanh(layer(x))
-        return x * scale
 
 
 def main() -> int:
