@@ -5,12 +5,18 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import cast
 
+import torch
 import torch.fx as fx
 
 from pipesplit.errors import CostError
 
 META_KEY = "pipesplit_cost"
 COMPUTE_OPS = ("call_function", "call_module", "call_method")  # the nodes that run an operation
+
+
+def is_sparse_lookup(node: fx.Node) -> bool:
+    """An ``nn.Embedding(sparse=True)`` lookup: its weight gets a sparse gradient."""
+    return node.target is torch.ops.aten.embedding.default and len(node.args) > 4 and node.args[4] is True
 
 
 def node_module_paths(node: fx.Node) -> list[str]:

@@ -20,7 +20,7 @@ import pipesplit.passes.split.comm as comm
 from pipesplit.devices import device_name
 from pipesplit.errors import PlanError
 from pipesplit.meta import COMPUTE_OPS
-from pipesplit.passes.aliasing import inplace_inputs, storage_classes
+from pipesplit.passes.aliasing import StorageClasses, inplace_inputs, storage_classes
 from pipesplit.passes.annotate.flops import hint
 from pipesplit.passes.split.snapshots import snapshot_state_reads
 from pipesplit.rng import seed_random_ops
@@ -143,6 +143,7 @@ def split_graph(
             attr_nodes.setdefault(str(node.target), []).append(node)
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     pieces: list[StagePiece] = []
+    classes: StorageClasses | None = None
     for s, names in enumerate(stages):
         graph = fx.Graph()
         env: dict[fx.Node, fx.Node] = {}
@@ -173,7 +174,8 @@ def split_graph(
         snapshot_state_reads(graph, lambda t: _is_buffer(attr_objs.get(t)))
         mutated = frozenset(inplace_inputs(graph))
         if mutated:
-            _refuse_written_aliases(s, needs[s], mutated, gm)
+            classes = classes or storage_classes(gm.graph)  # once for the whole graph, where any stage needs it
+            _refuse_written_aliases(s, needs[s], mutated, classes)
         graph.owning_module = None
         seed_random_ops(graph)  # reproducible per (stage, microbatch) under a pipeline; see pipesplit.rng
         graph.lint()
@@ -185,11 +187,10 @@ def split_graph(
 
 
 def _refuse_written_aliases(stage: int, inputs: Collection[fx.Node], mutated: frozenset[str],
-                            gm: fx.GraphModule) -> None:
+                            classes: StorageClasses) -> None:
     """A stage may write an input in place only where no other input of it is the same tensor in the
     model (a view, or dropout's result at p == 0): across a cut the two travel as separate tensors, so
     the write would not reach the other, which the model reads written."""
-    classes = storage_classes(gm.graph)
     by_root: dict[Any, list[str]] = {}
     for a in inputs:
         by_root.setdefault(classes.root(a), []).append(a.name)

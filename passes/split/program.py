@@ -114,7 +114,7 @@ class SplitProgram(ProgramState):
                 Stage(piece.index, module, device, piece.inputs, piece.outputs, piece.nodes, cost, tuple(piece.attrs),
                       piece.mutated_inputs, {captured.training: module}, self.capture_device)
             )
-            if not self.capture_device.type == "meta":  # a meta model's stages move at materialize()
+            if self.capture_device.type != "meta":  # a meta model's stages move at materialize()
                 self.stages[-1].place_graphs(device)
         self._owner: list[torch.Tensor | None] = [placement.owner(idx) for idx in range(len(captured.state))]
         self.uninitialised: set[int] = set()  # state entries given storage by materialize() and no values yet

@@ -17,6 +17,7 @@ from typing import Any, Sequence, cast
 import torch
 
 from pipesplit.errors import PipesplitError, RuntimeCommError
+from pipesplit.meta import is_sparse_lookup
 from pipesplit.passes.split.program import SplitProgram
 from pipesplit.runtime.running_stats import RunningStats
 
@@ -98,7 +99,7 @@ def _refuse_sparse_gradients(prog: SplitProgram) -> None:
     there, and a replica's error would leave the others waiting, so refuse it on every rank at once."""
     for stage in prog.stages:
         for node in stage.module.graph.nodes if stage.module is not None else ():
-            if node.target is torch.ops.aten.embedding.default and len(node.args) > 4 and node.args[4] is True:
+            if is_sparse_lookup(node):
                 raise PipesplitError(
                     f"stage {stage.index} looks up a sparse embedding (nn.Embedding(sparse=True), node {node.name!r}); "
                     "on a mesh with data parallelism (dp > 1) pipesplit sums gradients across replicas in dense "

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import operator
 
+import torch
+
 from pipesplit.errors import PipesplitError, ScheduleError
 from pipesplit.passes.split.program import SplitProgram
 from pipesplit.schedules import ActionKind, Schedule, resolve_schedule
@@ -40,8 +42,6 @@ def _backward_reads(prog: SplitProgram, stage: int, target: str) -> bool:
     """Whether a backward of stage ``stage`` may read the value of ``target``: some op with a gradient
     reads it (or a value aliasing it), other than an embedding's lookup table, whose backward needs
     only the indices, and reads inside a no-grad block, which save nothing."""
-    import torch
-
     graph = prog.stages[stage].module.graph
     todo = [n for n in graph.nodes if n.op == "get_attr" and n.target == target]
     like = todo[0].meta.get("val") if todo else None

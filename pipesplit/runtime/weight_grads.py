@@ -27,6 +27,7 @@ import torch
 import torch.fx as fx
 
 from pipesplit.compat import pytree
+from pipesplit.meta import is_sparse_lookup
 from pipesplit.passes.aliasing import StorageClasses, storage_classes
 from pipesplit.passes.annotate.rates import measured_once, quartile_seconds
 
@@ -90,7 +91,7 @@ def _direct(node: fx.Node, aliases: list[fx.Node], classes: StorageClasses, deri
     allowed = _DIRECT_WEIGHTS.get(node.target)  # type: ignore[call-overload]
     if allowed is None or node.kwargs or not _tensor_val(node) or classes.is_written(node):
         return None
-    if node.target is aten.embedding.default and len(node.args) > 4 and node.args[4]:
+    if is_sparse_lookup(node):
         return None
     for i, a in enumerate(node.args):
         if isinstance(a, fx.Node) and a in aliases:
