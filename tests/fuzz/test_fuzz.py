@@ -5,6 +5,7 @@ that the fuzzer itself can fail."""
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 import pytest
 import torch
@@ -120,3 +121,40 @@ def test_torchrun_legs(mesh):
     out = launch.torchrun("tests/fuzz/dist.py", nproc, "--mesh", mesh, "--cases", "6" if mesh == "pp" else "4",
                           "--seed", "22", timeout=900)
     assert "fuzz dist: 0 failures" in out.stdout, out.stdout[-4000:]
+
+
+def _skew(monkeypatch, factor: Callable[[], float]) -> None:
+    import pipesplit
+
+    step = pipesplit.Pipeline.step
+
+    def skewed(self, *args, **kwargs):
+        loss = step(self, *args, **kwargs)
+        for p in self.parameters():
+            if p.grad is not None:
+                p.grad.mul_(factor())
+        return loss
+
+    monkeypatch.setattr(pipesplit.Pipeline, "step", skewed)
+
+
+_CFG = dict(seed=1, stages=2, schedule="1f1b", m=2, mb=2, example_batch=2, mb2=2, order="auto", recompute="auto",
+            cost="flops", transport="auto", checkpoint=False, no_zero_grad=False, opt="sgd", eval="none",
+            eval_pipe=False, freeze_mid=False)
+_SPEC = ModelSpec((Layer("linear", 0, flag=True), Layer("batchnorm", 1), Layer("act", 2, 1)))
+
+
+def test_a_float32_only_difference_is_counted_as_rounding(monkeypatch):
+    """A difference past RTOL in float32 that is gone in float64 is rounding: counted, not reported."""
+    _skew(monkeypatch, lambda: 1.002 if torch.get_default_dtype() == torch.float32 else 1.0)
+    stats = Stats()
+    assert run(_SPEC, dict(_CFG), stats=stats) == "rounding"
+    assert stats.rounding == 1 and stats.ran == 1 and "1 float32 differences" in stats.summary()
+    assert torch.get_default_dtype() == torch.float32 and harness.RTOL == 5e-4  # restored
+
+
+def test_a_difference_that_float64_keeps_is_a_failure(monkeypatch):
+    """The float64 rerun is held to 1e-8: a gradient 1e-6 off there is still reported."""
+    _skew(monkeypatch, lambda: 1.002 if torch.get_default_dtype() == torch.float32 else 1 + 1e-6)
+    with pytest.raises(FuzzFailure, match="relative error"):
+        run(_SPEC, dict(_CFG))
