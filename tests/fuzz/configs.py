@@ -68,6 +68,7 @@ def draw_config(pick: Callable[[Any], Any], integer: Callable[[int, int], int], 
         "checkpoint": not writes_buffers and integer(0, 3) == 3, "no_zero_grad": integer(0, 3) == 3, "opt": opt,
         "eval": pick(("none", "train_forward", "pipe", "prog")), "eval_pipe": integer(0, 4) == 4,
         "freeze_mid": integer(0, 9) == 9,
+        "loss_param": integer(0, 4) == 4,  # the loss function trains a scale of its own (not the model's)
     }
 
 
@@ -78,5 +79,5 @@ def features(spec: ModelSpec, cfg: dict[str, Any], dist: str | None = None) -> s
     flags = {"rendezvous": cfg["transport"] == "rendezvous", "checkpoint": cfg["checkpoint"],
              "recapture": cfg["example_batch"] != cfg["mb"], "batch_change": cfg["mb2"] != cfg["mb"],
              "no_zero_grad": cfg["no_zero_grad"], "eval_pipe": cfg["eval_pipe"] and cfg["eval"] == "pipe",
-             "freeze_mid": cfg["freeze_mid"], "m>1": cfg["m"] > 1, "multi_stage": cfg["stages"] > 1, "dist": dist is not None, "mesh": dist == "mesh"}
+             "freeze_mid": cfg["freeze_mid"], "loss_param": cfg.get("loss_param", False), "m>1": cfg["m"] > 1, "multi_stage": cfg["stages"] > 1, "dist": dist is not None, "mesh": dist == "mesh"}
     return out | {name for name, on in flags.items() if on}

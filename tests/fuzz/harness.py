@@ -90,11 +90,12 @@ def chunks(args: tuple, kw: dict, target: Any, m: int) -> list[tuple[tuple, dict
     return [(a, k, t) for (a, k), t in zip(cut((args, kw)), cut(target) if target is not None else [None] * m)]
 
 
-def reference_step(ref: torch.nn.Module, args: tuple, kw: dict, target: Any, m: int) -> torch.Tensor:
+def reference_step(ref: torch.nn.Module, args: tuple, kw: dict, target: Any, m: int,
+                   loss_fn: Callable[[Any, Any], torch.Tensor] = dot_loss) -> torch.Tensor:
     total = torch.zeros(())
     try:
         for a, k, t in chunks(args, kw, target, m):
-            loss = dot_loss(ref(*a, **k), t)
+            loss = loss_fn(ref(*a, **k), t)
             loss.backward()
             total = total + loss.detach()
     except Exception as e:  # the plain model cannot run this case: not a test of pipesplit
@@ -121,12 +122,13 @@ class _Streamed(fx.Interpreter):
             return super().call_module(target, args, kwargs)
 
 
-def streamed_step(prog: Any, args: tuple, kw: dict, target: Any, m: int, seed: int) -> torch.Tensor:
+def streamed_step(prog: Any, args: tuple, kw: dict, target: Any, m: int, seed: int,
+                  loss_fn: Callable[[Any, Any], torch.Tensor] = dot_loss) -> torch.Tensor:
     total = torch.zeros(())
     for i, (a, k, t) in enumerate(chunks(args, kw, target, m)):
         prog.sync_tied()
         flat = _Streamed(prog, seed, i).run(*prog.flatten_inputs(a, k))
-        loss = dot_loss(pytree.tree_unflatten(prog.assemble_outputs(flat), prog.out_spec), t)
+        loss = loss_fn(pytree.tree_unflatten(prog.assemble_outputs(flat), prog.out_spec), t)
         loss.backward()
         total = total + loss.detach()
     return total
@@ -177,18 +179,23 @@ def run_case(make_model: Callable[[], torch.nn.Module], io: dict, cfg: dict, mes
     ref = copy.deepcopy(model)
     gen = torch.Generator().manual_seed(cfg["seed"])
     m, dp = cfg["m"], (mesh["dp"].size() if mesh is not None and "dp" in mesh.mesh_dim_names else 1)
+    # the loss function may train a scale of its own, outside the model: each side has its copy
+    scale_p, scale_r = (torch.tensor(1.5, requires_grad=True) for _ in range(2)) if cfg.get("loss_param") else (None, None)
+    loss_p, loss_r = (dot_loss, dot_loss) if scale_p is None else \
+        (lambda o, t: dot_loss(o, t) * scale_p, lambda o, t: dot_loss(o, t) * scale_r)
     try:
         ex_args, ex_kw = make_inputs(io, cfg["example_batch"], gen)
         prog = pipesplit.compile(model, ex_args, example_kwargs=ex_kw, num_stages=cfg["stages"], cost=cfg["cost"],
                                  order=cfg["order"], recompute=cfg["recompute"], progress=False)
-        pipe = pipesplit.Pipeline(prog, cfg["schedule"], num_microbatches=m, loss_fn=dot_loss, loss_reduction="sum",
+        pipe = pipesplit.Pipeline(prog, cfg["schedule"], num_microbatches=m, loss_fn=loss_p, loss_reduction="sum",
                                   checkpoint=cfg["checkpoint"], transport=cfg["transport"], timeout=60, mesh=mesh)
         eval_pipe = pipesplit.Pipeline(prog, "gpipe", num_microbatches=1, timeout=60, mesh=mesh) \
             if cfg["eval_pipe"] and cfg["eval"] == "pipe" else pipe
     except pipesplit.PipesplitError as e:
         raise Refused(f"{type(e).__name__}: {e}") from e
     held = dict(pipe.named_parameters())
-    opt, opt_ref = optimizer(cfg["opt"], held.values()), optimizer(cfg["opt"], ref.parameters())
+    extra_p, extra_r = ([scale_p], [scale_r]) if scale_p is not None else ([], [])
+    opt, opt_ref = optimizer(cfg["opt"], [*held.values(), *extra_p]), optimizer(cfg["opt"], [*ref.parameters(), *extra_r])
     for step, mb in enumerate((cfg["mb"], cfg["mb2"])):
         if step == 1 and cfg["freeze_mid"]:  # freeze the first trainable parameter of both
             name = next((n for n, p in ref.named_parameters() if p.requires_grad), None)
@@ -203,7 +210,7 @@ def run_case(make_model: Callable[[], torch.nn.Module], io: dict, cfg: dict, mes
         r_args, r_kw = fresh(args, kw, io["input_grad"])
         p_args, p_kw = fresh(args, kw, io["input_grad"])
         if io["dropout"]:
-            reference_step(copy.deepcopy(ref), r_args, r_kw, target, m * dp)  # Invalid if the model cannot train
+            reference_step(copy.deepcopy(ref), r_args, r_kw, target, m * dp, loss_r)  # Invalid if the model cannot train
         torch.manual_seed(1000 + step)
         seed = int(torch.randint(0, 2**62, ()).item())  # the draw pipe.step makes for its streams
         torch.manual_seed(1000 + step)
@@ -219,7 +226,8 @@ def run_case(make_model: Callable[[], torch.nn.Module], io: dict, cfg: dict, mes
                 for k, v in prog.state_dict().items():
                     v.copy_(before[k])
             s_args, s_kw = fresh(args, kw, io["input_grad"])  # a model without parameters needs a graph too
-            want = streamed_step(prog, s_args, s_kw, target, m, seed)
+            want = streamed_step(prog, s_args, s_kw, target, m, seed, loss_p if scale_p is None else
+                                 lambda o, t: dot_loss(o, t) * scale_p.detach())
             close("loss (dropout, streamed)", loss, want)
             for n, p in held.items():
                 if p.grad is not None:
@@ -228,7 +236,7 @@ def run_case(make_model: Callable[[], torch.nn.Module], io: dict, cfg: dict, mes
             with torch.no_grad():  # the statistics the masks gave, so that eval compares the same state
                 ref.load_state_dict(prog.state_dict(), strict=False)
             break
-        want = reference_step(ref, r_args, r_kw, target, m * dp)
+        want = reference_step(ref, r_args, r_kw, target, m * dp, loss_r)
         try:
             loss = pipe.step(*p_args, target=target, **p_kw)
         except pipesplit.PipesplitError as e:
@@ -236,6 +244,9 @@ def run_case(make_model: Callable[[], torch.nn.Module], io: dict, cfg: dict, mes
         state = held_state(pipe)
         compare_step(step, loss, want, held, ref, state, p_args[0] if io["input_grad"] else None,
                      r_args[0] if io["input_grad"] else None)
+        if scale_p is not None:
+            assert scale_p.grad is not None, f"step {step}: the loss function's own scale got no gradient"
+            close(f"gradient of the loss function's scale at step {step}", scale_p.grad, scale_r.grad)
         if cfg["no_zero_grad"] and step == 0:
             continue  # the second step accumulates into the first one's gradients
         opt.step(), opt_ref.step()
@@ -244,6 +255,8 @@ def run_case(make_model: Callable[[], torch.nn.Module], io: dict, cfg: dict, mes
         floor = 1e-4 * max((q.detach().double().norm().item() for q in ref_params.values()), default=0.0)
         for name, p in held.items():  # a bias at ~0 moved by a ~0 gradient compares against its neighbours' scale
             close(f"{name} after the optimizer step {step}", p, ref_params[name], floor)
+        if scale_p is not None:
+            close(f"the loss function's scale after the optimizer step {step}", scale_p, scale_r)
     check_outputs(cfg, io, ref, pipe, eval_pipe, prog, gen)
 
 
