@@ -267,7 +267,7 @@ class Pipeline:
             targets = split_target(target, total, self.target_batch_dim, mb * total)[first:first + m]
         scale = 1.0 / total if self.loss_reduction == "mean" else 1.0
         return StepData(inputs, targets, self.loss_fn, scale, training, mb, seed=self._step_seed(),
-                        microbatch_offset=first, whole=flat)
+                        microbatch_offset=first, whole=flat, dp_size=self.dp_size)
 
     def _step_seed(self) -> int:
         """One draw from torch's default generator per step, rank 0's on every rank (reproducible by seeding)."""
