@@ -29,6 +29,7 @@ from pipesplit.devices import concrete_device
 from pipesplit.meta import NodeCost, node_cost
 from pipesplit.passes.annotate.attention import ATTENTION, FUSED, attention_kernel, fused_work
 from pipesplit.passes.annotate.flops import numel_of, op_name, shape_of
+from pipesplit.passes.annotate.gpu_rates import gpu_bandwidth, gpu_per_element
 
 
 @dataclass(frozen=True)
@@ -74,13 +75,19 @@ class DeviceRates:
     def forward(self, c: NodeCost, moved: float, elements: tuple[float, float] = (0.0, 0.0)) -> float:
         """``elements``: the op's activation and normalisation elements (see :func:`heavy_elements`)."""
         per = elements[0] * self.activation_s[0] + elements[1] * self.norm_s[0]
-        return self.forward_op_s + self.flop_seconds(c.fwd_flops) + max(moved / self.bytes_per_s, per)
+        return self._op(self.forward_op_s, self.flop_seconds(c.fwd_flops) + max(moved / self.bytes_per_s, per))
 
     def input_grad(self, c: NodeCost, moved: float, elements: tuple[float, float] = (0.0, 0.0)) -> float:
         if not c.requires_grad:
             return 0.0
         per = elements[0] * self.activation_s[1] + elements[1] * self.norm_s[1]
-        return self.backward_op_s + self.flop_seconds(c.igrad_flops) + max(moved / self.bytes_per_s, per)
+        return self._op(self.backward_op_s, self.flop_seconds(c.igrad_flops) + max(moved / self.bytes_per_s, per))
+
+    def _op(self, host: float, work: float) -> float:
+        """One op: the host's fixed cost and the device's work. A CPU does both in turn; a GPU runs
+        its kernels while the host launches the next ones, so an op costs the longer of the two
+        (a run of tiny kernels is host-bound, a large multiply device-bound)."""
+        return max(host, work) if self.kind == "cuda" else host + work
 
     def weight_grad(self, c: NodeCost, weight_bytes: float) -> float:
         if not c.wgrad_flops:
@@ -223,16 +230,21 @@ def _measure(device: str, threads: int, probes: tuple[Probe, ...] = ()) -> Devic
         seconds = quartile_seconds(lambda: torch.mm(a, b), 5, sync)
         curve.append((2.0 * m * k * n, 2.0 * m * k * n / max(seconds - forward_op, seconds / 2)))
     curve = sorted(dict(curve).items())  # ascending in FLOPs, one rate per size (interpolation divides by their gaps)
-    activation, norm = _per_element(dev, sync, forward_op, backward_op)
-    u, v = torch.randn(1 << 22, device=dev), torch.empty(1 << 22, device=dev)  # 48 MB: past the caches
-    moved = 3 * u.numel() * u.element_size()
-    add = quartile_seconds(lambda: torch.add(u, u, out=v), 5, sync)  # into the same buffer: no page faults timed
+    if dev.type == "cuda":  # small tensors time the launch there: slopes between two large sizes
+        timed = lambda fn: quartile_seconds(fn, 5, sync)  # noqa: E731
+        activation, norm = gpu_per_element(dev, timed)
+        bytes_per_s = gpu_bandwidth(dev, timed)
+    else:
+        activation, norm = _per_element(dev, sync, forward_op, backward_op)
+        u, v = torch.randn(1 << 22, device=dev), torch.empty(1 << 22, device=dev)  # 48 MB: past the caches
+        add = quartile_seconds(lambda: torch.add(u, u, out=v), 5, sync)  # into the same buffer: no page faults timed
+        bytes_per_s = 3 * u.numel() * u.element_size() / max(add - forward_op, add / 2)
     return DeviceRates(
         device=str(dev),
         forward_op_s=forward_op,
         backward_op_s=backward_op,
         flops_per_s=curve[-1][1],
-        bytes_per_s=moved / max(add - forward_op, add / 2),
+        bytes_per_s=bytes_per_s,
         flop_curve=tuple(curve),
         activation_s=activation,
         norm_s=norm,

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import weakref
 from dataclasses import dataclass
-from typing import Any, Collection, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -17,6 +18,7 @@ from pipesplit.passes.plan.objective import (
     DEFAULT_FLOPS_PER_S, CommModel, MemoryModel, activation_units_per_stage, in_flight_per_stage,
 )
 from pipesplit.passes.plan.planner import cost_function
+from pipesplit.passes.annotate.gpu_rates import gpu_slowdown
 from pipesplit.passes.annotate.rates import concurrent_slowdown, device_rates, largest_matmul
 from pipesplit.passes.plan.step_planner import node_seconds
 from pipesplit.passes.split.program import SplitProgram
@@ -143,6 +145,28 @@ def cpu_ranks(prog: SplitProgram, schedule: Schedule) -> set[int]:
     return {schedule.stage_to_rank[s.index] for s in prog.stages if s.device.type == "cpu"}
 
 
+SharingGroups = list[tuple[set[int], Callable[[int], float]]]
+
+
+def sharing_groups(prog: SplitProgram, schedule: Schedule) -> SharingGroups:
+    """The ranks that share one resource in the local executor, with how much each slows while
+    ``n`` of them compute: the CPU ranks share the host's cores
+    (:func:`~pipesplit.passes.annotate.rates.concurrent_slowdown`), the ranks of each GPU that
+    holds two or more share that GPU (:func:`~pipesplit.passes.annotate.gpu_rates.gpu_slowdown`).
+    A group of one shares nothing and is left out."""
+    by_device: dict[torch.device, set[int]] = {}
+    for s in prog.stages:
+        by_device.setdefault(s.device, set()).add(schedule.stage_to_rank[s.index])
+    groups: SharingGroups = []
+    cpu = cpu_ranks(prog, schedule)
+    if len(cpu) > 1:
+        groups.append((cpu, concurrent_slowdown))
+    for dev, ranks in sorted(by_device.items(), key=lambda kv: str(kv[0])):
+        if dev.type == "cuda" and len(ranks) > 1:
+            groups.append((ranks, functools.partial(gpu_slowdown, str(dev))))
+    return groups
+
+
 _WEIGHT_OPS: "weakref.WeakKeyDictionary[torch.nn.Module, int]" = weakref.WeakKeyDictionary()
 
 
@@ -180,19 +204,18 @@ def predict(
     example = prog.example_batch or batch
     scale = (batch / m) / example
     costs = split_backward(prog, schedule, stage_seconds(prog, cost, scale))
-    shared = cpu_ranks(prog, schedule) if local else set()
-    comm_s, timeline = step_timeline(prog, schedule, costs, batch, comm or CommModel(), shared=shared)
+    groups = sharing_groups(prog, schedule) if local else []
+    comm_s, timeline = step_timeline(prog, schedule, costs, batch, comm or CommModel(), groups=groups)
     mem = memory_estimate(prog, schedule, scale, memory or MemoryModel(optimizer_factor=0.0))
     return Prediction(costs, comm_s, timeline, mem)
 
 
 def step_timeline(prog: SplitProgram, schedule: Schedule, costs: Sequence[StageCost], batch: int,
-                  comm: CommModel, *, shared: Collection[int] = ()) -> tuple[list[float], Timeline]:
+                  comm: CommModel, *, groups: SharingGroups | None = None) -> tuple[list[float], Timeline]:
     """``schedule``'s step over ``prog``'s stages at ``costs`` (predicted or measured, alone), with
     the seconds each cut takes to carry a microbatch of a ``batch``: (those seconds, the timeline).
-    Two or more ``shared`` ranks share this host's cores (:func:`predict`)."""
+    The ranks of each of ``groups`` share one resource (:func:`sharing_groups`, :func:`predict`)."""
     comm_s = cut_seconds(prog, batch, schedule.num_microbatches, comm)
-    if len(shared) > 1:
-        return comm_s, simulate_shared(schedule, list(costs), comm_s if comm_s else 0.0,
-                                       slowdown=concurrent_slowdown, shared=shared)
+    if groups:
+        return comm_s, simulate_shared(schedule, list(costs), comm_s if comm_s else 0.0, groups=groups)
     return comm_s, simulate(schedule, list(costs), comm_cost=comm_s if comm_s else 0.0)

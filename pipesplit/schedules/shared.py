@@ -37,24 +37,39 @@ def simulate_shared(
     stage_costs: CostLike | Sequence[CostLike],
     comm_cost: float | Sequence[float] = 0.0,
     *,
-    slowdown: Callable[[int], float],
+    slowdown: Callable[[int], float] | None = None,
     shared: Collection[int] | None = None,
+    groups: Sequence[tuple[Collection[int], Callable[[int], float]]] | None = None,
 ) -> Timeline:
     """:func:`~pipesplit.schedules.simulate`, with the ranks in ``shared`` (default: all)
     sharing one host's cores.
 
     ``stage_costs`` are each action's seconds alone. While ``n`` ranks of ``shared`` compute,
     each of them progresses ``slowdown(n)`` (>= 1) times slower; ranks outside ``shared``
-    (GPU stages) always run at full speed. Transfers and RECV waits take no cores.
+    always run at full speed. Transfers and RECV waits take no cores.
     Overlapped pairs run as two actions, as pipesplit's executors run them.
+
+    ``groups``, instead of ``shared`` and ``slowdown``: several shared resources at once, each
+    a set of ranks with its own slowdown (the CPU ranks sharing the host's cores, the ranks of
+    each GPU sharing that GPU). A rank belongs to one group at most.
     """
     validate(schedule)
     costs = stage_costs_of(schedule, stage_costs)
-    sharing = set(range(schedule.num_ranks) if shared is None else shared)
-    outside = sorted(r for r in sharing if not (isinstance(r, int) and 0 <= r < schedule.num_ranks))
-    if outside:
-        raise ScheduleError(f"simulate_shared: shared ranks {outside} are not ranks of {schedule.name!r} "
-                            f"(0..{schedule.num_ranks - 1}).")
+    if groups is None:
+        if slowdown is None:
+            raise ScheduleError("simulate_shared: give slowdown= (with shared=) or groups=.")
+        groups = [(set(range(schedule.num_ranks)) if shared is None else set(shared), slowdown)]
+    group_of: dict[int, int] = {}
+    for g, (ranks, _) in enumerate(groups):
+        outside = sorted(r for r in ranks if not (isinstance(r, int) and 0 <= r < schedule.num_ranks))
+        if outside:
+            raise ScheduleError(f"simulate_shared: shared ranks {outside} are not ranks of {schedule.name!r} "
+                                f"(0..{schedule.num_ranks - 1}).")
+        twice = sorted(r for r in ranks if r in group_of)
+        if twice:
+            raise ScheduleError(f"simulate_shared: ranks {twice} are in two sharing groups; a rank shares one "
+                                "resource at most.")
+        group_of.update((r, g) for r in ranks)
     backward_of = backward_index(schedule)
     num_ranks = schedule.num_ranks
 
@@ -102,9 +117,11 @@ def simulate_shared(
                         continue
                 finish(rank)
                 started = True
-        busy = sum(1 for r in sharing if work[r] is not None)
-        factor = max(1.0, slowdown(busy)) if busy else 1.0
-        rate = [1.0 / factor if r in sharing else 1.0 for r in range(num_ranks)]
+        factors = []
+        for ranks, slow in groups:
+            busy = sum(1 for r in ranks if work[r] is not None)
+            factors.append(max(1.0, slow(busy)) if busy else 1.0)
+        rate = [1.0 / factors[group_of[r]] if r in group_of else 1.0 for r in range(num_ranks)]
         events = [now + w / rate[r] for r, w in enumerate(work) if w is not None]
         events += [u for u in until if u is not None]
         if not events:
