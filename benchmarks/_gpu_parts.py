@@ -189,7 +189,16 @@ def part_overhead(args: argparse.Namespace, res: Result) -> None:
     def plain_step(net: torch.nn.Module = plain) -> None:
         ce(net(x), y).backward()
 
-    steps: dict[str, Callable[[], Any]] = {"plain": plain_step, "pipesplit 1 stage": lambda: pipe.step(x, target=y)}
+    prog, stage = pipe.prog, pipe.prog.stages[0].module
+
+    def prog_step() -> None:  # the split program in the caller's thread: no rank thread, stream or event
+        ce(prog(x), y).backward()
+
+    def stage_step() -> None:  # the stage's exported graph alone, called as a module
+        ce(stage(x)[0], y).backward()
+
+    steps: dict[str, Callable[[], Any]] = {"plain": plain_step, "pipesplit 1 stage": lambda: pipe.step(x, target=y),
+                                           "prog(x) + backward": prog_step, "stage graph + backward": stage_step}
     rounds = 3 if args.smoke else 5 if args.quick else 30
     shape = f"GPT {tuple(x.shape)} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters)"
 
@@ -207,13 +216,16 @@ def part_overhead(args: argparse.Namespace, res: Result) -> None:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.startswith("cuda") else [])
     every_thread, config = all_threads()
     for label in ("pipesplit 1 stage", "plain"):
-        with profile(activities=activities, **config) as prof:
+        with profile(activities=activities, record_shapes=True, **config) as prof:
             for _ in range(3):
                 steps[label]()
             sync(dev)
         table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=50)
         res.add(f"profile {label}", table, f"torch.profiler, 3 steps of {label} (CPU{'+CUDA' if len(activities) > 1 else ''}"
                 f" activities, {every_thread}), by self CPU time:\n\n```\n{table}\n```")
+        shapes = prof.key_averages(group_by_input_shape=True).table(
+            sort_by="self_cpu_time_total", row_limit=8, max_name_column_width=30, max_shapes_column_width=60)
+        res.add(f"shapes {label}", shapes, f"the same, by op and input shapes:\n\n```\n{shapes}\n```")
     # last: inductor's compile takes ~30 s on a GPU, minutes on a CPU: quick runs take dynamo alone (eager backend)
     backend = "eager" if args.quick else "inductor"
     compiled = torch.compile(copy.deepcopy(model), backend=backend)
@@ -251,9 +263,18 @@ def part_predict(args: argparse.Namespace, res: Result) -> None:
                          " / ".join(f"{a * 1e3:.1f}" for a in r.predicted_bwd_s),
                          " / ".join(f"{a * 1e3:.1f}" for a in r.measured_bwd_s), f"{r.balance:.2f}"])
             res.add("rows", rows)
+    from pipesplit.passes.annotate.gpu_rates import gpu_slowdown
+    from pipesplit.passes.annotate.rates import device_rates
+
+    r = device_rates(dev)  # what the default cost priced with (the largest probe aside)
+    shared = ", ".join(f"{n} streams x{gpu_slowdown(dev, n):.2f}" for n in (2, 4)) if dev.startswith("cuda") else "n/a"
+    rates = (f"rates: {r.describe()}; per element (forward, backward): activation {r.activation_s[0]:.3g} / "
+             f"{r.activation_s[1]:.3g} s, norm {r.norm_s[0]:.3g} / {r.norm_s[1]:.3g} s; one GPU shared by {shared}")
+    res.add("rates", rates)
     res.add("model", f"GPT {layers}x{dim}, vocab {vocab}, seq {seq}, batch {batch}, m={m}, 1f1b",
             f"GPT {layers}x{dim}, vocab {vocab}, seq {seq}, batch {batch}, {m} microbatches, 1f1b, fp32; "
             "per-stage times per microbatch (ms); goal: measured/predicted within 1.3 (flops), 1.15 (profile)\n\n"
+            f"{rates}\n\n"
             + markdown_table(["cost", "stages", "predicted step ms", "measured ms", "measured/predicted",
                               "F predicted", "F measured", "B predicted", "B measured", "balance"], rows,
                              "lrrrrrrrrr"))
