@@ -39,6 +39,9 @@ class NodeCost:
     param_bytes: int = 0  # bytes of the parameter/buffer this node reads (get_attr nodes)
     trainable: bool = False  # a get_attr of a parameter that requires grad
     out_bytes: int = 0  # bytes of the tensors this node produces
+    # bytes of new storage it allocates: its out_bytes, or 0 for a view or an in-place write of storage
+    # already counted (an earlier node's, a parameter's, an input's); what activation memory adds up
+    held_bytes: int = 0
     sendable: bool = True  # its value may cross a stage boundary (tensors, ints, None)
     requires_grad: bool = False  # its value carries a gradient in training
     known: bool = True  # False: no formula for the op; FLOPs estimated from output size

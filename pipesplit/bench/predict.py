@@ -132,7 +132,7 @@ def memory_estimate(prog: SplitProgram, schedule: Schedule, scale: float, memory
     for stage, nodes in zip(prog.stages, _stage_nodes(prog)):
         state = sum(t.numel() * t.element_size() for t in stage.module.parameters())
         state += sum(t.numel() * t.element_size() for t in stage.module.buffers())
-        act = sum(node_cost(n).out_bytes for n in nodes) * scale
+        act = sum(node_cost(n).held_bytes for n in nodes) * scale  # each storage once: views are free
         inputs = sum(b.nbytes for b in prog.boundaries if b.dst == stage.index) * scale
         out.append(memory.stage_bytes(float(state), float(act), float(inputs), in_flight[stage.index],
                                       units[stage.index]))
