@@ -181,6 +181,8 @@ def split_graph(
         graph.lint()
         pieces.append(StagePiece(s, graph, attr_objs, inputs, [o.name for o in outs], list(names), mutated))
 
+    if classes is not None:
+        _refuse_stale_aliases(gm, classes, needs, rebuilt, stage_of, order, flat_outputs)
     root, boundaries = _root_graph(gm, pieces, placeholders, devices, stage_of, by_name)
     outputs = [("value", o.name) if isinstance(o, fx.Node) else ("const", o) for o in flat_outputs]
     return SplitGraph(pieces, root, boundaries, outputs)
@@ -204,6 +206,43 @@ def _refuse_written_aliases(stage: int, inputs: Collection[fx.Node], mutated: fr
                 "model. Keep the ops that make and write them in one stage (compile(..., split_points=[...]) "
                 "elsewhere), or write out of place (x.relu() instead of x.relu_())."
             )
+
+
+def _refuse_stale_aliases(gm: fx.GraphModule, classes: StorageClasses, needs: list[dict[fx.Node, None]],
+                          rebuilt: list[dict[fx.Node, None]], stage_of: dict[fx.Node, int],
+                          order: dict[fx.Node, int], flat_outputs: list[Any]) -> None:
+    """A stage writes in place a value it received; another stage (or the program's output) reads
+    that value, or an alias of it made before the write (a view, dropout's result at p == 0), after
+    the write in the model's order. The writer works on its own copy, so the reader would see the
+    value unwritten where the model sees it written: refused by name (the fuzzer found
+    ``v3 = dropout(v0, 0.0); v0.relu_()`` in another stage, ``return v3``: loss 32% off)."""
+    members: dict[Any, list[fx.Node]] = {}
+    for n in gm.graph.nodes:
+        members.setdefault(classes.root(n), []).append(n)
+    stages_of = {n: {s} for n, s in stage_of.items()}
+    for t, nodes in enumerate(rebuilt):
+        for n in nodes:
+            stages_of.setdefault(n, set()).add(t)
+    outputs = {o for o in flat_outputs if isinstance(o, fx.Node)}
+    for writer, written in classes.writes.items():
+        s = stage_of.get(writer)
+        for x in written:
+            if s is None or x not in needs[s] or x.op in ("placeholder", "get_attr"):
+                continue  # written where it was made (or an input or a parameter: handled where they are fed)
+            for b in members[classes.root(x)]:
+                if order[b] >= order[writer] or stage_of.get(b) == s or b.op in ("placeholder", "get_attr"):
+                    continue
+                late = [u for u in b.users if order[u] > order[writer] and stages_of.get(u, {s}) - {s}]
+                if late or b in outputs:
+                    reader = (f"{late[0].name!r} in stage {min(stages_of[late[0]] - {s})}" if late
+                              else "the program's output")
+                    raise PlanError(
+                        f"stage {s} writes {x.name!r} in place ({writer.name!r}), and {reader} reads "
+                        f"{b.name!r}{' (the same tensor)' if b is x else f', an alias of it,'} after that write in the "
+                        f"model. Stage {s} writes its own copy of what it receives, so the reader would see the "
+                        "value unwritten. Keep the ops that make, write and read it in one stage "
+                        "(compile(..., split_points=[...]) elsewhere), or write out of place (x.relu() instead of "
+                        "x.relu_()).")
 
 
 def _is_buffer(obj: Any) -> bool:
