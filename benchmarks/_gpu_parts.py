@@ -266,10 +266,16 @@ def part_predict(args: argparse.Namespace, res: Result) -> None:
     from pipesplit.passes.annotate.gpu_rates import gpu_slowdown
     from pipesplit.passes.annotate.rates import device_rates
 
-    r = device_rates(dev)  # what the default cost priced with (the largest probe aside)
+    from pipesplit.bench.predict import _stage_nodes, device_share
+    from pipesplit.passes.annotate.rates import largest_matmul
+
+    one = pipesplit.compile(model, x[: batch // m], num_stages=1, devices=[dev], progress=False)
+    nodes = _stage_nodes(one)[0]
+    r = device_rates(dev, largest_matmul(nodes))  # what the default cost priced with
     shared = ", ".join(f"{n} streams x{gpu_slowdown(dev, n):.2f}" for n in (2, 4)) if dev.startswith("cuda") else "n/a"
     rates = (f"rates: {r.describe()}; per element (forward, backward): activation {r.activation_s[0]:.3g} / "
-             f"{r.activation_s[1]:.3g} s, norm {r.norm_s[0]:.3g} / {r.norm_s[1]:.3g} s; one GPU shared by {shared}")
+             f"{r.activation_s[1]:.3g} s, norm {r.norm_s[0]:.3g} / {r.norm_s[1]:.3g} s; one GPU shared by {shared} "
+             f"(large multiplies); the model's device share {device_share(nodes, r, 1.0):.2f}")
     res.add("rates", rates)
     res.add("model", f"GPT {layers}x{dim}, vocab {vocab}, seq {seq}, batch {batch}, m={m}, 1f1b",
             f"GPT {layers}x{dim}, vocab {vocab}, seq {seq}, batch {batch}, {m} microbatches, 1f1b, fp32; "

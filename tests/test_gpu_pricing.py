@@ -66,11 +66,15 @@ def _prog(devices):
 
 
 def test_stages_on_one_gpu_form_a_sharing_group_per_gpu(monkeypatch):
-    monkeypatch.setattr(predict_mod, "gpu_slowdown", lambda device, n: {"cuda:0": 1.8, "cuda:1": 1.5}[device])
+    monkeypatch.setattr(predict_mod, "gpu_slowdown", lambda device, n: {"cuda:0": 1.8, "cuda:1": 1.5}[device] * n / 2)
     monkeypatch.setattr(predict_mod, "concurrent_slowdown", lambda n: 1.2)
+    monkeypatch.setattr(predict_mod, "_stage_nodes", lambda prog: [[] for _ in prog.stages])
+    monkeypatch.setattr(predict_mod, "device_rates", lambda dev, largest=None: None)
+    monkeypatch.setattr(predict_mod, "device_share", lambda nodes, rates, scale: 0.8)
     s = get_schedule("1f1b", num_ranks=4, num_microbatches=4)
     groups = predict_mod.sharing_groups(_prog(["cuda:0", "cuda:0", "cuda:1", "cuda:1"]), s)
-    assert [(ranks, slow(2)) for ranks, slow in groups] == [({0, 1}, 1.8), ({2, 3}, 1.5)]
+    assert [(ranks, slow(2)) for ranks, slow in groups] == [({0, 1}, pytest.approx(1.44)), ({2, 3}, pytest.approx(1.2))]
+    assert groups[1][1](4) == pytest.approx(2.4), "the device's share of the measured slowdown"
     assert predict_mod.sharing_groups(_prog(["cuda:0", "cuda:1", "cuda:2", "cuda:3"]), s) == [], "a GPU each"
     mixed = predict_mod.sharing_groups(_prog(["cpu", "cpu", "cuda:0", "cuda:1"]), s)
     assert [(ranks, slow(2)) for ranks, slow in mixed] == [({0, 1}, 1.2)]
@@ -104,3 +108,19 @@ def test_four_stages_sharing_one_gpu_take_about_the_work_of_all_of_them():
 def test_streams_on_one_gpu_slow_each_other():
     f = gpu_rates.gpu_slowdown("cuda:0", 2)
     assert 1.0 <= f <= 2.5 and gpu_rates.gpu_slowdown("cuda:0", 1) == 1.0
+
+
+def test_a_stage_of_launches_shares_a_gpu_freely_one_of_multiplies_does_not():
+    """device_share: small ops are host-bound (their launch hides the device's work), large
+    multiplies device-bound; sharing slows stages by their share of the measured slowdown only."""
+    from pipesplit.capture import capture
+    from pipesplit.passes.annotate.costs import annotate_costs
+    from pipesplit.models import gpt
+
+    gpu = DeviceRates("cuda:0", **RATES)
+    tiny = annotate_costs(capture(gpt(layers=1, dim=8, vocab=16, seq=4, heads=2), torch.randint(0, 16, (2, 4)),
+                                  dynamic=False).gm)
+    nodes = [n for n in tiny.graph.nodes if n.op == "call_function"]
+    assert predict_mod.device_share(nodes, gpu, 1.0) < 0.05, "a tiny GPT: launches"
+    assert predict_mod.device_share(nodes, gpu, 1e6) > 0.9, "the same ops a million times larger: work"
+    assert predict_mod._shared_gpu.__name__ and max(1.0, 1.9 * 0.02) == 1.0

@@ -81,6 +81,7 @@ def gpu_slowdown(device: str, threads: int) -> float:
     streams = [torch.cuda.Stream(dev) for _ in range(threads)]
 
     def work(stream: torch.cuda.Stream) -> None:
+        torch.cuda.set_device(dev)  # a new thread has no current device (cuBLAS warns, then guesses)
         with torch.cuda.stream(stream):
             for _ in range(40):
                 torch.nn.functional.gelu(torch.mm(a, b))
