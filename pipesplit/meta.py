@@ -42,6 +42,9 @@ class NodeCost:
     # bytes of new storage it allocates: its out_bytes, or 0 for a view or an in-place write of storage
     # already counted (an earlier node's, a parameter's, an input's); what activation memory adds up
     held_bytes: int = 0
+    # elements of a model output this node makes: the loss function reads each (in the last stage),
+    # priced like an activation forward and backward (a 32k-vocabulary cross-entropy is not free)
+    loss_elements: int = 0
     sendable: bool = True  # its value may cross a stage boundary (tensors, ints, None)
     requires_grad: bool = False  # its value carries a gradient in training
     known: bool = True  # False: no formula for the op; FLOPs estimated from output size

@@ -132,11 +132,27 @@ def annotate_costs(gm: fx.GraphModule, inputs_require_grad: Sequence[bool] = ())
             ),
         )
     _mark_new_storage(gm)
+    _mark_loss_inputs(gm)
     reached = _gradient_reaches(gm, needs_grad)
     for node, needs in needs_grad.items():
         if needs and node not in reached and node.op != "get_attr":  # its gradient is never computed
             set_node_cost(node, replace(node_cost(node), igrad_flops=0, wgrad_flops=0, requires_grad=False))
     return gm
+
+
+def _mark_loss_inputs(gm: fx.GraphModule) -> None:
+    """``loss_elements`` on the nodes that make the model's floating-point outputs: a loss reads
+    every output element once forward and once backward. Issue 24 measured on an H100: 4 stages of a
+    GPT 12x768 with an 8192-word vocabulary, the last stage's backward 14 ms where the others' took
+    6-7, the head and the cross-entropy the plan did not count."""
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    for node in dict.fromkeys(a for a in pytree.tree_leaves(output.args) if isinstance(a, fx.Node)):
+        val = node.meta.get("val")
+        if node.op == "call_function" and isinstance(val, torch.Tensor) and val.is_floating_point():
+            n = 1
+            for d in val.shape:
+                n *= hint(d)
+            set_node_cost(node, replace(node_cost(node), loss_elements=n))
 
 
 def _mark_new_storage(gm: fx.GraphModule) -> None:

@@ -148,7 +148,11 @@ def priced(node: fx.Node, rates: DeviceRates) -> tuple[float, float, float]:
         work = replace(c, fwd_flops=int(fwd), igrad_flops=int(bwd))
         return rates.forward(work, moved), rates.input_grad(work, 2 * moved), rates.weight_grad(c, weights)
     elements = heavy_elements(node)
-    return rates.forward(c, moved, elements), rates.input_grad(c, moved, elements), rates.weight_grad(c, weights)
+    f, i, w = rates.forward(c, moved, elements), rates.input_grad(c, moved, elements), rates.weight_grad(c, weights)
+    if c.loss_elements:  # a model output: the loss function reads every element, forward and backward
+        f += c.loss_elements * rates.activation_s[0]
+        i += c.loss_elements * rates.activation_s[1] if c.requires_grad else 0.0
+    return f, i, w
 
 
 def quartile_seconds(fn: Callable[[], object], repeats: int, sync: Callable[[], None]) -> float:
