@@ -321,8 +321,11 @@ class StageWorker:
             if saved.loss_leaves:  # the loss function's own: through its few ops only, the graph kept for W
                 torch.autograd.backward(saved.tensors, saved.grads, inputs=saved.loss_leaves, retain_graph=True)
         else:
-            torch.autograd.backward(saved.tensors, saved.grads,
-                                    inputs=[*leaves, *saved.params, *saved.loss_leaves] or None)
+            # every leaf this graph reaches is the stage's: its trainable parameters, its input leaves
+            # (received values and the caller's inputs, detached here) and the loss function's own, so
+            # no ``inputs=`` list: naming them made autograd mark the graph first (~0.2 ms a step on a
+            # 12-block GPT), and a buffer the user made require grad gets its .grad as in plain PyTorch
+            torch.autograd.backward(saved.tensors, saved.grads)
             grads = [x.grad for x in leaves]
             saved.tensors = []  # the weight gradients are done too
         for (where, _), g in zip(saved.user_inputs, grads[len(saved.inputs):]):
