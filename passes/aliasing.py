@@ -40,6 +40,17 @@ def _schema_arg(node: fx.Node, i: int, name: str) -> Any:
     return node.args[i] if i < len(node.args) else node.kwargs.get(name)
 
 
+def _may_return_input(node: fx.Node) -> bool:
+    """A dropout (``input, p, train``) returns its input itself only where ``p == 0`` or it does not
+    train; with both known and ``p > 0`` in training it makes a new tensor. Treating that as an
+    alias made a write to the mask's result a write to the input: pipesplit copied the input back
+    to the caller, and a stage that had saved the input for its backward failed (the fuzzer)."""
+    p = _schema_arg(node, 1, "p")
+    train = _schema_arg(node, 2, "train")
+    known = isinstance(p, (int, float)) and not isinstance(p, bool) and isinstance(train, bool)
+    return not (known and p > 0 and train)
+
+
 def _has_tensor(node: fx.Node) -> bool:
     """The node's value holds a tensor (a node without a recorded value may)."""
     if "val" not in node.meta:
@@ -143,7 +154,7 @@ def _overload_effects(node: fx.Node) -> tuple[list[fx.Node], list[fx.Node]]:
             aliased += args
             if a.alias_info.is_write:
                 written += args
-    if schema.name.split("::")[-1] in RETURNS_INPUT_OPS:
+    if schema.name.split("::")[-1] in RETURNS_INPUT_OPS and _may_return_input(node):
         aliased += _nodes_in(node.args[:1])
     flag = BATCH_NORM_OPS.get(schema.name.split("::")[-1])
     if flag is not None:
