@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Optional, Sequence, cast
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, cast
 
 import torch
 from torch import nn
@@ -17,6 +17,7 @@ from pipesplit.passes.split.program import SplitProgram
 from pipesplit.state import zero_grads
 from pipesplit.runtime.microbatch import batch_size, merge_outputs, split_microbatches, split_target
 from pipesplit.runtime.collectives import Layout, StepCollectives
+from pipesplit.runtime.compiled import StageCompiler
 from pipesplit.runtime.distributed import place_rank, start_communicator
 from pipesplit.runtime.exchange import RankComm, program_edges
 from pipesplit.runtime.grad_edges import GradientEdges
@@ -94,6 +95,7 @@ class Pipeline:
         mesh: Any = None,  # a DeviceMesh with a "pp" (and a "dp") dimension
         pp_group: Any = None,  # or the process groups themselves
         dp_group: Any = None,
+        compile: bool | Mapping[str, Any] = False,  # noqa: A002  # True or torch.compile's options: compiled stages
     ):
         import torch.distributed as dist
 
@@ -111,6 +113,7 @@ class Pipeline:
             raise PipesplitError("transport='rendezvous' imposes NCCL's semantics on the local executor; under "
                                  "torchrun the process group's own backend moves the tensors. Leave transport='auto'.")
         self.prog, self.loss_fn = prog, loss_fn
+        self.compiler = StageCompiler(compile) if compile else None  # see pipesplit/runtime/compiled.py
         self._threads: RankThreads | None = None  # the local executor's rank threads, started on first use
         self._tracer: Trace | None = None  # set inside `with self.trace():`
         self.batch_dim = prog.batch_dim if batch_dim is None else batch_dim
@@ -200,11 +203,13 @@ class Pipeline:
         split = {a.stage for actions in self.schedule.actions for a in actions if a.kind is ActionKind.BACKWARD_WEIGHT}
         self.workers = {
             i: StageWorker(prog, prog.stages[i], rank_of, checkpointing=i in self._ckpt, stream=self._streams.get(i),
-                           on_gradients=done, split_backward=i in split)
+                           on_gradients=done, split_backward=i in split, compiler=self.compiler)
             for i in self._local
         }
         for w in self.workers.values():
             w.tracer = self._tracer
+        if self.compiler is not None and split & set(self.workers):
+            self.compiler.warn_eager(sorted(split & set(self.workers)), self.schedule.name)
 
     @contextmanager
     def trace(self) -> Iterator[Trace]:

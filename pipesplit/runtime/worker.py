@@ -15,6 +15,7 @@ from pipesplit.errors import PipesplitError
 from pipesplit.passes.split.program import SplitProgram, Stage
 from pipesplit.rng import random_stream, stream_seed
 from pipesplit.runtime.weight_grads import WeightGraph, input_grads, weight_backward, weight_graph
+from pipesplit.runtime.compiled import StageCompiler
 from pipesplit.runtime.exchange import RankComm
 from pipesplit.runtime.loss_leaves import loss_leaves
 from pipesplit.runtime.transport import Like
@@ -75,8 +76,10 @@ class StageWorker:
         stream: Any = None,
         on_gradients: Callable[[Sequence[torch.Tensor]], None] | None = None,
         split_backward: bool = False,
+        compiler: StageCompiler | None = None,
     ):
         self.prog, self.stage, self.rank_of = prog, stage, rank_of
+        self.compiler = compiler  # Pipeline(..., compile=...): the stage runs as torch.compile'd code
         self.checkpointing, self.stream = checkpointing, stream
         self.is_last = stage.index == prog.num_stages - 1
         self.index = stage.index
@@ -116,7 +119,7 @@ class StageWorker:
             self._slots = (module, [(sub, name) for _, sub in module.named_modules()
                                     for name, p in sub._parameters.items() if p is not None])
         seen: set[int] = set()
-        out = []
+        out: list[torch.Tensor] = []
         for sub, name in self._slots[1]:
             p = sub._parameters.get(name)
             if p is not None and id(p) not in seen:
@@ -241,12 +244,18 @@ class StageWorker:
 
         first_run: list[tuple[Any, ...]] = []
 
+        # a zero-bubble stage's I/W split differentiates through the weight graph's own autograd nodes,
+        # which a compiled graph fuses into one: such a stage runs eager (Pipeline warns once)
+        compiler, mb_size = (self.compiler if weights is None else None), data.microbatch_size
+
         def run_stage(*xs: Any) -> Any:  # checkpointing replays it, masks and all, from the same seed
             if own:
                 xs = tuple(x.clone() if i in own else x for i, x in enumerate(xs))
                 if not first_run:
                     first_run.append(xs)
             with random_stream(seed, device):
+                if compiler is not None:
+                    return compiler.run(module, self.index, mb_size, *xs)
                 return module(*xs)
 
         with grad_mode:

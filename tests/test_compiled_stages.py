@@ -1,0 +1,113 @@
+"""``Pipeline(..., compile=...)``: stages run as torch.compile'd code and train like the model.
+
+The matrix runs AOT autograd's joint graph without code generation (``backend="aot_eager"``,
+seconds per stage); one test runs Inductor itself (~20-60 s on 2 cores). Zero-bubble schedules
+split a stage's backward through its own autograd graph, so those stages run eager (warned);
+the others are compiled.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+import pipesplit
+from pipesplit.models import gpt
+from tests.training import check_training, dot_loss
+from tests.zoo import CASE_BY_NAME
+
+AOT = {"backend": "aot_eager"}
+RTOL = 1e-3  # relative norm of the difference; gradients below 1e-4 of the largest compare against that floor
+SCHEDULES = [("gpipe", 2), ("1f1b", 2), ("zb_h1", 2), ("interleaved_1f1b", 4), ("looped_bfs", 4), ("dualpipe_v", 2)]
+
+
+@pytest.mark.parametrize("case", ["gpt_tied", "conv_bn", "long_skip"])
+@pytest.mark.parametrize("schedule,stages", SCHEDULES)
+def test_compiled_stages_train_like_gradient_accumulation(case, schedule, stages):
+    c = CASE_BY_NAME[case]
+    torch.manual_seed(0)
+    model = c.build()
+    batches = [c.inputs(8), c.inputs(8)]
+    args, kwargs = c.inputs(2)
+    prog = pipesplit.compile(model, args, example_kwargs=kwargs, num_stages=stages, progress=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the zero-bubble schedules' eager stages
+        pipe = pipesplit.Pipeline(prog, schedule, num_microbatches=4, loss_fn=dot_loss, loss_reduction="sum", compile=AOT)
+    # AOT autograd decomposes BatchNorm's backward and sums in another order: a gradient that is zero up
+    # to rounding (a conv bias before BatchNorm) differs in its rounding, 1.7e-4 of its tiny norm
+    check_training(model, pipe, batches, m=4, rtol=RTOL)
+    compiled = {s for s, _ in pipe.compiler.seconds}
+    assert compiled == set(range(stages)) - set(pipe.compiler.eager), (compiled, pipe.compiler.eager)
+    assert compiled or schedule in ("zb_h1", "zb_v"), "only zero-bubble schedules leave every stage eager"
+
+
+def test_checkpointing_and_a_new_batch_size_under_compile():
+    c = CASE_BY_NAME["gpt_tied"]
+    torch.manual_seed(0)
+    model = c.build()
+    prog = pipesplit.compile(model, c.inputs(2)[0], num_stages=2, dynamic_batch=True, progress=False)
+    pipe = pipesplit.Pipeline(prog, "1f1b", num_microbatches=2, loss_fn=dot_loss, loss_reduction="sum", checkpoint=True, compile=AOT)
+    check_training(model, pipe, [c.inputs(4), c.inputs(6)], m=2, steps=2, rtol=RTOL)  # microbatches of 2, then 3
+    assert {mb for _, mb in pipe.compiler.seconds} == {2, 3}, pipe.compiler.seconds
+
+
+def test_a_zero_bubble_schedule_warns_which_stages_run_eager():
+    torch.manual_seed(0)
+    prog = pipesplit.compile(gpt(layers=2, dim=16, vocab=32, seq=8, heads=2), torch.randint(0, 32, (2, 8)),
+                             num_stages=2, progress=False)
+    with pytest.warns(UserWarning, match=r"'zb_h1' splits the backward of stages \[0, 1\].*run eager"):
+        pipesplit.Pipeline(prog, "zb_h1", num_microbatches=2, loss_fn=dot_loss, loss_reduction="sum", compile=AOT)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pipesplit.Pipeline(prog, "1f1b", num_microbatches=2, loss_fn=dot_loss, loss_reduction="sum", compile=AOT)  # no warning
+
+
+def test_options_that_are_not_torch_compiles_are_refused():
+    prog = pipesplit.compile(torch.nn.Linear(4, 4), torch.randn(2, 4), progress=False)
+    with pytest.raises(pipesplit.PipesplitError, match=r"compile= options \['modes'\] are not torch.compile's"):
+        pipesplit.Pipeline(prog, "gpipe", num_microbatches=1, compile={"modes": "max-autotune"})
+
+
+def test_dropout_under_compile_is_reproducible_run_to_run():
+    class Drop(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+            self.d = torch.nn.Dropout(0.5)
+
+        def forward(self, x):
+            return self.b(self.d(self.a(x)))
+
+    x = torch.randn(8, 8)
+    losses = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        prog = pipesplit.compile(Drop(), x[:2], num_stages=2, progress=False)
+        pipe = pipesplit.Pipeline(prog, "1f1b", num_microbatches=4, loss_fn=lambda o, t: o.square().sum(), compile=AOT)
+        torch.manual_seed(1)
+        losses.append((pipe.step(x, target=None), [p.grad.clone() for p in pipe.parameters()]))
+    assert torch.equal(losses[0][0], losses[1][0])
+    assert all(torch.equal(a, b) for a, b in zip(losses[0][1], losses[1][1]))
+
+
+@pytest.mark.slow
+def test_inductor_compiled_stages_match_eager_stages():
+    """Inductor's generated code (C++ on this CPU): the loss and every gradient within 1e-5 of the
+    eager stages' (fused kernels reassociate float sums)."""
+    torch.manual_seed(0)
+    model = gpt(layers=2, dim=16, vocab=32, seq=8, heads=2)
+    x, y = torch.randint(0, 32, (8, 8)), torch.randint(0, 32, (8, 8))
+    ce = lambda o, t: torch.nn.functional.cross_entropy(o.flatten(0, 1), t.flatten())  # noqa: E731
+    prog = pipesplit.compile(model, x[:2], num_stages=2, progress=False)
+    eager = pipesplit.Pipeline(copy.deepcopy(prog), "1f1b", num_microbatches=4, loss_fn=ce)
+    compiled = pipesplit.Pipeline(prog, "1f1b", num_microbatches=4, loss_fn=ce, compile=True)
+    for _ in range(2):
+        want, got = eager.step(x, target=y), compiled.step(x, target=y)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    grads = dict(eager.named_parameters())
+    for name, p in compiled.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name].grad, rtol=1e-5, atol=1e-6, msg=name)
+    assert set(compiled.compiler.seconds) == {(0, 2), (1, 2)} and all(s > 0 for s in compiled.compiler.seconds.values())
