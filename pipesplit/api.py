@@ -41,6 +41,7 @@ from pipesplit.plan import Plan
 from pipesplit.passes.split.program import SplitProgram
 from pipesplit.schedules import Schedule, resolve_schedule
 from pipesplit.deprecation import num_keywords
+from pipesplit.units import human_seconds
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +51,7 @@ def _timed(name: str, timings: dict[str, float]) -> Iterator[None]:
     start = time.perf_counter()
     yield
     timings[name] = time.perf_counter() - start
-    log.info("pipesplit: %s took %.3fs", name, timings[name])  # progress on long compiles (the CLI shows it)
+    log.info("pipesplit: %s took %s", name, human_seconds(timings[name]))  # progress (the CLI shows it)
 
 
 def _default_device(model: nn.Module) -> str:

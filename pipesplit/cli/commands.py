@@ -12,6 +12,8 @@ import torch
 from pipesplit.cli.factory import CLIError, check_fits, default_int_high, load_model, make_inputs, parse_kwargs
 from pipesplit.devices import device_name, machine_devices
 from pipesplit.passes.plan.planner import cost_function
+from pipesplit.schedules.timeline import TEXT_LEGEND
+from pipesplit.units import phase_times
 
 
 def int_list(text: str) -> list[int]:
@@ -91,9 +93,7 @@ def run_split(args: argparse.Namespace) -> int:
     prog = pipesplit.compile(model, inputs, num_stages=args.stages, cost=args.cost, devices=devices,
                              schedule=args.schedule, num_microbatches=args.microbatches, plan=args.plan)
     print(prog.report())
-    t = prog.timings
-    print(f"\ncompile: export {t['export']:.2f}s, annotate {t['annotate'] * 1e3:.1f} ms, "
-          f"plan {t['plan'] * 1e3:.1f} ms, split {t['split'] * 1e3:.1f} ms")
+    print(f"\ncompile: {phase_times(prog.timings)}")
     if args.dot:
         _write(args.dot, lambda p: _write_text(p, prog.to_dot(detail=args.detail)))
     if args.svg:
@@ -185,6 +185,7 @@ def run_schedule(args: argparse.Namespace) -> int:
     i = args.forward if args.backward_input is None else args.backward_input
     timeline = simulate(sched, StageCost(args.forward, i, i if args.backward_weight is None else args.backward_weight))
     print(timeline.to_text(width=args.width))
+    print(TEXT_LEGEND)
     print(f"simulated bubble: {100 * timeline.bubble_fraction:.1f}% of rank time idle; "
           f"peak activations per rank: {list(timeline.peak_activations)}")
     if args.png:
@@ -194,8 +195,8 @@ def run_schedule(args: argparse.Namespace) -> int:
 
 def add_schedule(sub: Any, debug: Callable[[argparse.ArgumentParser], None]) -> None:
     p = sub.add_parser("schedule", help="show a schedule's timeline and simulated bubble (no NAME: list them)",
-                       description="Simulate a pipeline schedule with equal stage costs and print its timeline "
-                                   "(F forward, B full backward, I input-gradient, W weight-gradient, . idle).")
+                       description="Simulate a pipeline schedule with equal stage costs and print its timeline: "
+                                   + TEXT_LEGEND + ".")
     p.add_argument("name", nargs="?", metavar="NAME", help="schedule name; leave out to list the schedules")
     p.add_argument("--stages", type=int, help="pipeline stages")
     p.add_argument("--microbatches", type=int, default=8, help="microbatches per step (default 8)")
