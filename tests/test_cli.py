@@ -431,3 +431,47 @@ def test_the_text_chart_explains_its_letters(capsys):
     with pytest.raises(SystemExit):
         main(["schedule", "--help"])
     assert "lower case: odd microbatches" in " ".join(capsys.readouterr().out.split())
+
+
+# ------------------------------------------------------------------ --version, each command's own options
+def test_version(tmp_path):
+    done = run([_console_script(), "--version"], tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == f"pipesplit {pipesplit.__version__} (torch {torch.__version__})"
+
+
+def _subparsers() -> dict[str, "argparse.ArgumentParser"]:
+    import argparse
+
+    from pipesplit.cli import build_parser
+
+    top = build_parser()
+    sub = next(a for a in top._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(sub.choices)
+
+
+def test_quiet_is_offered_only_where_a_model_is_compiled(capsys):
+    """`--quiet` hides the compile phases: `schedule` compiles nothing, so its help must not offer it."""
+    commands = _subparsers()
+    assert set(commands) == {"demo", "split", "bench", "schedule"}
+    for name in commands:
+        with pytest.raises(SystemExit):
+            main([name, "--help"])
+        text = capsys.readouterr().out
+        assert ("--quiet" in text) == (name != "schedule"), (name, text)
+        assert "--debug" in text, name
+    with pytest.raises(SystemExit) as info:
+        main(["schedule", "gpipe", "--stages", "2", "--quiet"])
+    assert info.value.code == 2 and "unrecognized arguments: --quiet" in capsys.readouterr().err
+
+
+def test_required_options_say_so_in_help():
+    found = 0
+    for name, parser in _subparsers().items():
+        for action in parser._actions:
+            if action.required and action.option_strings:
+                found += 1
+                assert "(required)" in (action.help or ""), (name, action.option_strings)
+    assert found >= 2, "split and bench require --input-shape"
+    stages = next(a for a in _subparsers()["schedule"]._actions if "--stages" in a.option_strings)
+    assert "(required with NAME)" in stages.help  # checked in run_schedule, not by argparse

@@ -48,8 +48,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", metavar="MODULE:FACTORY",
                    help="an importable factory returning an nn.Module, e.g. pipesplit.models:gpt or my_net.py:build")
     p.add_argument("--input-shape", action="append", required=True, metavar="SHAPE",
-                   help="shape of one positional input, e.g. 8x64 or 8x64:int64 (repeat for several inputs); "
-                        "the first dimension is the batch")
+                   help="(required) shape of one positional input, e.g. 8x64 or 8x64:int64 (repeat for "
+                        "several inputs); the first dimension is the batch")
     p.add_argument("--int-high", type=int, default=None, metavar="N",
                    help="integer inputs are drawn from [0, N) (default: the smallest num_embeddings of the "
                         "model's nn.Embedding modules, i.e. its vocabulary)")
@@ -193,12 +193,12 @@ def run_schedule(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_schedule(sub: Any, debug: Callable[[argparse.ArgumentParser], None]) -> None:
+def add_schedule(sub: Any, debug: Callable[..., None]) -> None:
     p = sub.add_parser("schedule", help="show a schedule's timeline and simulated bubble (no NAME: list them)",
                        description="Simulate a pipeline schedule with equal stage costs and print its timeline: "
                                    + TEXT_LEGEND + ".")
     p.add_argument("name", nargs="?", metavar="NAME", help="schedule name; leave out to list the schedules")
-    p.add_argument("--stages", type=int, help="pipeline stages")
+    p.add_argument("--stages", type=int, help="pipeline stages (required with NAME)")
     p.add_argument("--microbatches", type=int, default=8, help="microbatches per step (default 8)")
     p.add_argument("--ranks", type=int, default=None, help="ranks for multi-stage-per-rank schedules")
     p.add_argument("--forward", type=float, default=1.0, help="forward time of every stage (default 1)")
@@ -207,5 +207,5 @@ def add_schedule(sub: Any, debug: Callable[[argparse.ArgumentParser], None]) -> 
     p.add_argument("--backward-weight", type=float, default=None, help="weight-gradient time (default: = I)")
     p.add_argument("--width", type=int, default=80, help="columns of the text chart (default 80)")
     p.add_argument("--png", metavar="F", help="also save the Gantt chart as a PNG")
-    debug(p)
+    debug(p, compiles=False)
     p.set_defaults(run=run_schedule)
