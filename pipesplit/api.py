@@ -150,8 +150,10 @@ def compile(
         planner: the planner's options (``num_stages`` to ``refine`` below) as one
             :class:`~pipesplit.PlannerOptions`; give either it or those keywords, not both.
         num_stages: stages to cut into (default 1, or as many as ``split_points``/``plan`` give).
-        cost: ``"flops"`` (default), ``"params"``, ``"profile"``, ``"uniform"``, a callable
-            ``node -> float`` or an object with ``node_cost(node, costs)``. With ``"flops"``
+        cost: ``"flops"`` (default), ``"params"``, ``"profile"``, ``"hybrid"``, ``"uniform"``, a
+            callable ``node -> float`` or an object with ``node_cost(node, costs)``. ``"profile"``
+            times every node on its device; ``"hybrid"`` prices FLOPs and bytes at rates
+            fitted to a short profile of the model (:mod:`pipesplit.passes.annotate.calibrate`). With ``"flops"``
             the stages are balanced by FLOP counts, and times (``schedule``-aware planning,
             predictions, benchmarks) price each op at the device's measured rates: per-op
             overhead + FLOPs / FLOP rate + bytes / bandwidth (:mod:`pipesplit.passes.annotate.rates`).

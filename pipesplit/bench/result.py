@@ -273,8 +273,8 @@ class BenchmarkResult:
         d, r = self.details[i], self.rows[i]
         k, n = d.median_step, d.trace.num_steps
         measured = d.trace.timeline(k)
-        step = (f"measured: step {k + 1} of {n} (the one closest to the median), its actions end at "
-                f"{_ms(measured.step_time)} ms, bubble {100 * measured.bubble_fraction:.0f}%")
+        step = (f"measured: step {k + 1} of {n} (closest to the median), {_ms(measured.step_time)} ms, "
+                f"bubble {100 * measured.bubble_fraction:.0f}%")
         summary = (f"{r.label}: measured step {_ms(r.measured_step_s)} ms (median of {n}) / predicted "
                    f"{_ms(r.predicted_step_s)} ms = {r.step_ratio:.2f}x")
         return d.prediction.timeline, measured, r.label, {"measured_title": step, "summary": summary}
