@@ -152,3 +152,36 @@ def test_docs_pages_link_what_exists():
 def test_the_readme_stays_short():
     n = len(README.read_text().splitlines())
     assert n < MAX_LINES, f"README.md has {n} lines; keep it under {MAX_LINES} and move detail to docs/"
+
+
+# ------------------------------------------------------------------ compile's options, named everywhere
+def _compile_options() -> list[str]:
+    import inspect
+
+    import pipesplit
+
+    params = inspect.signature(pipesplit.compile).parameters.values()
+    return [p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY]
+
+
+def test_the_readme_names_every_compile_option_and_cost():
+    from pipesplit.passes.plan.planner import BUILTIN_COSTS
+
+    section = README.read_text().split("## Compile", 1)[1].split("\n## ", 1)[0]
+    options = _compile_options()
+    assert len(options) >= 20
+    missing = [name for name in options if f"`{name}`" not in section and f"{name}=" not in section]
+    assert not missing, f"the README's compile section does not name {missing}"
+    assert not [c for c in BUILTIN_COSTS if f'`"{c}"`' not in section], sorted(BUILTIN_COSTS)
+
+
+def test_compiles_docstring_names_every_option_and_cost():
+    import pipesplit
+    from pipesplit.passes.plan.planner import BUILTIN_COSTS
+
+    doc = pipesplit.compile.__doc__ or ""
+    missing = [name for name in _compile_options() if not re.search(rf"^\s+{name}:", doc, re.M)]
+    assert not missing, f"compile's docstring has no entry for {missing}"
+    cost_entry = re.search(r"^\s+cost:(.*?)^\s+devices:", doc, re.M | re.S)
+    assert cost_entry
+    assert not [c for c in BUILTIN_COSTS if f'``"{c}"``' not in cost_entry.group(1)], sorted(BUILTIN_COSTS)
