@@ -35,9 +35,9 @@ _QUIET = "do not log the compile phases (capture, annotate, plan, split) and the
 def _version() -> str:
     import torch
 
-    from pipesplit import __version__
+    import pipesplit
 
-    return f"pipesplit {__version__} (torch {torch.__version__})"
+    return f"pipesplit {pipesplit.__version__} (torch {torch.__version__})"
 
 
 def build_parser() -> argparse.ArgumentParser:
