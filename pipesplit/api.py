@@ -41,6 +41,7 @@ from pipesplit.plan import Plan
 from pipesplit.passes.split.program import SplitProgram
 from pipesplit.schedules import Schedule, resolve_schedule
 from pipesplit.deprecation import num_keywords
+from pipesplit.units import human_seconds
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +51,7 @@ def _timed(name: str, timings: dict[str, float]) -> Iterator[None]:
     start = time.perf_counter()
     yield
     timings[name] = time.perf_counter() - start
-    log.info("pipesplit: %s took %.3fs", name, timings[name])  # progress on long compiles (the CLI shows it)
+    log.info("pipesplit: %s took %s", name, human_seconds(timings[name]))  # progress (the CLI shows it)
 
 
 def _default_device(model: nn.Module) -> str:
@@ -149,8 +150,10 @@ def compile(
         planner: the planner's options (``num_stages`` to ``refine`` below) as one
             :class:`~pipesplit.PlannerOptions`; give either it or those keywords, not both.
         num_stages: stages to cut into (default 1, or as many as ``split_points``/``plan`` give).
-        cost: ``"flops"`` (default), ``"params"``, ``"profile"``, ``"uniform"``, a callable
-            ``node -> float`` or an object with ``node_cost(node, costs)``. With ``"flops"``
+        cost: ``"flops"`` (default), ``"params"``, ``"profile"``, ``"hybrid"``, ``"uniform"``, a
+            callable ``node -> float`` or an object with ``node_cost(node, costs)``. ``"profile"``
+            times every node on its device; ``"hybrid"`` prices FLOPs and bytes at rates
+            fitted to a short profile of the model (:mod:`pipesplit.passes.annotate.calibrate`). With ``"flops"``
             the stages are balanced by FLOP counts, and times (``schedule``-aware planning,
             predictions, benchmarks) price each op at the device's measured rates: per-op
             overhead + FLOPs / FLOP rate + bytes / bandwidth (:mod:`pipesplit.passes.annotate.rates`).

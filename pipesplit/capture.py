@@ -16,6 +16,7 @@ from torch.export import Dim
 from pipesplit.compat import EXPORTS_META_MODELS, is_concrete_int, pytree
 from pipesplit.errors import CaptureError
 from pipesplit.export import export_quietly, unlift
+from pipesplit.kv_cache import nested_cache_off, no_cache_kwargs
 from pipesplit.passes.lookups import indexed_by
 
 log = logging.getLogger(__name__)
@@ -136,23 +137,6 @@ def _argument_of_each_leaf(model: nn.Module, args: tuple[Any, ...], kwargs: dict
         else:
             out.append(str(key.key))
     return out
-
-
-def _default_use_cache(model: nn.Module, kwargs: dict[str, Any], notes: list[str]) -> dict[str, Any]:
-    """Hugging Face models return a KV-cache object (not tensors) by default: ask for none."""
-    try:
-        accepts = "use_cache" in inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        return kwargs
-    config = getattr(model, "config", None)
-    if not accepts or "use_cache" in kwargs or not getattr(config, "use_cache", False):
-        return kwargs
-    notes.append(
-        "called forward with use_cache=False: the model's config asks for a KV cache, an object that cannot "
-        "cross a pipeline stage; pass use_cache= in example_kwargs to choose yourself"
-    )
-    log.info("pipesplit: %s", notes[-1])
-    return {**kwargs, "use_cache": False}
 
 
 def _ranges(ep: Any, val: torch.Tensor) -> dict[int, tuple[int, int | None]]:
@@ -276,8 +260,10 @@ def capture(
 
     ``unbatched`` names forward() arguments that have no batch dimension (a lookup table):
     they stay static and every microbatch gets them whole. A model whose ``forward`` takes
-    ``use_cache`` and whose config asks for a KV cache (Hugging Face's default) is called
-    with ``use_cache=False`` unless the example kwargs say otherwise (see ``notes``).
+    ``use_cache`` and whose config, or a config nested in it (``config.text_config``), asks for a
+    KV cache (Hugging Face's default) is called with ``use_cache=False``; one whose ``forward``
+    does not name it is captured with those flags off and put back after
+    (:mod:`pipesplit.kv_cache`); either unless the example kwargs say otherwise (see ``notes``).
 
     >>> cap = capture(torch.nn.Linear(4, 2), torch.randn(3, 4))
     >>> [i.shape for i in cap.inputs]
@@ -288,7 +274,7 @@ def capture(
     args = as_args(args)
     notes: list[str] = []
     given = dict(kwargs or {})
-    kwargs = _default_use_cache(model, given, notes)
+    kwargs = no_cache_kwargs(model, given, notes)
     try:
         owners = _argument_of_each_leaf(model, args, kwargs)
         dyn = _dynamic_shapes(model, args, kwargs, batch_dim, unbatched)
@@ -304,7 +290,8 @@ def capture(
             f"{sorted(set(owners))}."
         )
     _check_meta_export(model, args, kwargs)
-    ep, export_seconds = export_quietly(model, args, kwargs, dyn if dynamic else None)
+    with nested_cache_off(model, kwargs, notes):
+        ep, export_seconds = export_quietly(model, args, kwargs, dyn if dynamic else None)
     gm, in_spec, out_spec = unlift(ep)  # flat in, flat out; the specs are kept here
 
     entries, by_id = _state_entries(model)

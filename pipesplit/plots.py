@@ -35,30 +35,36 @@ def _need_rows(rows: Sequence[Any]) -> None:
         raise PipesplitError("nothing to plot: the benchmark has no rows.")
 
 
-def plot_timelines(predicted: "Timeline", measured: "Timeline", path: str | os.PathLike[str], label: str = "") -> str:
+def plot_timelines(predicted: "Timeline", measured: "Timeline", path: str | os.PathLike[str], label: str = "",
+                   *, measured_title: str = "", summary: str = "") -> str:
     """The predicted (top) and measured (bottom) Gantt charts of one configuration, in milliseconds."""
-    return _save(timelines_figure(predicted, measured, label), path)
+    return _save(timelines_figure(predicted, measured, label, measured_title=measured_title, summary=summary), path)
 
 
-def timelines_figure(predicted: "Timeline", measured: "Timeline", label: str = "") -> Any:
-    """The figure of :func:`plot_timelines`: both charts on one time axis, titled with measured / predicted."""
+def timelines_figure(predicted: "Timeline", measured: "Timeline", label: str = "",
+                     *, measured_title: str = "", summary: str = "") -> Any:
+    """The figure of :func:`plot_timelines`: both charts on one time axis. ``measured_title`` (which
+    step is drawn) and ``summary`` (the figure title) replace the ones read off the two charts."""
     from pipesplit.schedules import Timeline
 
     def in_ms(t: Timeline) -> Timeline:
         events = tuple(tuple(e._replace(start=e.start * 1e3, end=e.end * 1e3) for e in rank) for rank in t.events)
         return Timeline(t.schedule, events)
 
+    def title(t: Timeline, what: str) -> str:
+        return f"{what} step {t.step_time * 1e3:.3g} ms, bubble {100 * t.bubble_fraction:.0f}%"
+
     n = predicted.schedule.num_ranks
     longest = max(map(len, predicted.events), default=0)
     fig = _figure(max(7.0, 0.12 * longest), 2 * (0.55 * n + 1.3) + 0.3)
     top, bottom = fig.subplots(2, 1, sharex=True)  # one time scale: a slow measurement must look slow
-    for ax, t, what in ((top, predicted, "predicted"), (bottom, measured, "measured")):
-        in_ms(t).draw(ax, xlabel="ms", title=f"{label + ': ' if label else ''}{what} step "
-                      f"{t.step_time * 1e3:.3g} ms, bubble {100 * t.bubble_fraction:.0f}%")
+    prefix = label + ": " if label else ""
+    in_ms(predicted).draw(top, xlabel="ms", title=prefix + title(predicted, "predicted"))
+    in_ms(measured).draw(bottom, xlabel="ms", title=measured_title or prefix + title(measured, "measured"))
     top.set_xlim(0, max(predicted.step_time, measured.step_time) * 1e3 or 1.0)  # draw() fitted each to its own
     top.tick_params(labelbottom=True)
     ratio = f"{measured.step_time / predicted.step_time:.2f}x" if predicted.step_time > 0 else "n/a"
-    fig.suptitle(f"measured / predicted step time: {ratio}", fontsize=10)
+    fig.suptitle(summary or f"measured / predicted step time: {ratio}", fontsize=10)
     return fig
 
 

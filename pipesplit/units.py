@@ -26,6 +26,14 @@ def human_seconds(t: float) -> str:
     return f"{t * 1e9:.3g} ns" if t else "0 s"
 
 
+COMPILE_PHASES = ("capture", "annotate", "plan", "split")
+
+
+def phase_times(timings: dict[str, float]) -> str:
+    """The compile phases with their times, as the log names them: ``capture 1.57 s, annotate 12 ms, ...``."""
+    return ", ".join(f"{name} {human_seconds(timings[name])}" for name in COMPILE_PHASES if name in timings)
+
+
 def format_cost(value: float, cost_name: str) -> str:
     """A plan cost in its unit: seconds for profiled times, FLOPs, bytes for params; plain otherwise."""
     if cost_name in ("profile", "hybrid"):

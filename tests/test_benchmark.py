@@ -253,3 +253,23 @@ def test_warnings_say_when_rows_cannot_be_ranked():
     assert "other processes used 40% of its 2 core(s)" in text and "python (7): 80% of a core" in text
     snapshot = machine_load()
     assert snapshot["cores"] >= 1 and os.getpid() not in snapshot["ticks"]
+
+
+@pytest.mark.parametrize("which", [None, 0])
+def test_the_timeline_picture_shows_the_tables_figures_and_says_which_step(res, which):
+    """Issue 26: the picture said "measured step 130 ms, 1.12x" beside a table saying 164 ms, 1.42x."""
+    row = res.best() if which is None else res.rows[which]
+    i = res.rows.index(row)
+    line = next(line for line in res.to_markdown().splitlines()[2:] if line.startswith(
+        f"| {row.num_stages} | {row.schedule} | {row.num_microbatches} | {row.cost} |"))
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    pred_ms, meas_ms, ratio, bubbles = cells[4], cells[5].split(" ± ")[0], cells[6], cells[7]
+    fig = res.timeline_figure(which)
+    title = fig.get_suptitle()
+    assert f"measured step {meas_ms} ms (median of {row.repeats})" in title, title
+    assert f"predicted {pred_ms} ms = {ratio}x" in title, title
+    measured_title = fig.axes[1].get_title()
+    k = res.details[i].median_step
+    assert f"measured: step {k + 1} of {row.repeats}" in measured_title, measured_title
+    assert measured_title.endswith(f"bubble {bubbles.split(' / ')[1]}"), (measured_title, bubbles)
+    assert fig.axes[0].get_title().endswith(f"bubble {bubbles.split(' / ')[0]}"), bubbles

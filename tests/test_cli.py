@@ -106,6 +106,20 @@ def test_malformed_option_is_an_argparse_error(capsys):
     assert "invalid int value: 'two'" in capsys.readouterr().err
 
 
+def test_the_demo_names_each_compile_phase_once_with_one_time(demo):
+    """Issue 26: stdout said "export 1.37s" where the log said "capture took 1.574s"."""
+    done, _ = demo
+    assert done.returncode == 0, done.stderr
+    summary = re.search(r"^compile: (.*)$", done.stdout, re.M)
+    assert summary, done.stdout
+    printed = dict(re.findall(r"(\w+) ([\d.]+ (?:s|ms|µs|ns))", summary.group(1)))
+    assert list(printed) == ["capture", "annotate", "plan", "split"], summary.group(0)
+    logged: dict[str, str] = {}
+    for name, took in re.findall(r"^pipesplit: (\w+) took (.+)$", done.stderr, re.M):
+        logged.setdefault(name, took)  # the benchmark compiles again later; the first is the demo's compile
+    assert logged == printed, (done.stderr, summary.group(0))
+
+
 # ------------------------------------------------------------------ demo: training and benchmark
 def test_demo_trains_and_benchmarks(demo):
     done, out = demo
@@ -304,7 +318,7 @@ def test_compile_logs_each_phase_with_its_time(caplog):
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8))
     with caplog.at_level(logging.INFO, logger="pipesplit"):
         pipesplit.compile(model, torch.randn(2, 8), num_stages=2, progress=False)
-    phases = re.findall(r"pipesplit: (\w+) took \d+\.\d+s", caplog.text)
+    phases = re.findall(r"pipesplit: (\w+) took [\d.]+ (?:s|ms|µs|ns)\n", caplog.text)
     assert phases == ["capture", "annotate", "plan", "split"], caplog.text
     assert all(r.name.startswith("pipesplit") and r.levelno == logging.INFO for r in caplog.records)
 
@@ -401,3 +415,63 @@ def test_a_stage_count_the_model_cannot_balance_is_warned(capsys, caplog):
     warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert any("num_stages=12 is more than this model can balance" in w and "in head" in w for w in warned), warned
     capsys.readouterr()
+
+
+def test_the_text_chart_explains_its_letters(capsys):
+    """Issue 26: the chart alternates upper and lower case by microbatch; its legend says so."""
+    assert main(["schedule", "zb_h1", "--stages", "2", "--microbatches", "4"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    chart = [line for line in out if line.startswith("rank ")]
+    letters = set("".join(chart)) - set("rank 0123456789|.")
+    assert letters == set("FIWfiw"), letters
+    legend = out[out.index(chart[-1]) + 1]
+    for letter, meaning in (("F", "forward"), ("I", "input grad"), ("W", "weight grad"), (".", "idle")):
+        assert f"{letter} {meaning}" in legend, legend
+    assert "lower case: odd microbatches" in legend, legend
+    with pytest.raises(SystemExit):
+        main(["schedule", "--help"])
+    assert "lower case: odd microbatches" in " ".join(capsys.readouterr().out.split())
+
+
+# ------------------------------------------------------------------ --version, each command's own options
+def test_version(tmp_path):
+    done = run([_console_script(), "--version"], tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == f"pipesplit {pipesplit.__version__} (torch {torch.__version__})"
+
+
+def _subparsers() -> dict[str, "argparse.ArgumentParser"]:
+    import argparse
+
+    from pipesplit.cli import build_parser
+
+    top = build_parser()
+    sub = next(a for a in top._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(sub.choices)
+
+
+def test_quiet_is_offered_only_where_a_model_is_compiled(capsys):
+    """`--quiet` hides the compile phases: `schedule` compiles nothing, so its help must not offer it."""
+    commands = _subparsers()
+    assert set(commands) == {"demo", "split", "bench", "schedule"}
+    for name in commands:
+        with pytest.raises(SystemExit):
+            main([name, "--help"])
+        text = capsys.readouterr().out
+        assert ("--quiet" in text) == (name != "schedule"), (name, text)
+        assert "--debug" in text, name
+    with pytest.raises(SystemExit) as info:
+        main(["schedule", "gpipe", "--stages", "2", "--quiet"])
+    assert info.value.code == 2 and "unrecognized arguments: --quiet" in capsys.readouterr().err
+
+
+def test_required_options_say_so_in_help():
+    found = 0
+    for name, parser in _subparsers().items():
+        for action in parser._actions:
+            if action.required and action.option_strings:
+                found += 1
+                assert "(required)" in (action.help or ""), (name, action.option_strings)
+    assert found >= 2, "split and bench require --input-shape"
+    stages = next(a for a in _subparsers()["schedule"]._actions if "--stages" in a.option_strings)
+    assert "(required with NAME)" in stages.help  # checked in run_schedule, not by argparse

@@ -252,12 +252,32 @@ class BenchmarkResult:
         return plot_balance(self.rows, path)
 
     def plot_timeline(self, path: str | os.PathLike[str], row: BenchRow | int | None = None) -> str:
-        """PNG: the predicted and the measured Gantt chart of one configuration (default: the fastest)."""
+        """PNG: the predicted and the measured Gantt chart of one configuration (default: the fastest);
+        see :meth:`timeline_figure`."""
         from pipesplit.plots import plot_timelines
 
+        predicted, measured, label, titles = self._timelines(row)
+        return plot_timelines(predicted, measured, path, label, **titles)
+
+    def timeline_figure(self, row: BenchRow | int | None = None) -> Any:
+        """The matplotlib figure of :meth:`plot_timeline`. Its title carries the table's figures for
+        the row (measured step, the median of the repeats, over the predicted one); the measured
+        chart is the traced step closest to that median, and says which."""
+        from pipesplit.plots import timelines_figure
+
+        predicted, measured, label, titles = self._timelines(row)
+        return timelines_figure(predicted, measured, label, **titles)
+
+    def _timelines(self, row: BenchRow | int | None) -> tuple[Any, Any, str, dict[str, str]]:
         i = self._index(row)
-        d = self.details[i]
-        return plot_timelines(d.prediction.timeline, d.trace.timeline(d.median_step), path, self.rows[i].label)
+        d, r = self.details[i], self.rows[i]
+        k, n = d.median_step, d.trace.num_steps
+        measured = d.trace.timeline(k)
+        step = (f"measured: step {k + 1} of {n} (closest to the median), {_ms(measured.step_time)} ms, "
+                f"bubble {100 * measured.bubble_fraction:.0f}%")
+        summary = (f"{r.label}: measured step {_ms(r.measured_step_s)} ms (median of {n}) / predicted "
+                   f"{_ms(r.predicted_step_s)} ms = {r.step_ratio:.2f}x")
+        return d.prediction.timeline, measured, r.label, {"measured_title": step, "summary": summary}
 
     def to_chrome_trace(self, path: str | os.PathLike[str], row: BenchRow | int | None = None) -> str:
         """Write the measured steps of one configuration as a Chrome / Perfetto trace (JSON)."""

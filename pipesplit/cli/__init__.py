@@ -21,21 +21,32 @@ _EPILOG = """examples:
 Run `pipesplit COMMAND --help` for a command's options."""
 
 
-def _debug_flag(p: argparse.ArgumentParser) -> None:
-    # also accepted after the command; SUPPRESS keeps a `--debug` (or `--quiet`) given before it
+def _debug_flag(p: argparse.ArgumentParser, compiles: bool = True) -> None:
+    # also accepted after the command; SUPPRESS keeps a `--debug` (or `--quiet`) given before it.
+    # --quiet only where the command compiles a model: elsewhere there is nothing for it to hide.
     p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show full tracebacks on errors")
-    p.add_argument("--quiet", action="store_true", default=argparse.SUPPRESS, help=_QUIET)
+    if compiles:
+        p.add_argument("--quiet", action="store_true", default=argparse.SUPPRESS, help=_QUIET)
 
 
 _QUIET = "do not log the compile phases (capture, annotate, plan, split) and their times"
+
+
+def _version() -> str:
+    import torch
+
+    import pipesplit
+
+    return f"pipesplit {pipesplit.__version__} (torch {torch.__version__})"
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pipesplit", description="Split PyTorch models into balanced pipeline stages, run and benchmark them.",
         epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=_version())
     parser.add_argument("--debug", action="store_true", help="show full tracebacks on errors")
-    parser.add_argument("--quiet", action="store_true", help=_QUIET)
+    parser.add_argument("--quiet", action="store_true", help=_QUIET + " (demo, split, bench)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_demo(sub, _debug_flag)
     add_split(sub, _debug_flag)

@@ -12,6 +12,8 @@ import torch
 from pipesplit.cli.factory import CLIError, check_fits, default_int_high, load_model, make_inputs, parse_kwargs
 from pipesplit.devices import device_name, machine_devices
 from pipesplit.passes.plan.planner import cost_function
+from pipesplit.schedules.timeline import TEXT_LEGEND
+from pipesplit.units import phase_times
 
 
 def int_list(text: str) -> list[int]:
@@ -46,8 +48,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", metavar="MODULE:FACTORY",
                    help="an importable factory returning an nn.Module, e.g. pipesplit.models:gpt or my_net.py:build")
     p.add_argument("--input-shape", action="append", required=True, metavar="SHAPE",
-                   help="shape of one positional input, e.g. 8x64 or 8x64:int64 (repeat for several inputs); "
-                        "the first dimension is the batch")
+                   help="(required) shape of one positional input, e.g. 8x64 or 8x64:int64 (repeat for "
+                        "several inputs); the first dimension is the batch")
     p.add_argument("--int-high", type=int, default=None, metavar="N",
                    help="integer inputs are drawn from [0, N) (default: the smallest num_embeddings of the "
                         "model's nn.Embedding modules, i.e. its vocabulary)")
@@ -91,9 +93,7 @@ def run_split(args: argparse.Namespace) -> int:
     prog = pipesplit.compile(model, inputs, num_stages=args.stages, cost=args.cost, devices=devices,
                              schedule=args.schedule, num_microbatches=args.microbatches, plan=args.plan)
     print(prog.report())
-    t = prog.timings
-    print(f"\ncompile: export {t['export']:.2f}s, annotate {t['annotate'] * 1e3:.1f} ms, "
-          f"plan {t['plan'] * 1e3:.1f} ms, split {t['split'] * 1e3:.1f} ms")
+    print(f"\ncompile: {phase_times(prog.timings)}")
     if args.dot:
         _write(args.dot, lambda p: _write_text(p, prog.to_dot(detail=args.detail)))
     if args.svg:
@@ -185,6 +185,7 @@ def run_schedule(args: argparse.Namespace) -> int:
     i = args.forward if args.backward_input is None else args.backward_input
     timeline = simulate(sched, StageCost(args.forward, i, i if args.backward_weight is None else args.backward_weight))
     print(timeline.to_text(width=args.width))
+    print(TEXT_LEGEND)
     print(f"simulated bubble: {100 * timeline.bubble_fraction:.1f}% of rank time idle; "
           f"peak activations per rank: {list(timeline.peak_activations)}")
     if args.png:
@@ -192,12 +193,12 @@ def run_schedule(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_schedule(sub: Any, debug: Callable[[argparse.ArgumentParser], None]) -> None:
+def add_schedule(sub: Any, debug: Callable[..., None]) -> None:
     p = sub.add_parser("schedule", help="show a schedule's timeline and simulated bubble (no NAME: list them)",
-                       description="Simulate a pipeline schedule with equal stage costs and print its timeline "
-                                   "(F forward, B full backward, I input-gradient, W weight-gradient, . idle).")
+                       description="Simulate a pipeline schedule with equal stage costs and print its timeline: "
+                                   + TEXT_LEGEND + ".")
     p.add_argument("name", nargs="?", metavar="NAME", help="schedule name; leave out to list the schedules")
-    p.add_argument("--stages", type=int, help="pipeline stages")
+    p.add_argument("--stages", type=int, help="pipeline stages (required with NAME)")
     p.add_argument("--microbatches", type=int, default=8, help="microbatches per step (default 8)")
     p.add_argument("--ranks", type=int, default=None, help="ranks for multi-stage-per-rank schedules")
     p.add_argument("--forward", type=float, default=1.0, help="forward time of every stage (default 1)")
@@ -206,5 +207,5 @@ def add_schedule(sub: Any, debug: Callable[[argparse.ArgumentParser], None]) -> 
     p.add_argument("--backward-weight", type=float, default=None, help="weight-gradient time (default: = I)")
     p.add_argument("--width", type=int, default=80, help="columns of the text chart (default 80)")
     p.add_argument("--png", metavar="F", help="also save the Gantt chart as a PNG")
-    debug(p)
+    debug(p, compiles=False)
     p.set_defaults(run=run_schedule)

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from pipesplit.cli.commands import name_list
+from pipesplit.units import phase_times
 
 
 def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -38,9 +39,7 @@ def run_demo(args: argparse.Namespace) -> int:
     batch = torch.randint(0, vocab, (3, seq))
     diff = (prog(batch) - model(batch)).abs().max().item()
     print(f"\nmax |split - original| on a batch of 3: {diff:.2e}")
-    t = prog.timings
-    print(f"compile: export {t['export']:.2f}s, annotate {t['annotate'] * 1e3:.1f} ms, "
-          f"plan {t['plan'] * 1e3:.1f} ms, split {t['split'] * 1e3:.1f} ms")
+    print(f"compile: {phase_times(prog.timings)}")
     os.makedirs(args.out, exist_ok=True)
     dot_path = os.path.join(args.out, "split.dot")
     with open(dot_path, "w") as f:

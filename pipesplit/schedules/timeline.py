@@ -13,6 +13,9 @@ from pipesplit.schedules.actions import Action, ActionKind
 from pipesplit.schedules.costs import StageCost
 from pipesplit.schedules.schedule import Schedule
 
+TEXT_LEGEND = "F forward, B backward, I input grad, W weight grad, . idle; lower case: odd microbatches (1, 3, ...)"
+"""What the letters of :meth:`Timeline.to_text` mean."""
+
 _RELEASES = (ActionKind.FULL_BACKWARD, ActionKind.BACKWARD_WEIGHT)
 _COLOURS = {
     ActionKind.FORWARD: "#4c72b0",
