@@ -23,6 +23,7 @@ import torch.utils._pytree as pytree
 import pipesplit
 from pipesplit.rng import random_stream, stream_seed
 
+LOSS_FLOOR = 0.0  # a float64 rerun sets 1: gradients compare against at least |loss| (see check.rounding)
 RTOL = 5e-4  # relative norm: float32 sums in another order reach ~1e-4 where activations grow large (x 2 in
 # place, repeated); a gradient 0.1% off is still caught
 
@@ -147,6 +148,7 @@ def compare_step(step: int, loss: Any, want: torch.Tensor, held: dict, ref: torc
     ref_params = dict(ref.named_parameters())
     norms = [p.grad.to_dense().double().norm().item() for p in ref_params.values() if p.grad is not None]
     floor = 1e-3 * max(norms, default=0.0)  # a gradient that is 0 up to rounding (a bias before a norm) is noise
+    floor = max(floor, LOSS_FLOOR * abs(float(want)))  # and where every gradient is (a norm cancels them all)
     for name, p in held.items():
         g = ref_params[name].grad
         if g is None:
@@ -226,8 +228,9 @@ def run_case(make_model: Callable[[], torch.nn.Module], io: dict, cfg: dict, mes
                 for k, v in prog.state_dict().items():
                     v.copy_(before[k])
             s_args, s_kw = fresh(args, kw, io["input_grad"])  # a model without parameters needs a graph too
-            want = streamed_step(prog, s_args, s_kw, target, m, seed, loss_p if scale_p is None else
-                                 lambda o, t: dot_loss(o, t) * scale_p.detach())
+            scale_s = None if scale_p is None else scale_p.detach().clone().requires_grad_()  # its own leaf
+            want = streamed_step(prog, s_args, s_kw, target, m, seed, loss_p if scale_s is None else
+                                 lambda o, t: dot_loss(o, t) * scale_s)
             close("loss (dropout, streamed)", loss, want)
             for n, p in held.items():
                 if p.grad is not None:
