@@ -22,6 +22,7 @@ import torch.fx as fx
 from networkx.utils import UnionFind
 
 from pipesplit.compat import HigherOrderOperator, OpOverload, pytree
+from pipesplit.rng import seeded
 
 # Their schema marks no write, but in training they update running_mean/var in place: per op, the
 # argument that says so (instance_norm updates them from each instance's statistics, averaged).
@@ -40,11 +41,12 @@ def _schema_arg(node: fx.Node, i: int, name: str) -> Any:
     return node.args[i] if i < len(node.args) else node.kwargs.get(name)
 
 
-def _may_return_input(node: fx.Node) -> bool:
+def _may_return_input(node: Any) -> bool:
     """A dropout (``input, p, train``) returns its input itself only where ``p == 0`` or it does not
     train; with both known and ``p > 0`` in training it makes a new tensor. Treating that as an
-    alias made a write to the mask's result a write to the input: pipesplit copied the input back
-    to the caller, and a stage that had saved the input for its backward failed (the fuzzer)."""
+    alias at run time made a write to the mask's result a write to the input: pipesplit copied the
+    input back to the caller, and a stage that had saved the input for its backward failed (the
+    fuzzer). The split itself serves both modes and keeps the alias (eval mode returns the input)."""
     p = _schema_arg(node, 1, "p")
     train = _schema_arg(node, 2, "train")
     known = isinstance(p, (int, float)) and not isinstance(p, bool) and isinstance(train, bool)
@@ -101,8 +103,13 @@ class StorageClasses:
         return self.find[node] in self.written
 
 
-def storage_classes(graph: fx.Graph) -> StorageClasses:
-    """Union the nodes of ``graph`` by shared storage and find every in-place write."""
+def storage_classes(graph: fx.Graph, precise: bool = False) -> StorageClasses:
+    """Union the nodes of ``graph`` by shared storage and find every in-place write.
+
+    ``precise``: a dropout whose ``p > 0`` and ``train`` are known does not alias its input (it
+    makes a new tensor; only ``p == 0`` or eval mode returns the input itself). The planner's
+    analyses keep the default, which holds for both modes of the one split; a stage deciding at
+    run time whether its current graph writes an input asks precisely."""
     find = UnionFind()
     writes: dict[fx.Node, list[fx.Node]] = {}
     pure_subgraph: dict[fx.Node, bool] = {}
@@ -115,7 +122,9 @@ def storage_classes(graph: fx.Graph) -> StorageClasses:
         aliased: list[fx.Node] = []
         written: list[fx.Node] = []
         if isinstance(target, OpOverload):
-            aliased, written = _overload_effects(node)
+            aliased, written = _overload_effects(node, precise)
+        elif target is seeded and node.args and isinstance(node.args[0], OpOverload):  # a random op, seeded
+            aliased, written = _overload_effects(_Unwrapped(node.args[0], node.args[1:], node.kwargs), precise)
         elif target is operator.getitem and isinstance(node.args[0], fx.Node):
             outputs, index = hop_outputs.get(node.args[0]), node.args[1]
             known = outputs is not None and isinstance(index, int) and -len(outputs) <= index < len(outputs)
@@ -143,9 +152,18 @@ def storage_classes(graph: fx.Graph) -> StorageClasses:
     return StorageClasses(find, writes, written_roots, pure_subgraph)
 
 
-def _overload_effects(node: fx.Node) -> tuple[list[fx.Node], list[fx.Node]]:
+@dataclass
+class _Unwrapped:
+    """A random op routed through :func:`pipesplit.rng.seeded`, seen as the op it calls."""
+
+    target: Any
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+
+def _overload_effects(node: Any, precise: bool = False) -> tuple[list[fx.Node], list[fx.Node]]:
     """What an aten (or custom) op's schema says: the inputs its output may alias, and those it writes."""
-    schema = node.target._schema  # type: ignore[union-attr]
+    schema = node.target._schema
     aliased: list[fx.Node] = []
     written: list[fx.Node] = []
     for i, a in enumerate(schema.arguments):
@@ -154,7 +172,7 @@ def _overload_effects(node: fx.Node) -> tuple[list[fx.Node], list[fx.Node]]:
             aliased += args
             if a.alias_info.is_write:
                 written += args
-    if schema.name.split("::")[-1] in RETURNS_INPUT_OPS and _may_return_input(node):
+    if schema.name.split("::")[-1] in RETURNS_INPUT_OPS and (not precise or _may_return_input(node)):
         aliased += _nodes_in(node.args[:1])
     flag = BATCH_NORM_OPS.get(schema.name.split("::")[-1])
     if flag is not None:
@@ -285,7 +303,8 @@ def ordering_edges(nodes: Iterable[fx.Node], classes: StorageClasses | None = No
     return edges
 
 
-def inplace_inputs(graph: fx.Graph) -> set[str]:
-    """Names of the placeholders whose storage the graph writes in place (directly or through a view)."""
-    classes = storage_classes(graph)
+def inplace_inputs(graph: fx.Graph, precise: bool = False) -> set[str]:
+    """Names of the placeholders whose storage the graph writes in place (directly or through a view);
+    ``precise``: as this graph's mode runs it (see :func:`storage_classes`)."""
+    classes = storage_classes(graph, precise)
     return {n.name for n in graph.nodes if n.op == "placeholder" and classes.is_written(n)}

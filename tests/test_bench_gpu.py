@@ -33,7 +33,9 @@ def test_the_gpu_check_runs_end_to_end_on_cpu(tmp_path):
     assert report["versions"]["torch"] and report["versions"]["device"] == "cpu"
     exact = parts["exact"]["data"]
     assert exact["failures"] == 0 and len(exact["rows"]) >= 8  # every schedule and prog(x)
-    assert set(parts["overhead"]["data"]["step_s"]) == {"plain", "pipesplit 1 stage", "torch.compile (eager)"}
+    assert set(parts["overhead"]["data"]["step_s"]) == {"plain", "pipesplit 1 stage", "prog(x) + backward",
+                                                        "stage graph + backward", "torch.compile (eager)"}
+    assert "rates: cpu:" in parts["predict"]["markdown"] and "device share" in parts["predict"]["markdown"]
     assert "every thread" in parts["overhead"]["markdown"] or "calling thread only" in parts["overhead"]["markdown"]
     assert {row[0] for row in parts["predict"]["data"]["rows"]} == {"flops", "profile"}
     assert parts["oracle"]["data"]["oracle"]["best"]

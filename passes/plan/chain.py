@@ -91,7 +91,7 @@ def build_chain(
             shared.append((nbytes, tuple(sorted(positions))))
     for i, node in enumerate(nodes):
         c = node_cost(node)
-        mem[i] += c.held_bytes
+        mem[i] += c.out_bytes  # a budget: a backward's gradient buffers include the views' (see held_bytes)
         last = max((pos.get(u, n) for u in node.users), default=i)  # the output node counts as n
         if last > i and node.name not in recompute:
             live[i + 1] += c.out_bytes
@@ -103,5 +103,5 @@ def build_chain(
     allowed = np.cumsum(blocked)[: n + 1] == 0
     cut_bytes[0] = cut_bytes[n] = 0
     allowed[0] = allowed[n] = True
-    act = np.array([node_cost(node).held_bytes for node in nodes], dtype=np.int64)
+    act = np.array([node_cost(node).out_bytes for node in nodes], dtype=np.int64)
     return Chain(nodes, cost, mem, cut_bytes, allowed, shared, act)

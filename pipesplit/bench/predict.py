@@ -132,7 +132,9 @@ def memory_estimate(prog: SplitProgram, schedule: Schedule, scale: float, memory
     for stage, nodes in zip(prog.stages, _stage_nodes(prog)):
         state = sum(t.numel() * t.element_size() for t in stage.module.parameters())
         state += sum(t.numel() * t.element_size() for t in stage.module.buffers())
-        act = sum(node_cost(n).held_bytes for n in nodes) * scale  # each storage once: views are free
+        # each storage once (views are free): the estimate of what a step holds, where the planner's
+        # budget (passes/plan/chain.py) sums every output, since a backward allocates the views' gradients too
+        act = sum(node_cost(n).held_bytes for n in nodes) * scale
         inputs = sum(b.nbytes for b in prog.boundaries if b.dst == stage.index) * scale
         out.append(memory.stage_bytes(float(state), float(act), float(inputs), in_flight[stage.index],
                                       units[stage.index]))

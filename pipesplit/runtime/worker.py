@@ -12,6 +12,7 @@ from torch.utils.checkpoint import checkpoint
 
 from pipesplit.compat import pytree
 from pipesplit.errors import PipesplitError
+from pipesplit.passes.aliasing import inplace_inputs
 from pipesplit.passes.split.program import SplitProgram, Stage
 from pipesplit.rng import random_stream, stream_seed
 from pipesplit.runtime.weight_grads import WeightGraph, input_grads, weight_backward, weight_graph
@@ -101,6 +102,7 @@ class StageWorker:
         self._weight_graphs: dict[tuple[int, tuple[bool, ...]], WeightGraph | None] = {}
         self.backwards_done = 0
         self._slots: tuple[torch.nn.Module, list[tuple[torch.nn.Module, str]]] | None = None
+        self._written: tuple[torch.nn.Module, frozenset[str]] | None = None
         self.written_inputs = {where for s in prog.stages for name, kind, where in s.inputs  # flat input indices
                                if kind == "input" and name in s.mutated_inputs}
 
@@ -126,6 +128,17 @@ class StageWorker:
                 seen.add(id(p))
                 out.append(p)
         return out
+
+    def _written_inputs(self) -> frozenset[str]:
+        """The inputs the stage's graph in its current mode writes in place: the split's
+        ``mutated_inputs`` (for both modes) less those only eval mode writes (a dropout returns
+        its input itself in eval mode, a new tensor in training), found once per module."""
+        module = self.stage.module
+        if self._written is None or self._written[0] is not module:
+            graph = getattr(module, "graph", None)
+            now = inplace_inputs(graph, precise=True) if isinstance(graph, torch.fx.Graph) else self.stage.mutated_inputs
+            self._written = (module, frozenset(self.stage.mutated_inputs & set(now)))
+        return self._written[1]
 
     def _ctx(self) -> Any:
         return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
@@ -204,11 +217,12 @@ class StageWorker:
                 value = value.detach().requires_grad_(True)
             received[(name, where)] = value
         args: list[Any] = []
+        written_now = self._written_inputs()
         own: set[int] = set()  # positions of the inputs the stage writes in place (relu_, +=): cloned inside
         write_back: list[tuple[int, torch.Tensor]] = []  # (position, the caller's rows) a write goes back to
         for name, kind, where in self.stage.inputs:
             value = data.inputs[m][where] if kind == "input" else received[(name, where)]
-            if isinstance(value, torch.Tensor) and name in self.stage.mutated_inputs:
+            if isinstance(value, torch.Tensor) and name in written_now:
                 # Written in place: autograd forbids that on the leaf we take its gradient at, the sender
                 # may still hold the storage, and checkpointing replays the stage from its inputs as given.
                 # A clone made inside the (replayed) stage costs what the out-of-place op would have.
