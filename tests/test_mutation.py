@@ -505,3 +505,32 @@ def test_a_write_to_a_training_dropouts_result_is_not_a_write_to_its_input():
     with torch.no_grad():  # pipe.eval: the stages' eval twins, the write to x copied back to the caller
         got, want = pipe.eval(a), model(b)
     assert all(torch.allclose(g, w, atol=1e-6) for g, w in zip(got, want)) and torch.equal(a, b)
+
+
+class AttendThenWriteInput(torch.nn.Module):
+    """An attention reads ``x``; afterwards ``x.relu_()`` writes the caller's input in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = torch.nn.MultiheadAttention(8, 2, bias=False, batch_first=True)
+        self.out = torch.nn.Linear(8, 8, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.attn(x, x, x, need_weights=False)[0]
+        x.relu_()
+        return self.out(h)
+
+
+@pytest.mark.parametrize("schedule,m", [("zb_v", 1), ("zb_v", 2), ("zb_h1", 1), ("1f1b", 1)])
+def test_a_stage_reading_an_input_another_stage_writes_reads_its_own_copy(schedule, m):
+    """The fuzzer found it (seed 505): with one microbatch the reading stage got the caller's tensor,
+    the writing stage copied its write back into it, and the reader's deferred W computed the
+    attention's in_proj gradient from the written input: 115% off."""
+    from tests.fuzz.harness import run_case
+
+    io = {"tokens": False, "vocab": 16, "dim": 8, "seq": 4, "kwarg": False, "input_grad": False, "dropout": False,
+          "sparse": False}
+    cfg = {"seed": 0, "stages": 2, "schedule": schedule, "m": m, "mb": 2, "example_batch": 2, "mb2": 2,
+           "order": "auto", "recompute": "auto", "cost": "flops", "transport": "auto", "checkpoint": False,
+           "no_zero_grad": False, "opt": "sgd", "eval": "prog", "eval_pipe": False, "freeze_mid": False}
+    run_case(AttendThenWriteInput, io, cfg)

@@ -238,10 +238,12 @@ class StageWorker:
                     write_back.append((len(args), given))
                     if self.checkpointing and data.training:  # what checkpointing saves to replay from
                         value = value.clone()
-                elif isinstance(value, torch.Tensor) and where in self.written_inputs and len(data.inputs) > 1:
-                    # another stage writes this input in place: microbatches are views of one batch sharing
-                    # its version counter, so each gets a tensor of its own (else microbatch k's write breaks
-                    # what k - 1 saved here for its backward)
+                elif isinstance(value, torch.Tensor) and where in self.written_inputs:
+                    # another stage writes this input in place, into the caller's rows: this stage reads
+                    # its own copy, taken at its forward. Else a later write reaches what this stage
+                    # still reads: what microbatch k - 1 saved for its backward (microbatches are views
+                    # of one batch sharing its version counter), or the input a deferred W computes its
+                    # weight gradient from (zb_v, one microbatch: an MHA's in_proj gradient 115% off)
                     value = value.clone()
                 args.append(value)
                 continue
