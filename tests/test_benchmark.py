@@ -273,3 +273,34 @@ def test_the_timeline_picture_shows_the_tables_figures_and_says_which_step(res, 
     assert f"measured: step {k + 1} of {row.repeats}" in measured_title, measured_title
     assert measured_title.endswith(f"bubble {bubbles.split(' / ')[1]}"), (measured_title, bubbles)
     assert fig.axes[0].get_title().endswith(f"bubble {bubbles.split(' / ')[0]}"), bubbles
+
+
+def test_log_lines_go_above_the_progress_bar_not_into_it(monkeypatch):
+    """While the bar is drawn, the root logger's console handler is swapped for one that prints
+    through tqdm.write (issue 26: the bar and the log lines interleaved); after it, the plain one."""
+    import logging
+    import sys
+
+    import tqdm.std
+
+    written = []
+    monkeypatch.setattr(tqdm.std.tqdm, "write", classmethod(lambda cls, s, file=None, end="\n", nolock=False:
+                                                           written.append(s)))
+    handler = logging.StreamHandler(sys.stderr)  # a console handler, as the CLI's basicConfig makes
+    plain = []
+    handler.emit = lambda record: plain.append(record.getMessage())  # type: ignore[method-assign]
+    root, ours = logging.getLogger(), logging.getLogger("pipesplit")
+    level = ours.level
+    root.addHandler(handler)
+    ours.setLevel(logging.INFO)
+    try:
+        torch.manual_seed(0)
+        pipesplit.benchmark(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8)),
+                            torch.randn(8, 8), num_stages=2, schedules="gpipe", num_microbatches=2, warmup=1,
+                            repeats=1, progress=True)
+        logging.getLogger("pipesplit.bench.run").info("after the bar")
+    finally:
+        root.removeHandler(handler)
+        ours.setLevel(level)
+    assert any("per step" in w for w in written), written
+    assert not any("per step" in p for p in plain) and "after the bar" in plain, plain

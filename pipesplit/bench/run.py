@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import itertools
 import logging
@@ -200,6 +201,7 @@ def benchmark(
     [('gpipe', 2), ('1f1b', 2)]
     """
     from tqdm.auto import tqdm
+    from tqdm.contrib.logging import logging_redirect_tqdm
 
     args = as_args(example_input)
     kwargs = dict(example_kwargs or {})
@@ -221,6 +223,10 @@ def benchmark(
     rows, details, skipped = [], [], []
     load_before = machine_load()
     bar = tqdm(total=len(configs), desc="pipesplit benchmark", unit="config", disable=not progress, leave=False)
+    # log lines printed while the bar is drawn go through tqdm.write, above it, not into it
+    redirect = contextlib.ExitStack()
+    if progress:
+        redirect.enter_context(logging_redirect_tqdm())
     try:
         for (k, c), group in itertools.groupby(configs, key=lambda x: x[:2]):
             cost_name = cost_function(c)[0] if not is_prog else str(c)
@@ -252,6 +258,7 @@ def benchmark(
                 log.info("pipesplit benchmark: %s: %.4fs per step", what, row.measured_step_s)
                 bar.update()
     finally:
+        redirect.close()
         bar.close()
     if not rows:
         raise ScheduleError("benchmark: no configuration could run:\n" + "\n".join(f"  {w}: {e}" for w, e in skipped))
