@@ -153,7 +153,7 @@ def compile(
         cost: ``"flops"`` (default), ``"params"``, ``"profile"``, ``"hybrid"``, ``"uniform"``, a
             callable ``node -> float`` or an object with ``node_cost(node, costs)``. ``"profile"``
             times every node on its device; ``"hybrid"`` prices FLOPs and bytes at rates
-            fitted to a short profile of the model (:mod:`pipesplit.passes.annotate.calibrate`). With ``"flops"``
+            fitted to a profile of the model (:mod:`pipesplit.passes.annotate.calibrate`). With ``"flops"``
             the stages are balanced by FLOP counts, and times (``schedule``-aware planning,
             predictions, benchmarks) price each op at the device's measured rates: per-op
             overhead + FLOPs / FLOP rate + bytes / bandwidth (:mod:`pipesplit.passes.annotate.rates`).
