@@ -227,9 +227,10 @@ def _refuse_stale_aliases(gm: fx.GraphModule, classes: StorageClasses, needs: li
     for writer, written in classes.writes.items():
         s = stage_of.get(writer)
         for x in written:
-            if s is None or x not in needs[s] or x.op in ("placeholder", "get_attr"):
-                continue  # written where it was made (or an input or a parameter: handled where they are fed)
-            for b in members[classes.root(x)]:
+            cls = members[classes.root(x)]
+            if s is None or not any(b in needs[s] and b.op not in ("placeholder", "get_attr") for b in cls):
+                continue  # storage made in this stage (or an input or a parameter: handled where they are fed)
+            for b in cls:
                 if order[b] >= order[writer] or stage_of.get(b) == s or b.op in ("placeholder", "get_attr"):
                     continue
                 late = [u for u in b.users if order[u] > order[writer] and stages_of.get(u, {s}) - {s}]
