@@ -228,8 +228,8 @@ def _refuse_stale_aliases(gm: fx.GraphModule, classes: StorageClasses, needs: li
         s = stage_of.get(writer)
         for x in written:
             cls = members[classes.root(x)]
-            if s is None or not any(b in needs[s] and b.op not in ("placeholder", "get_attr") for b in cls):
-                continue  # storage made in this stage (or an input or a parameter: handled where they are fed)
+            if s is None or not any(b in needs[s] and b.op != "get_attr" for b in cls):
+                continue  # storage made in this stage (or a parameter's: handled by the state's own checks)
             for b in cls:
                 if order[b] >= order[writer] or stage_of.get(b) == s or b.op in ("placeholder", "get_attr"):
                     continue

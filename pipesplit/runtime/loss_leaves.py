@@ -4,7 +4,9 @@ margin, a second head defined beside the model).
 Plain PyTorch's ``loss.backward()`` fills their ``.grad``; a stage's backward names what it
 differentiates (its parameters and its input leaves), so without this they would silently get
 nothing. :func:`loss_leaves` finds them by walking the loss's autograd graph down to the stage's
-outputs: only the loss function's own few ops are visited, not the stage's graph.
+outputs: only the loss function's own few ops are visited, not the stage's graph. The outputs'
+autograd nodes are taken before the loss function runs (:func:`output_nodes`): an in-place op in
+the loss (``logits.div_(t)``) makes itself the output's node, and the walk must pass through it.
 """
 
 from __future__ import annotations
@@ -14,14 +16,24 @@ from typing import Any, Iterable
 import torch
 
 
-def loss_leaves(loss: torch.Tensor, outputs: Iterable[Any], own: Iterable[torch.Tensor]) -> list[torch.Tensor]:
-    """Leaves requiring grad that ``loss`` reaches other than through ``outputs`` (the stage's
-    outputs, where the walk stops), and other than ``own`` (the stage's parameters and input
-    leaves), in a fixed order."""
-    stop = {t.grad_fn for t in outputs if isinstance(t, torch.Tensor) and t.grad_fn is not None}
-    skip = {id(t) for t in own}
+def output_nodes(outputs: Iterable[Any]) -> set[Any]:
+    """The autograd nodes that made ``outputs``, and the outputs that are leaves themselves (a
+    parameter returned as it is): where :func:`loss_leaves` stops."""
+    tensors = [t for t in outputs if isinstance(t, torch.Tensor)]
+    return {t.grad_fn for t in tensors if t.grad_fn is not None} | {id(t) for t in tensors if t.grad_fn is None}
+
+
+def loss_leaves(loss: torch.Tensor, stop: set[Any], params: Iterable[torch.Tensor],
+                inputs: Iterable[torch.Tensor] = ()) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Leaves requiring grad that ``loss`` reaches other than through the nodes in ``stop`` (the
+    stage outputs', :func:`output_nodes`), in a fixed order: (those that are neither the stage's
+    ``params`` nor its input leaves; those of ``params`` it reaches directly, by closure)."""
+    mine = {id(t) for t in params}
+    stop = stop | {id(t) for t in inputs}
     found: list[torch.Tensor] = []
+    direct: list[torch.Tensor] = []
     seen: set[Any] = set()
+    taken: set[int] = set()
     todo = [loss.grad_fn]
     while todo:
         fn = todo.pop()
@@ -30,9 +42,9 @@ def loss_leaves(loss: torch.Tensor, outputs: Iterable[Any], own: Iterable[torch.
         seen.add(fn)
         var = getattr(fn, "variable", None)  # an AccumulateGrad node: a leaf
         if var is not None:
-            if id(var) not in skip:
-                skip.add(id(var))
-                found.append(var)
+            if id(var) not in taken and id(var) not in stop:  # a leaf the stage returned is an output
+                taken.add(id(var))
+                (direct if id(var) in mine else found).append(var)
             continue
         todo.extend(f for f, _ in reversed(fn.next_functions))
-    return found
+    return found, direct

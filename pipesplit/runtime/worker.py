@@ -18,7 +18,7 @@ from pipesplit.rng import random_stream, stream_seed
 from pipesplit.runtime.weight_grads import WeightGraph, input_grads, weight_backward, weight_graph
 from pipesplit.runtime.compiled import StageCompiler
 from pipesplit.runtime.exchange import RankComm
-from pipesplit.runtime.loss_leaves import loss_leaves
+from pipesplit.runtime.loss_leaves import loss_leaves, output_nodes
 from pipesplit.runtime.transport import Like
 from pipesplit.schedules import Action, ActionKind
 from pipesplit.schedules.rendezvous import Message
@@ -287,13 +287,21 @@ class StageWorker:
                 if data.training and data.loss_fn is not None:
                     out_tree = pytree.tree_unflatten(flat, self.prog.out_spec)
                     target = data.targets[m] if data.targets is not None else None
+                    stop = output_nodes([*outs, *flat])  # before the loss: it may write an output in place
                     loss = data.loss_fn(out_tree, target) * data.loss_scale
                     data.losses[m] = loss.detach()
                     saved.tensors, saved.grads = [loss], [None]
                     if loss.grad_fn is not None:
-                        stage_leaves = [*saved.params, *(x for _, _, x in saved.inputs),
-                                        *(x for _, x in saved.user_inputs)]
-                        saved.loss_leaves = loss_leaves(loss, [*outs, *flat], stage_leaves)
+                        leaves = [*(x for _, _, x in saved.inputs), *(x for _, x in saved.user_inputs)]
+                        saved.loss_leaves, direct = loss_leaves(loss, stop, saved.params, leaves)
+                        if direct and self.split_backward:
+                            raise PipesplitError(
+                                f"loss_fn reads {len(direct)} of stage {self.index}'s parameters directly (shapes "
+                                f"{', '.join(str(tuple(t.shape)) for t in direct[:4])}: a regulariser on the "
+                                "model's weights?). This schedule splits the stage's backward into input- and "
+                                "weight-gradient actions and would lose that term of their gradients. Use a "
+                                "schedule without the split (gpipe, 1f1b, interleaved_1f1b), or add the term "
+                                "to the gradients after pipe.step.")
                         if saved.loss_leaves and data.dp_size > 1:
                             shapes = ", ".join(str(tuple(t.shape)) for t in saved.loss_leaves[:4])
                             raise PipesplitError(
