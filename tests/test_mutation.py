@@ -467,19 +467,33 @@ def test_an_alias_read_after_another_stage_writes_it_is_refused():
 
 
 class WriteAfterDropout(torch.nn.Module):
-    """``dropout(x, 0.25)`` in training is a new tensor: writing it in place does not write ``x``,
-    which a linear in the other stage saved for its backward."""
+    """``dropout(src, p).relu_()`` with ``src`` the input ``x`` or ``h = l2(x)``, which is returned.
 
-    def __init__(self) -> None:
+    ``p > 0`` on ``x`` (default): in training a new tensor, so the write does not reach ``x``, which a
+    linear in the other stage saved for its backward. ``p == 0`` on ``h``: the dropout returns ``h``
+    itself, which the write reaches in a later stage than the one that made it."""
+
+    def __init__(self, p: float = 0.25, on_input: bool = True) -> None:
         super().__init__()
         self.l1, self.l2, self.l5 = (torch.nn.Linear(8, 8, bias=False) for _ in range(3))
-        self.drop = torch.nn.Dropout(0.25)
+        self.drop, self.on_input = torch.nn.Dropout(p), on_input
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         self.l1(x)
-        v2 = self.l2(x)
-        self.drop(x).relu_()
-        return self.l5(x), v2
+        h = self.l2(x)
+        self.drop(x if self.on_input else h).relu_()
+        return self.l5(x), h
+
+
+def _fuzz_case(**cfg):
+    """The fuzzer's (io, config) for a float model of its default sizes, ``cfg`` over its defaults."""
+    io = {"tokens": False, "vocab": 16, "dim": 8, "seq": 4, "kwarg": False, "input_grad": False, "dropout": False,
+          "sparse": False}
+    base = {"seed": 0, "stages": 2, "schedule": "gpipe", "m": 1, "mb": 1, "example_batch": 1, "mb2": 1,
+            "order": "auto", "recompute": "auto", "cost": "flops", "transport": "auto", "checkpoint": False,
+            "no_zero_grad": False, "opt": "sgd", "eval": "none", "eval_pipe": False, "freeze_mid": False}
+    dropout = cfg.pop("dropout", False)
+    return {**io, "dropout": dropout}, {**base, **cfg}
 
 
 def test_a_write_to_a_training_dropouts_result_is_not_a_write_to_its_input():
@@ -488,11 +502,7 @@ def test_a_write_to_a_training_dropouts_result_is_not_a_write_to_its_input():
     and the stage that had saved ``x`` failed in backward with autograd's version error."""
     from tests.fuzz.harness import run_case
 
-    io = {"tokens": False, "vocab": 16, "dim": 8, "seq": 4, "kwarg": False, "input_grad": False, "dropout": True,
-          "sparse": False}
-    cfg = {"seed": 0, "stages": 2, "schedule": "gpipe", "m": 1, "mb": 1, "example_batch": 1, "mb2": 1,
-           "order": "auto", "recompute": "auto", "cost": "flops", "transport": "auto", "checkpoint": False,
-           "no_zero_grad": False, "opt": "sgd", "eval": "none", "eval_pipe": False, "freeze_mid": False}
+    io, cfg = _fuzz_case(dropout=True)
     run_case(WriteAfterDropout, io, cfg)  # trains like the stages run in turn on the same masks
     x = torch.randn(2, 4, 8)
     prog = pipesplit.compile(WriteAfterDropout(), x, num_stages=2, progress=False)
@@ -542,27 +552,8 @@ def test_a_stage_reading_an_input_another_stage_writes_reads_its_own_copy(schedu
     attention's in_proj gradient from the written input: 115% off."""
     from tests.fuzz.harness import run_case
 
-    io = {"tokens": False, "vocab": 16, "dim": 8, "seq": 4, "kwarg": False, "input_grad": False, "dropout": False,
-          "sparse": False}
-    cfg = {"seed": 0, "stages": 2, "schedule": schedule, "m": m, "mb": 2, "example_batch": 2, "mb2": 2,
-           "order": "auto", "recompute": "auto", "cost": "flops", "transport": "auto", "checkpoint": False,
-           "no_zero_grad": False, "opt": "sgd", "eval": "prog", "eval_pipe": False, "freeze_mid": False}
+    io, cfg = _fuzz_case(schedule=schedule, m=m, mb=2, example_batch=2, mb2=2, eval="prog")
     run_case(AttendThenWriteInput, io, cfg)
-
-
-class WriteThroughDropoutAlias(torch.nn.Module):
-    """``h = l2(x)`` is returned; ``dropout(h, 0.0).relu_()`` (the same tensor) writes it in a later stage."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.l1, self.l2, self.l5 = (torch.nn.Linear(8, 8, bias=False) for _ in range(3))
-        self.drop = torch.nn.Dropout(0.0)
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        self.l1(x)
-        h = self.l2(x)
-        self.drop(h).relu_()
-        return self.l5(x), h
 
 
 def test_a_write_through_an_alias_made_in_the_writing_stage_is_seen():
@@ -571,13 +562,9 @@ def test_a_write_through_an_alias_made_in_the_writing_stage_is_seen():
     unwritten and the loss was 102% off. Refused now, or exact where torch's export follows the alias."""
     from tests.fuzz.harness import Refused, run_case
 
-    io = {"tokens": False, "vocab": 16, "dim": 8, "seq": 4, "kwarg": False, "input_grad": False, "dropout": False,
-          "sparse": False}
-    cfg = {"seed": 0, "stages": 3, "schedule": "gpipe", "m": 1, "mb": 1, "example_batch": 1, "mb2": 1,
-           "order": "auto", "recompute": "auto", "cost": "flops", "transport": "auto", "checkpoint": False,
-           "no_zero_grad": False, "opt": "sgd", "eval": "none", "eval_pipe": False, "freeze_mid": False}
+    io, cfg = _fuzz_case(stages=3)
     try:
-        run_case(WriteThroughDropoutAlias, io, cfg)
+        run_case(lambda: WriteAfterDropout(p=0.0, on_input=False), io, cfg)
     except Refused as e:
         assert "writes 'dropout' in place ('relu_')" in str(e) and "reads 'linear_1'" in str(e), str(e)
 
