@@ -19,11 +19,13 @@ with its own generator code, so they differ from the eager stages' masks.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
+import threading
 import time
 import weakref
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
@@ -45,7 +47,8 @@ class StageCompiler:
                                  "(e.g. compile={'mode': 'max-autotune'} or compile={'backend': 'aot_eager'}).")
         self.options = opts
         self._compiled: weakref.WeakKeyDictionary[torch.nn.Module, Callable[..., Any]] = weakref.WeakKeyDictionary()
-        self._timed: set[tuple[int, int, int]] = set()
+        self._timed: set[tuple[int, int, int, bool]] = set()
+        self._gate = _CompileGate()
         self.seconds: dict[tuple[int, int], float] = {}  # (stage, microbatch size) -> first call, compile included
         self.eager: list[int] = []  # stages that run eager (their backward split into I and W)
 
@@ -65,13 +68,51 @@ class StageCompiler:
         fn = self._compiled.get(module)
         if fn is None:
             fn = self._compiled[module] = torch.compile(module, **self.options)
-        key = (id(module), stage, microbatch_size)
+        key = (id(module), stage, microbatch_size, torch.is_grad_enabled())
         if key in self._timed:
-            return fn(*args)
-        start = time.perf_counter()
-        out = fn(*args)
-        self._timed.add(key)
+            with self._gate.shared():
+                return fn(*args)
+        # Compiling traces with FX, which torch flags process-wide: a compiled stage called from
+        # another thread meanwhile raises "FX to symbolically trace a dynamo-optimized function"
+        # (seen on torch 2.10). A first call therefore runs alone.
+        with self._gate.exclusive():
+            start = time.perf_counter()
+            out = fn(*args)
+            self._timed.add(key)
         seconds = self.seconds[(stage, microbatch_size)] = time.perf_counter() - start
         log.info("stage %d compiled for microbatches of %d in %.2fs (torch.compile%s, first call)", stage,
                  microbatch_size, seconds, f" {self.options}" if self.options else "")
         return out
+
+
+class _CompileGate:
+    """Any number of compiled calls at once, or one first call (a compile) alone."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._running = 0
+        self._compiling = False
+
+    @contextlib.contextmanager
+    def shared(self) -> Iterator[None]:
+        with self._cond:
+            self._cond.wait_for(lambda: not self._compiling)
+            self._running += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._running -= 1
+                self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        with self._cond:
+            self._cond.wait_for(lambda: not self._compiling and self._running == 0)
+            self._compiling = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._compiling = False
+                self._cond.notify_all()
