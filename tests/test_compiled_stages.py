@@ -9,6 +9,7 @@ the others are compiled.
 from __future__ import annotations
 
 import copy
+import re
 import warnings
 
 import pytest
@@ -16,12 +17,14 @@ import torch
 
 import pipesplit
 from pipesplit.models import gpt
+from tests.launch import torchrun
 from tests.training import check_training, dot_loss
 from tests.zoo import CASE_BY_NAME
 
 AOT = {"backend": "aot_eager"}
 RTOL = 1e-3  # relative norm of the difference; gradients below 1e-4 of the largest compare against that floor
-SCHEDULES = [("gpipe", 2), ("1f1b", 2), ("zb_h1", 2), ("interleaved_1f1b", 4), ("looped_bfs", 4), ("dualpipe_v", 2)]
+SCHEDULES = [("gpipe", 2), ("1f1b", 2), ("zb_h1", 2), ("interleaved_1f1b", 4), ("looped_bfs", 4), ("zb_v", 2),
+             ("dualpipe_v", 2)]
 
 
 @pytest.mark.parametrize("case", ["gpt_tied", "conv_bn", "long_skip"])
@@ -111,3 +114,15 @@ def test_inductor_compiled_stages_match_eager_stages():
     for name, p in compiled.named_parameters():
         torch.testing.assert_close(p.grad, grads[name].grad, rtol=1e-5, atol=1e-6, msg=name)
     assert set(compiled.compiler.seconds) == {(0, 2), (1, 2)} and all(s > 0 for s in compiled.compiler.seconds.values())
+
+
+@pytest.mark.slow
+def test_compiled_stages_train_under_torchrun():
+    """The distributed executor (2 processes, gloo) with compiled stages: two accumulated steps of a tied
+    GPT, the second at a new microbatch size (a re-capture and a recompile), and a ResNet with in-place
+    ops at its cuts, each equal to the model's gradient accumulation on both ranks."""
+    result = torchrun("train_check.py", 2, "--schedule", "1f1b,interleaved_1f1b", "--compile", "aot_eager")
+    for schedule in ("1f1b", "interleaved_1f1b"):
+        for what in ("accumulation over 2 steps, tied", "in-place ResNet"):
+            ranks = set(re.findall(rf"rank (\d): ok \({re.escape(what)}[^)]*\b{schedule}\b[^)]*compiled\)", result.stdout))
+            assert ranks == {"0", "1"}, f"{what} ({schedule}, compiled) not confirmed by both ranks:\n{result.stdout}"

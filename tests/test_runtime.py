@@ -320,3 +320,28 @@ def test_batch_dimension_is_configurable():
     assert_close(pipe.eval(x), model(x), name="eval output")
     with pytest.raises(pipesplit.PipesplitError, match="batch_dim=0"):
         pipesplit.Pipeline(prog, "1f1b", num_microbatches=2, loss_fn=dot_loss, batch_dim=0)
+
+
+@pytest.mark.parametrize("caller_mode", ["no_grad", "inference_mode", "plain"])
+@pytest.mark.parametrize("stages,schedule", [(1, "1f1b"), (2, "looped_bfs"), (2, "zb_v")])
+def test_one_rank_runs_in_the_callers_thread_as_a_rank_thread_would(stages, schedule, caller_mode):
+    """One rank runs in the caller's thread (no hand-off), in the state a fresh rank thread starts in:
+    a step under the caller's ``no_grad`` or ``inference_mode`` still trains, and the caller's modes
+    come back unchanged."""
+    torch.manual_seed(0)
+    case = CASE_BY_NAME["gpt_tied"]
+    model = case.build()
+    prog = pipesplit.compile(model, case.inputs(2)[0], num_stages=stages, progress=False)
+    pipe = pipesplit.Pipeline(prog, schedule, num_microbatches=4, loss_fn=dot_loss, loss_reduction="sum",
+                              num_ranks=1)
+    args, kwargs = case.inputs(8)
+    target = make_target(model(*args, **kwargs))
+    ref, want = reference(model, args, kwargs, target)
+    modes = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode, "plain": torch.enable_grad}
+    with modes[caller_mode]():
+        before = (torch.is_grad_enabled(), torch.is_inference_mode_enabled())
+        loss = pipe.step(*args, target=target, **kwargs)
+        assert (torch.is_grad_enabled(), torch.is_inference_mode_enabled()) == before
+    assert pipe._threads is None  # no rank thread was started
+    assert_close(loss, want, name="loss")
+    assert_grads(pipe, ref)

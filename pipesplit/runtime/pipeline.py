@@ -393,7 +393,7 @@ class Pipeline:
             run_distributed_step(self.prog, self.collectives, plan[self.rank], comm, workers, data, self.timeout)
             return
         self.prog.defer_tied_gradients(True)
-        if self._threads is None:
+        if self._threads is None and len(plan) > 1:
             self._threads = RankThreads(len(plan))
         try:
             run_local_step(plan, workers, self.transport, self._threads, like, data)
