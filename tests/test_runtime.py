@@ -345,3 +345,22 @@ def test_one_rank_runs_in_the_callers_thread_as_a_rank_thread_would(stages, sche
     assert pipe._threads is None  # no rank thread was started
     assert_close(loss, want, name="loss")
     assert_grads(pipe, ref)
+
+
+def test_a_step_without_random_ops_leaves_torchs_generator_as_the_model_would():
+    """The per-step seed is drawn only for a program with random ops: without any, the numbers a user
+    draws after a step are the ones they would draw after the plain model's step."""
+    torch.manual_seed(0)
+    case = CASE_BY_NAME["gpt_tied"]
+    model = case.build()
+    prog = pipesplit.compile(model, case.inputs(2)[0], num_stages=2, progress=False)
+    assert prog.random_ops == 0
+    pipe = pipesplit.Pipeline(prog, "1f1b", num_microbatches=2, loss_fn=dot_loss, loss_reduction="sum")
+    args, _ = case.inputs(4)
+    target = make_target(model(*args))
+    torch.manual_seed(5)
+    pipe.step(*args, target=target)
+    after_pipe = torch.rand(4)
+    torch.manual_seed(5)
+    dot_loss(model(*args), target).backward()
+    assert torch.equal(after_pipe, torch.rand(4))

@@ -166,7 +166,11 @@ def test_bf16_model_trains():
     args, kwargs = CASES[2].inputs(2)
     pipe = _pipe(model, (args, kwargs), 2, "1f1b", m=2)
     assert all(p.dtype is torch.bfloat16 for p in pipe.parameters())
-    check_training(model, pipe, [CASES[2].inputs(4)], m=2, steps=2, rtol=3e-2)
+    # One step: the loss, every gradient and the parameters after SGD. The tied embedding's gradient is
+    # the pipeline's (h1 + h2) + (e1 + e2) against autograd's ((h1 + e1) + h2) + e2, 0.26% apart in
+    # bfloat16; a second step starts from parameters that far apart, and a small gradient there (ln_f's
+    # bias) then differed by 0.5-5% depending on the random targets. The float32 tests take several steps.
+    check_training(model, pipe, [CASES[2].inputs(4)], m=2, steps=1, rtol=3e-2)
 
 
 # ------------------------------------------------------------ freezing between steps

@@ -72,6 +72,10 @@ class ProgramState:
             if owner is not None:
                 yield idx, owner
 
+    def held_requires_grad(self) -> tuple[bool, ...]:
+        """``requires_grad`` of everything this process holds, in ``held_items`` order (once a step: cheap)."""
+        return tuple([owner.requires_grad for owner in self._owner if owner is not None])
+
     def shared_mutated_state(self) -> dict[str, list[int]]:
         """Buffers written in place that several stages use: name -> those stages."""
         out = {}

@@ -71,8 +71,8 @@ class GradientEdges:
         only ever added: one that no longer needs its gradient sends zeros. Under torchrun a rank does
         not see the other ranks' parameters, so there a missing cut is refused instead."""
         prog = self.prog
-        flags = (tuple(t.requires_grad for _, t in prog.held_items()),
-                 tuple(isinstance(x, torch.Tensor) and x.requires_grad for x in flat_inputs), id(prog.captured_gm))
+        flags = (prog.held_requires_grad(),
+                 tuple([isinstance(x, torch.Tensor) and x.requires_grad for x in flat_inputs]), id(prog.captured_gm))
         if flags == self._flags:
             return
         needed = gradient_nodes(prog, flat_inputs)

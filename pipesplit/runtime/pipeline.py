@@ -275,7 +275,10 @@ class Pipeline:
                         microbatch_offset=first, whole=flat, dp_size=self.dp_size)
 
     def _step_seed(self) -> int:
-        """One draw from torch's default generator per step, rank 0's on every rank (reproducible by seeding)."""
+        """One draw from torch's default generator per step, rank 0's on every rank (reproducible by seeding).
+        A program without random ops draws nothing, so torch's generator advances as the model's would."""
+        if not self.prog.random_ops:
+            return 0
         seed = int(torch.randint(0, 2**62, ()).item())
         if self.collectives is not None and self.prog.random_ops:
             seed = self.collectives.step_seed(seed)
@@ -292,8 +295,8 @@ class Pipeline:
         Random ops (dropout) of stage ``s`` on microbatch ``m`` draw from their own stream,
         seeded from one draw of torch's default generator per step: after
         ``torch.manual_seed(k)`` the losses and gradients are bit-identical under every
-        schedule, executor and checkpointing setting. A ``torch.autocast`` block around
-        the call applies in every stage.
+        schedule, executor and checkpointing setting (a program without random ops draws
+        nothing). A ``torch.autocast`` block around the call applies in every stage.
         """
         data = self._prepare(args, kwargs, target, training=True)
         self._run("train", data)

@@ -101,7 +101,7 @@ class StageWorker:
         # unfreezing a parameter between steps picks (or makes) the graph for the new set
         self._weight_graphs: dict[tuple[int, tuple[bool, ...]], WeightGraph | None] = {}
         self.backwards_done = 0
-        self._slots: tuple[torch.nn.Module, list[tuple[torch.nn.Module, str]]] | None = None
+        self._slots: tuple[torch.nn.Module, list[tuple[dict[str, Any], str]]] | None = None
         self._written: tuple[torch.nn.Module, frozenset[str]] | None = None
         self.written_inputs = {where for s in prog.stages for name, kind, where in s.inputs  # flat input indices
                                if kind == "input" and name in s.mutated_inputs}
@@ -118,16 +118,10 @@ class StageWorker:
         Reading each slot every call still sees a parameter replaced in place (``to_empty``, ``.to``)."""
         module = self.stage.module
         if self._slots is None or self._slots[0] is not module:
-            self._slots = (module, [(sub, name) for _, sub in module.named_modules()
+            self._slots = (module, [(sub._parameters, name) for _, sub in module.named_modules()
                                     for name, p in sub._parameters.items() if p is not None])
-        seen: set[int] = set()
-        out: list[torch.Tensor] = []
-        for sub, name in self._slots[1]:
-            p = sub._parameters.get(name)
-            if p is not None and id(p) not in seen:
-                seen.add(id(p))
-                out.append(p)
-        return out
+        found = [slots.get(name) for slots, name in self._slots[1]]
+        return list({id(p): p for p in found if p is not None}.values())  # tied ones once, in order
 
     def _written_inputs(self) -> frozenset[str]:
         """The inputs the stage's graph in its current mode writes in place: the split's
@@ -288,7 +282,9 @@ class StageWorker:
                     out_tree = pytree.tree_unflatten(flat, self.prog.out_spec)
                     target = data.targets[m] if data.targets is not None else None
                     stop = output_nodes([*outs, *flat])  # before the loss: it may write an output in place
-                    loss = data.loss_fn(out_tree, target) * data.loss_scale
+                    loss = data.loss_fn(out_tree, target)
+                    if data.loss_scale != 1.0:  # a multiply by 1 changes no bit; skipped, it cost a kernel each way
+                        loss = loss * data.loss_scale
                     data.losses[m] = loss.detach()
                     saved.tensors, saved.grads = [loss], [None]
                     if loss.grad_fn is not None:
