@@ -73,7 +73,8 @@ def interleaved(fns: dict[str, Callable[[], Any]], rounds: int) -> dict[str, lis
     return times
 
 
-def bench_model(name: str, dims: tuple[int, ...], m: int, rounds: int, options: dict[str, Any]) -> str:
+def bench_model(name: str, dims: tuple[int, ...], m: int, rounds: int, options: dict[str, Any],
+                pipes: list[tuple[int, str]]) -> str:
     layers, dim, heads, vocab, seq, batch = dims
     torch.manual_seed(0)
     model = gpt(layers=layers, dim=dim, heads=heads, vocab=vocab, seq=seq)
@@ -87,8 +88,8 @@ def bench_model(name: str, dims: tuple[int, ...], m: int, rounds: int, options: 
     start = time.perf_counter()
     fns["torch.compile(model)"]()
     compile_s["torch.compile(model)"] = time.perf_counter() - start
-    progs = {k: pipesplit.compile(model, x[: batch // m], num_stages=k, progress=False) for k in sorted({k for k, _ in PIPES})}
-    for stages, schedule in PIPES:
+    progs = {k: pipesplit.compile(model, x[: batch // m], num_stages=k, progress=False) for k in sorted({k for k, _ in pipes})}
+    for stages, schedule in pipes:
         for compiled in (False, True):
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # zb_h1's eager stages under compile=True
@@ -129,6 +130,8 @@ def main() -> int:
     ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {', '.join(MODELS)}")
     ap.add_argument("--rounds", type=int, help="timed rounds (default 15, quick 3)")
     ap.add_argument("--microbatches", type=int, default=4)
+    ap.add_argument("--pipes", default=",".join(f"{k}:{s}" for k, s in PIPES),
+                    help="comma-separated stages:schedule (e.g. 1:1f1b with --microbatches 1: the host overhead)")
     ap.add_argument("--backend", default="inductor", help="torch.compile backend (inductor; aot_eager to test the script)")
     ap.add_argument("--torch-threads", type=int, default=1)
     args = ap.parse_args()
@@ -140,7 +143,8 @@ def main() -> int:
         f"torch.compile options {options}; compile time is the first step's and not in the step times"]))
     emit()
     for name in args.models.split(","):
-        emit(bench_model(name, (QUICK if args.quick else MODELS)[name], args.microbatches, rounds, options))
+        pipes = [(int(k), sch) for k, sch in (p.split(":") for p in args.pipes.split(","))]
+        emit(bench_model(name, (QUICK if args.quick else MODELS)[name], args.microbatches, rounds, options, pipes))
     return 0
 
 
