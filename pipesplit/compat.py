@@ -3,8 +3,8 @@
 # The one module that reaches into torch's private names (tests/test_layers.py checks that no
 # other module does). Each entry says when torch added it, as read in the releases' own source
 # (installed 2.10.0, 2.13.0, 2.15.0; 2.14.1's wheel); TORCH_FLOOR is the oldest tested. pytree,
-# torch._ops, is_concrete_int, _LazyGraphModule and _has_compatible_shallow_copy_type are in
-# every one of them: they sit here so that a release that moves them breaks one module.
+# torch._ops, is_concrete_int, make_fx, FakeTensorMode, _LazyGraphModule and
+# _has_compatible_shallow_copy_type are in every one of them: they sit here so that a release that moves them breaks one module.
 
 from __future__ import annotations
 
@@ -18,12 +18,14 @@ from torch._ops import HigherOrderOperator, OpOverload, OpOverloadPacket
 from torch.export.graph_signature import OutputKind
 from torch.fx._lazy_graph_module import _LazyGraphModule as LazyGraphModule
 from torch.fx.experimental import symbolic_shapes
+from torch.fx.experimental.proxy_tensor import make_fx  # traces a stage's forward + backward (stage_graphs)
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 __all__ = [
     "TORCH_FLOOR", "TORCH_VERSION", "HigherOrderOperator", "LazyGraphModule", "OpOverload", "OpOverloadPacket",
-    "EXPORTS_META_MODELS", "STATE_MUTATIONS", "TORCH_LOGGERS", "FAKE_TENSOR_LOGGER", "has_compatible_shallow_copy_type",
-    "is_concrete_int", "optimization_hint", "pytree", "torch_csv_send_waits",
+    "EXPORTS_META_MODELS", "STATE_MUTATIONS", "TORCH_LOGGERS", "FAKE_TENSOR_LOGGER", "fake_mode",
+    "has_compatible_shallow_copy_type",
+    "is_concrete_int", "make_fx", "optimization_hint", "pytree", "torch_csv_send_waits",
 ]
 
 TORCH_FLOOR = (2, 10)
@@ -83,6 +85,14 @@ TORCH_LOGGERS = (
 """torch's loggers that speak during a capture (silenced around torch.export)."""
 FAKE_TENSOR_LOGGER = "torch._subclasses.fake_tensor"
 """The logger that prints a failed fake-tensor op's traceback before the error is raised."""
+
+
+def fake_mode() -> Any:
+    """A fake-tensor mode that takes real tensors as they come (``FakeTensorMode``, in every tested
+    release): ops run on shapes and dtypes only, nothing real is read or written."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(allow_non_fake_inputs=True)
 
 
 def has_compatible_shallow_copy_type(t: torch.Tensor, data: torch.Tensor) -> bool:

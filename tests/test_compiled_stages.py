@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import pipesplit
-from pipesplit.models import gpt
+from pipesplit.models import GPT, GPTConfig, gpt
 from tests.launch import torchrun
 from tests.training import check_training, dot_loss
 from tests.zoo import CASE_BY_NAME
@@ -57,15 +57,57 @@ def test_checkpointing_and_a_new_batch_size_under_compile():
     assert {mb for _, mb in pipe.compiler.seconds} == {2, 3}, pipe.compiler.seconds
 
 
-def test_a_zero_bubble_schedule_warns_which_stages_run_eager():
+@pytest.mark.parametrize("schedule,stages", [("zb_h1", 2), ("zb_v", 4), ("dualpipe_v", 2)])
+def test_split_backward_stages_run_compiled_forward_input_and_weight_graphs(schedule, stages):
+    """A schedule that splits the backward runs each stage as three compiled graphs (F, I, W; see
+    pipesplit/runtime/stage_graphs.py), with no eager fallback, and trains like gradient accumulation:
+    a tied GPT whose input requires grad, over two steps, then with a layer frozen (new graphs)."""
+    from pipesplit.runtime.stage_graphs import Parts
+
+    c = CASE_BY_NAME["gpt_tied"]
     torch.manual_seed(0)
-    prog = pipesplit.compile(gpt(layers=2, dim=16, vocab=32, seq=8, heads=2), torch.randint(0, 32, (2, 8)),
-                             num_stages=2, progress=False)
-    with pytest.warns(UserWarning, match=r"'zb_h1' splits the backward of stages \[0, 1\].*run eager"):
-        pipesplit.Pipeline(prog, "zb_h1", num_microbatches=2, loss_fn=dot_loss, loss_reduction="sum", compile=AOT)
+    model = c.build()
+    prog = pipesplit.compile(model, c.inputs(2)[0], num_stages=stages, progress=False)
+    pipe = pipesplit.Pipeline(prog, schedule, num_microbatches=4, loss_fn=dot_loss, loss_reduction="sum", compile=AOT)
     with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        pipesplit.Pipeline(prog, "1f1b", num_microbatches=2, loss_fn=dot_loss, loss_reduction="sum", compile=AOT)  # no warning
+        warnings.filterwarnings("error", message="pipesplit")
+        check_training(model, pipe, [c.inputs(8)], m=4, steps=2, rtol=RTOL)
+        model.load_state_dict(pipe.prog.state_dict())  # where the pipeline's training took it
+        for p in model.blocks[0].parameters():
+            p.requires_grad_(False)
+        for name, p in pipe.named_parameters():
+            if name.startswith("blocks.0."):
+                p.requires_grad_(False)
+        check_training(model, pipe, [c.inputs(8)], m=4, steps=1, rtol=RTOL)
+    assert pipe.compiler.eager == []
+    built = [list(w.explicit.built.values()) for w in pipe.workers.values() if w.explicit is not None]
+    assert built and all(isinstance(b, Parts) for per in built for b in per), built
+    assert max(len(per) for per in built) == 2  # the stage holding blocks.0: graphs for each trainable set
+    parts = {getattr(m, "pipesplit_part", None) for m in pipe.compiler._compiled.keys()}
+    whole = any(w.explicit is None for w in pipe.workers.values())  # dualpipe_v: a stage that never splits
+    assert parts == {"F", "I", "W"} | ({None} if whole else set()), parts
+
+
+def test_a_stage_the_graphs_cannot_take_warns_and_runs_its_split_eager():
+    """BatchNorm's running statistics are written in place and dropout draws from pipesplit's streams:
+    such stages run their split backward eager, say why, and still train exactly."""
+    c = CASE_BY_NAME["conv_bn"]
+    torch.manual_seed(0)
+    model = c.build()
+    prog = pipesplit.compile(model, *c.inputs(2)[:1], num_stages=2, progress=False)
+    pipe = pipesplit.Pipeline(prog, "zb_h1", num_microbatches=2, loss_fn=dot_loss, loss_reduction="sum", compile=AOT)
+    with pytest.warns(UserWarning, match=r"stage \d runs eager .*writes in place"):
+        check_training(model, pipe, [c.inputs(4)], m=2, steps=1, rtol=RTOL)
+    torch.manual_seed(0)
+    drop = GPT(GPTConfig(vocab=32, dim=16, layers=2, heads=2, seq=8, dropout=0.1))
+    prog = pipesplit.compile(drop, torch.randint(0, 32, (2, 8)), num_stages=2, progress=False)
+    pipe = pipesplit.Pipeline(prog, "zb_h1", num_microbatches=2, loss_fn=dot_loss, loss_reduction="sum", compile=AOT)
+    with pytest.warns(UserWarning, match=r"stage \d runs eager .*random ops"):
+        pipe.step(torch.randint(0, 32, (4, 8)), target=torch.randn(4, 8, 32))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="pipesplit")  # 1f1b does not split: nothing to say
+        pipesplit.Pipeline(prog, "1f1b", num_microbatches=2, loss_fn=dot_loss, loss_reduction="sum",
+                           compile=AOT).step(torch.randint(0, 32, (4, 8)), target=torch.randn(4, 8, 32))
 
 
 def test_options_that_are_not_torch_compiles_are_refused():
@@ -97,16 +139,17 @@ def test_dropout_under_compile_is_reproducible_run_to_run():
 
 
 @pytest.mark.slow
-def test_inductor_compiled_stages_match_eager_stages():
+@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])
+def test_inductor_compiled_stages_match_eager_stages(schedule):
     """Inductor's generated code (C++ on this CPU): the loss and every gradient within 1e-5 of the
-    eager stages' (fused kernels reassociate float sums)."""
+    eager stages' (fused kernels reassociate float sums); under zb_h1, each stage's F, I and W graphs."""
     torch.manual_seed(0)
     model = gpt(layers=2, dim=16, vocab=32, seq=8, heads=2)
     x, y = torch.randint(0, 32, (8, 8)), torch.randint(0, 32, (8, 8))
     ce = lambda o, t: torch.nn.functional.cross_entropy(o.flatten(0, 1), t.flatten())  # noqa: E731
     prog = pipesplit.compile(model, x[:2], num_stages=2, progress=False)
-    eager = pipesplit.Pipeline(copy.deepcopy(prog), "1f1b", num_microbatches=4, loss_fn=ce)
-    compiled = pipesplit.Pipeline(prog, "1f1b", num_microbatches=4, loss_fn=ce, compile=True)
+    eager = pipesplit.Pipeline(copy.deepcopy(prog), schedule, num_microbatches=4, loss_fn=ce)
+    compiled = pipesplit.Pipeline(prog, schedule, num_microbatches=4, loss_fn=ce, compile=True)
     for _ in range(2):
         want, got = eager.step(x, target=y), compiled.step(x, target=y)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
@@ -114,6 +157,7 @@ def test_inductor_compiled_stages_match_eager_stages():
     for name, p in compiled.named_parameters():
         torch.testing.assert_close(p.grad, grads[name].grad, rtol=1e-5, atol=1e-6, msg=name)
     assert set(compiled.compiler.seconds) == {(0, 2), (1, 2)} and all(s > 0 for s in compiled.compiler.seconds.values())
+    assert compiled.compiler.eager == []
 
 
 @pytest.mark.slow

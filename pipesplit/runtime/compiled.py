@@ -50,19 +50,7 @@ class StageCompiler:
         self._timed: set[tuple[int, int, int, bool]] = set()
         self._gate = _CompileGate()
         self.seconds: dict[tuple[int, int], float] = {}  # (stage, microbatch size) -> first call, compile included
-        self.eager: list[int] = []  # stages that run eager (their backward split into I and W)
-
-    def warn_eager(self, stages: list[int], schedule: str) -> None:
-        if stages != self.eager:
-            self.eager = stages
-            import warnings
-
-            warnings.warn(
-                f"pipesplit: compile=True: {schedule!r} splits the backward of stages {stages} into input- and "
-                "weight-gradient actions, which pipesplit runs through the stage's own autograd graph; those "
-                "stages run eager (compiled I and W graphs are not built yet). The other stages run compiled; "
-                "a schedule without the split (gpipe, 1f1b, interleaved_1f1b) compiles every stage.",
-                stacklevel=5)
+        self.eager: list[int] = []  # stages whose split backward runs eager (warn_eager_stage says why)
 
     def run(self, module: torch.nn.Module, stage: int, microbatch_size: int, *args: Any) -> Any:
         fn = self._compiled.get(module)
@@ -79,10 +67,26 @@ class StageCompiler:
             start = time.perf_counter()
             out = fn(*args)
             self._timed.add(key)
-        seconds = self.seconds[(stage, microbatch_size)] = time.perf_counter() - start
-        log.info("stage %d compiled for microbatches of %d in %.2fs (torch.compile%s, first call)", stage,
-                 microbatch_size, seconds, f" {self.options}" if self.options else "")
+        seconds = time.perf_counter() - start
+        self.seconds[(stage, microbatch_size)] = self.seconds.get((stage, microbatch_size), 0.0) + seconds
+        log.info("stage %d%s compiled for microbatches of %d in %.2fs (torch.compile%s, first call)", stage,
+                 f" {part}" if (part := getattr(module, "pipesplit_part", "")) else "", microbatch_size, seconds,
+                 f" {self.options}" if self.options else "")
         return out
+
+    def exclusive(self) -> contextlib.AbstractContextManager[None]:
+        """Alone among compiled calls (a trace, like a compile, is process-wide)."""
+        return self._gate.exclusive()
+
+    def warn_eager_stage(self, stage: int, why: str) -> None:
+        """Once per stage: it runs its split backward eager, and why."""
+        if stage in self.eager:
+            return
+        self.eager.append(stage)
+        import warnings
+
+        warnings.warn(f"pipesplit: compile=...: stage {stage} runs eager (its input- and weight-gradient actions "
+                      f"through its own autograd graph): {why}. The other stages run compiled.", stacklevel=2)
 
 
 class _CompileGate:

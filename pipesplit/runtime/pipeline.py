@@ -208,8 +208,6 @@ class Pipeline:
         }
         for w in self.workers.values():
             w.tracer = self._tracer
-        if self.compiler is not None and split & set(self.workers):
-            self.compiler.warn_eager(sorted(split & set(self.workers)), self.schedule.name)
 
     @contextmanager
     def trace(self) -> Iterator[Trace]:

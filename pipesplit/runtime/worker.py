@@ -19,6 +19,7 @@ from pipesplit.runtime.weight_grads import WeightGraph, input_grads, weight_back
 from pipesplit.runtime.compiled import StageCompiler
 from pipesplit.runtime.exchange import RankComm
 from pipesplit.runtime.loss_leaves import loss_leaves, output_nodes
+from pipesplit.runtime.stage_graphs import Deferred, Parts, StageGraphs, run_forward, run_weights
 from pipesplit.runtime.transport import Like
 from pipesplit.schedules import Action, ActionKind
 from pipesplit.schedules.rendezvous import Message
@@ -57,6 +58,8 @@ class _Saved:
     weights: WeightGraph | None = None  # the weight graph the forward ran (split backward)
     params: list[torch.Tensor] = field(default_factory=list)  # the stage's trainable parameters at the forward
     loss_leaves: list[torch.Tensor] = field(default_factory=list)  # what the loss function trains (last stage)
+    deferred: tuple[Parts, Deferred, torch.Tensor] | None = None  # compiled F/I/W: parts, I's record for W, anchor
+    microbatch_size: int = 0
 
 
 class StageWorker:
@@ -100,6 +103,8 @@ class StageWorker:
         # (id(stage module), which parameters are trainable) -> its weight graph: freezing or
         # unfreezing a parameter between steps picks (or makes) the graph for the new set
         self._weight_graphs: dict[tuple[int, tuple[bool, ...]], WeightGraph | None] = {}
+        # compile= under a split backward: the stage as compiled F/I/W graphs (runtime/stage_graphs.py)
+        self.explicit = StageGraphs(compiler, stage.index) if compiler is not None and self.split_backward else None
         self.backwards_done = 0
         self._slots: tuple[torch.nn.Module, list[tuple[dict[str, Any], str]]] | None = None
         self._written: tuple[torch.nn.Module, frozenset[str]] | None = None
@@ -197,7 +202,7 @@ class StageWorker:
             tracer.record(self.rank_of[self.index], action, start, ready, time.perf_counter())
 
     def forward(self, m: int, data: StepData, comm: RankComm) -> None:
-        saved = _Saved([])
+        saved = _Saved([], microbatch_size=data.microbatch_size)
         received: dict[tuple[str, int], Any] = {}
         for name, kind, where in self.stage.inputs:
             if kind != "stage":
@@ -246,7 +251,8 @@ class StageWorker:
             args.append(value)
         grad_mode = torch.enable_grad() if data.training else torch.no_grad()
         module, device = self.stage.module, self.stage.device
-        weights = self._weights() if data.training and self.split_backward else None
+        explicit = self._explicit(args, data.microbatch_size) if data.training and self.split_backward else None
+        weights = self._weights() if data.training and self.split_backward and explicit is None else None
         saved.weights, saved.params = weights, self.params if data.training else []
         if weights is not None:
             module = weights.module
@@ -254,8 +260,8 @@ class StageWorker:
 
         first_run: list[tuple[Any, ...]] = []
 
-        # a zero-bubble stage's I/W split differentiates through the weight graph's own autograd nodes,
-        # which a compiled graph fuses into one: such a stage runs eager (Pipeline warns once)
+        # a zero-bubble stage's I/W split runs as explicit compiled F/I/W graphs, or eager through the
+        # weight graph's own autograd nodes (which a compiled graph would fuse into one; warned once)
         compiler, mb_size = (self.compiler if weights is None else None), data.microbatch_size
 
         def run_stage(*xs: Any) -> Any:  # checkpointing replays it, masks and all, from the same seed
@@ -264,6 +270,9 @@ class StageWorker:
                 if not first_run:
                     first_run.append(xs)
             with random_stream(seed, device):
+                if explicit is not None:
+                    saved.deferred = (explicit, Deferred(), torch.empty(0, device=device, requires_grad=True))
+                    return run_forward(explicit, saved.deferred[1], self._run_part(mb_size), xs, saved.deferred[2])
                 if compiler is not None:
                     return compiler.run(module, self.index, mb_size, *xs)
                 return module(*xs)
@@ -344,6 +353,11 @@ class StageWorker:
         grads: Sequence[torch.Tensor | None]
         if not saved.tensors:
             grads = [None] * len(leaves)
+        elif split and saved.deferred is not None:  # the compiled I graph, under the stage's autograd node
+            anchor = saved.deferred[2]
+            grads = input_grads(None, saved.tensors, saved.grads, [*leaves, anchor], [])[0][:len(leaves)]
+            if saved.loss_leaves:
+                torch.autograd.backward(saved.tensors, saved.grads, inputs=saved.loss_leaves, retain_graph=True)
         elif split:  # also the gradients W starts from (see runtime/weight_grads.py)
             weights = saved.weights if saved.inters else None
             grads, saved.inter_grads = input_grads(weights, saved.tensors, saved.grads, leaves, saved.inters)
@@ -367,6 +381,10 @@ class StageWorker:
 
     def backward_weight(self, m: int) -> None:
         saved = self.saved.pop(m)
+        if saved.deferred is not None:  # the compiled W graph, from what I kept
+            parts, record, _ = saved.deferred
+            run_weights(parts, record, self._run_part(saved.microbatch_size))
+            return
         if not (saved.tensors and saved.params):
             return
         weights = saved.weights if saved.inters else None
@@ -374,6 +392,16 @@ class StageWorker:
             torch.autograd.backward(saved.tensors, saved.grads, inputs=saved.params)
             return
         weight_backward(weights, saved.inters, saved.inter_grads, saved.tensors, saved.grads)
+
+    def _run_part(self, microbatch_size: int) -> Callable[..., Any]:
+        assert self.explicit is not None
+        return self.explicit.runner(microbatch_size)
+
+    def _explicit(self, args: Sequence[Any], microbatch_size: int) -> Parts | None:
+        if self.explicit is None:
+            return None
+        return self.explicit.parts(self.stage.module, self._all_params(), args, microbatch_size,
+                                   self.checkpointing, bool(self._written_inputs()))
 
     def _weights(self) -> WeightGraph | None:
         """This stage's weight graph (see runtime/weight_grads.py), made once per module and set of

@@ -12,6 +12,7 @@ import torch
 from hypothesis import HealthCheck, Phase, given, seed as hseed, settings
 
 from tests.fuzz.check import STEERED, FuzzFailure, Stats, cases, run
+from tests.fuzz import configs
 from tests.fuzz.configs import KNOWN
 
 
@@ -60,10 +61,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--include-known", action="store_true", help="draw the KNOWN defects' combinations too")
     p.add_argument("--max-layers", type=int, default=8)
+    p.add_argument("--compile-share", type=int, default=configs.COMPILE_SHARE,
+                   help="one case in N runs compiled stages (compile=aot_eager); 1: every case")
     p.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "pipesplit-fuzz"),
                    help="folder for the repro scripts of failures")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
+    configs.COMPILE_SHARE = args.compile_share
     stats = fuzz(args.minutes, args.seed, args.include_known, args.max_layers, args.out)
     print("\n" + stats.summary())
     print(f"\nKNOWN table ({len(KNOWN)} entries{', drawn anyway' if args.include_known else ', steered around'}); "

@@ -43,6 +43,7 @@ def valid_combos(max_stages: int = 4, max_m: int = 4, ranks: int | None = None) 
 
 
 COMBOS = valid_combos()
+COMPILE_SHARE = 10  # one case in this many runs compiled stages (python -m tests.fuzz --compile-share)
 
 
 def draw_config(pick: Callable[[Any], Any], integer: Callable[[int, int], int], spec: ModelSpec,
@@ -69,6 +70,8 @@ def draw_config(pick: Callable[[Any], Any], integer: Callable[[int, int], int], 
         "eval": pick(("none", "train_forward", "pipe", "prog")), "eval_pipe": integer(0, 4) == 4,
         "freeze_mid": integer(0, 9) == 9,
         "loss_param": integer(0, 4) == 4,  # the loss function trains a scale of its own (not the model's)
+        # compiled stages (AOT autograd's graphs, no code generation): zero-bubble stages as F/I/W graphs
+        "compile": local and integer(1, COMPILE_SHARE) == COMPILE_SHARE,
     }
 
 
@@ -79,5 +82,6 @@ def features(spec: ModelSpec, cfg: dict[str, Any], dist: str | None = None) -> s
     flags = {"rendezvous": cfg["transport"] == "rendezvous", "checkpoint": cfg["checkpoint"],
              "recapture": cfg["example_batch"] != cfg["mb"], "batch_change": cfg["mb2"] != cfg["mb"],
              "no_zero_grad": cfg["no_zero_grad"], "eval_pipe": cfg["eval_pipe"] and cfg["eval"] == "pipe",
-             "freeze_mid": cfg["freeze_mid"], "loss_param": cfg.get("loss_param", False), "m>1": cfg["m"] > 1, "multi_stage": cfg["stages"] > 1, "dist": dist is not None, "mesh": dist == "mesh"}
+             "freeze_mid": cfg["freeze_mid"], "loss_param": cfg.get("loss_param", False),
+             "compile": cfg.get("compile", False), "m>1": cfg["m"] > 1, "multi_stage": cfg["stages"] > 1, "dist": dist is not None, "mesh": dist == "mesh"}
     return out | {name for name, on in flags.items() if on}

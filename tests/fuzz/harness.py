@@ -190,7 +190,8 @@ def run_case(make_model: Callable[[], torch.nn.Module], io: dict, cfg: dict, mes
         prog = pipesplit.compile(model, ex_args, example_kwargs=ex_kw, num_stages=cfg["stages"], cost=cfg["cost"],
                                  order=cfg["order"], recompute=cfg["recompute"], progress=False)
         pipe = pipesplit.Pipeline(prog, cfg["schedule"], num_microbatches=m, loss_fn=loss_p, loss_reduction="sum",
-                                  checkpoint=cfg["checkpoint"], transport=cfg["transport"], timeout=60, mesh=mesh)
+                                  checkpoint=cfg["checkpoint"], transport=cfg["transport"], timeout=60, mesh=mesh,
+                                  compile={"backend": "aot_eager"} if cfg.get("compile") else False)
         eval_pipe = pipesplit.Pipeline(prog, "gpipe", num_microbatches=1, timeout=60, mesh=mesh) \
             if cfg["eval_pipe"] and cfg["eval"] == "pipe" else pipe
     except pipesplit.PipesplitError as e:

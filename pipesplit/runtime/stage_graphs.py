@@ -1,0 +1,306 @@
+"""A stage's forward, input-gradient and weight-gradient work as three explicit graphs, each compiled:
+what ``Pipeline(..., compile=...)`` runs for the stages of a schedule that splits the backward into
+I and W actions (zb_h1, zb_v, dualpipe_v).
+
+The joint graph: ``make_fx`` traces, on fake tensors (nothing real runs, no buffer moves), the
+stage's forward followed by ``torch.autograd.grad`` of its outputs with respect to its inputs that
+need a gradient and its trainable parameters. Its nodes split three ways:
+
+- **F**: every node that does not depend on an output gradient: the stage's outputs, and the
+  values the backward reads (saved for it);
+- **I**: what the inputs' gradients need; it also hands W the values W reads from it (the
+  gradient at a linear's output feeds both its input's gradient and its weight's);
+- **W**: the rest of what the weights' gradients need.
+
+Each part is compiled with the Pipeline's ``torch.compile`` options (through its
+:class:`~pipesplit.runtime.compiled.StageCompiler`). At run time a custom autograd function puts F
+under the stage's outputs: autograd's backward through the stage runs I and keeps what W needs;
+the W action runs W and adds the weights' gradients into ``.grad`` as AccumulateGrad would. A
+stage that would need more is left to the eager split (:func:`unsupported` says why): random ops
+(pipesplit's per-microbatch streams), writes in place (BatchNorm's statistics), autocast,
+checkpointing, sparse gradients, parameter hooks or tensor subclasses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx as fx
+from pipesplit.compat import fake_mode, make_fx
+from pipesplit.rng import seeded
+
+Run = Callable[..., Any]  # (part graph module, *args) -> its outputs, compiled
+
+
+def unsupported(module: torch.nn.Module, params: Sequence[torch.Tensor], checkpointing: bool) -> str | None:
+    """Why this stage cannot run as explicit compiled F/I/W graphs (None: it can)."""
+    if checkpointing:
+        return "activation checkpointing replays the stage"
+    if any(torch.is_autocast_enabled(kind) for kind in ("cpu", "cuda")):
+        return "autocast is on"
+    if not isinstance(module, fx.GraphModule):
+        return "the stage is not a graph"
+    for node in module.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target is seeded:
+            return "it has random ops (pipesplit's per-microbatch streams)"
+        schema = getattr(node.target, "_schema", None)
+        if schema is not None and schema.is_mutable:
+            return f"it writes in place ({node.target})"
+        if "embedding" in str(node.target) and len(node.args) > 4 and node.args[4]:
+            return "it has a sparse embedding"
+    for p in params:
+        if type(p) not in (torch.Tensor, torch.nn.Parameter) or p.layout != torch.strided:
+            return "a parameter is a tensor subclass or not dense"
+    return None
+
+
+@dataclass
+class Parts:
+    """The three graphs of a stage at one microbatch shape, and how their values line up."""
+
+    forward: fx.GraphModule  # (params, buffers, inputs) -> outputs + saved
+    backward_input: fx.GraphModule  # (saved for I, output grads) -> input grads + kept for W
+    backward_weight: fx.GraphModule  # (saved for W, kept, output grads) -> weight grads
+    num_outputs: int
+    differentiable: list[bool]  # per output: a gradient comes back for it
+    grad_inputs: list[int]  # positions of the inputs that get a gradient
+    saved_i: list[int]  # indices into F's saved values that I reads
+    saved_w: list[int]  # ... that W reads
+    param_slots: list[tuple[dict[str, Any], str]]  # where F's first inputs are read, each call
+    buffer_slots: list[tuple[dict[str, Any], str]]  # then these
+    trainable: list[int]  # the parameters W returns gradients for, in order
+
+    def params(self) -> list[torch.Tensor]:
+        return [slots[name] for slots, name in self.param_slots]
+
+    def buffers(self) -> list[torch.Tensor]:
+        return [slots[name] for slots, name in self.buffer_slots]
+
+
+def _ancestors(roots: Sequence[Any]) -> set[fx.Node]:
+    seen: set[fx.Node] = set()
+    stack = [r for r in roots if isinstance(r, fx.Node)]
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            stack.extend(n.all_input_nodes)
+    return seen
+
+
+def _split(joint: fx.GraphModule, num_primals: int, counts: tuple[int, int]) -> tuple[Any, ...] | None:
+    """F, I, W graph modules from the joint graph, and which saved values I and W read; None if an
+    output depends on an output gradient. The joint's first ``num_primals`` placeholders are F's
+    inputs, the rest the output gradients; its flat results are ``counts`` = (outputs, input
+    gradients) and then the weights' gradients."""
+    graph = joint.graph
+    places = [n for n in graph.nodes if n.op == "placeholder"]
+    primals, tangents = places[:num_primals], places[num_primals:]
+    flat = list(next(n for n in graph.nodes if n.op == "output").args[0])
+    outs, in_grads, w_grads = flat[:counts[0]], flat[counts[0]:counts[0] + counts[1]], flat[counts[0] + counts[1]:]
+    depends: set[fx.Node] = set(tangents)
+    for node in graph.nodes:
+        if node.op == "call_function" and any(a in depends for a in node.all_input_nodes):
+            depends.add(node)
+    if any(isinstance(o, fx.Node) and o in depends for o in outs):
+        return None
+    i_nodes = {n for n in _ancestors(in_grads) if n in depends and n.op != "placeholder"}
+    w_nodes = {n for n in _ancestors(w_grads) if n in depends and n.op != "placeholder"} - i_nodes
+    f_nodes = {n for n in graph.nodes if n.op == "call_function" and n not in depends}
+    results_i = {g for g in in_grads if isinstance(g, fx.Node)}
+    results_w = {g for g in w_grads if isinstance(g, fx.Node)}
+
+    def read_by(n: fx.Node, part: set[fx.Node], results: set[fx.Node]) -> bool:
+        return n in results or any(u in part for u in n.users)
+
+    # F's values (its inputs included: a weight the input gradient multiplies by) that I or W read
+    saved = [n for n in graph.nodes if (n in f_nodes or n in primals)
+             and (read_by(n, i_nodes, results_i) or read_by(n, w_nodes, results_w))]
+    saved_i = [k for k, n in enumerate(saved) if read_by(n, i_nodes, results_i)]
+    saved_w = [k for k, n in enumerate(saved) if read_by(n, w_nodes, results_w)]
+    kept = [n for n in graph.nodes if n in i_nodes and read_by(n, w_nodes, results_w)]  # I's values W reads
+
+    def build(inputs: list[fx.Node], nodes: set[fx.Node], results: list[Any]) -> fx.GraphModule:
+        g = fx.Graph()
+        env: dict[fx.Node, fx.Node] = {}
+        for k, n in enumerate(inputs):
+            env[n] = g.placeholder(f"in_{k}")
+            env[n].meta = dict(n.meta)
+        for n in graph.nodes:
+            if n in nodes and n not in env:
+                env[n] = g.node_copy(n, lambda a: env[a])
+        g.output(tuple(env[r] if isinstance(r, fx.Node) else r for r in results))
+        return fx.GraphModule(joint, g)
+
+    fwd = build(primals, f_nodes, [*outs, *saved])
+    bwd_i = build([saved[k] for k in saved_i] + tangents, i_nodes, [*in_grads, *kept])
+    bwd_w = build([saved[k] for k in saved_w] + kept + tangents, w_nodes, list(w_grads))
+    return fwd, bwd_i, bwd_w, saved_i, saved_w
+
+
+def build_parts(module: torch.nn.Module, args: Sequence[Any], grad_inputs: list[int]) -> Parts | str:
+    """The stage's F/I/W for inputs like ``args`` (``grad_inputs``: the positions that need a
+    gradient), or why not."""
+    named = list(module.named_parameters())
+    params = [p for _, p in named]
+    named_buffers = list(module.named_buffers())
+    buffers = [b for _, b in named_buffers]
+    owners = dict(module.named_modules())
+
+    def slot(name: str, kind: str) -> tuple[dict[str, Any], str]:
+        prefix, _, leaf = name.rpartition(".")
+        return getattr(owners[prefix], kind), leaf
+    trainable = [k for k, p in enumerate(params) if p.requires_grad]
+
+    def leaves_of(xs: Sequence[Any]) -> list[Any]:
+        return [x.detach().requires_grad_(True) if k in grad_inputs else x for k, x in enumerate(xs)]
+
+    with fake_mode(), torch.enable_grad():  # which outputs carry a gradient, and their shapes
+        outs = tuple(module(*leaves_of(args)))
+    if not all(isinstance(o, torch.Tensor) for o in outs) or not all(isinstance(x, torch.Tensor) for x in args):
+        return "it takes or returns values that are not tensors"
+    differentiable = [o.requires_grad for o in outs]
+    shapes = [(o.shape, o.dtype, o.device) for o, d in zip(outs, differentiable) if d]
+    tangents = [torch.zeros(s, dtype=dt, device=dev) for s, dt, dev in shapes]
+
+    def joint(p_vals: list[torch.Tensor], b_vals: list[torch.Tensor], xs: list[Any], gs: list[torch.Tensor]) -> Any:
+        with torch.enable_grad():
+            ps = [p.detach().requires_grad_(k in trainable) for k, p in enumerate(p_vals)]
+            leaves = leaves_of(xs)
+            state = {**{n: p for (n, _), p in zip(named, ps)}, **{n: b for (n, _), b in zip(named_buffers, b_vals)}}
+            got_outs = tuple(torch.func.functional_call(module, state, tuple(leaves)))
+            diff = [o for o, d in zip(got_outs, differentiable) if d]
+            wanted = [leaves[k] for k in grad_inputs] + [ps[k] for k in trainable]
+            got: Sequence[Any] = (torch.autograd.grad(diff, wanted, gs, allow_unused=True)
+                                  if diff and wanted else [None] * len(wanted))
+            got = [torch.zeros_like(w) if g is None else g for g, w in zip(got, wanted)]
+        return [*(o.detach() for o in got_outs), *got]
+
+    try:
+        traced = make_fx(joint, tracing_mode="fake")(params, buffers, list(args), tangents)
+    except Exception as e:  # noqa: BLE001 - data-dependent code and the like: the eager split runs it
+        return f"tracing its forward and backward failed ({type(e).__name__}: {str(e)[:120]})"
+    split = _split(traced, len(params) + len(buffers) + len(args), (len(outs), len(grad_inputs)))
+    if split is None:
+        return "an output depends on an output gradient"
+    fwd, bwd_i, bwd_w, saved_i, saved_w = split
+    for part, label in ((fwd, "F"), (bwd_i, "I"), (bwd_w, "W")):
+        part.pipesplit_part = label  # the compile log names the part
+    return Parts(fwd, bwd_i, bwd_w, len(outs), differentiable, list(grad_inputs), saved_i, saved_w,
+                 [slot(n, "_parameters") for n, _ in named], [slot(n, "_buffers") for n, _ in named_buffers], trainable)
+
+
+@dataclass
+class Deferred:
+    """One microbatch's values between its F, I and W."""
+
+    saved: list[Any] = field(default_factory=list)  # F's, for I and W
+    for_w: list[Any] | None = None  # what W takes, once I has run
+
+
+class _Explicit(torch.autograd.Function):
+    """F under the stage's outputs; its backward is I."""
+
+    @staticmethod
+    def forward(ctx: Any, parts: Parts, record: Deferred, run: Run, anchor: torch.Tensor, *xs: Any) -> Any:  # type: ignore[override]
+        flat = run(parts.forward, *parts.params(), *parts.buffers(), *xs)
+        outs, record.saved = list(flat[:parts.num_outputs]), list(flat[parts.num_outputs:])
+        ctx.parts, ctx.record, ctx.run, ctx.num_inputs = parts, record, run, len(xs)
+        ctx.out_meta = [(o.shape, o.dtype, o.device) if isinstance(o, torch.Tensor) else None for o in outs]
+        fixed = [o for o, d in zip(outs, parts.differentiable) if isinstance(o, torch.Tensor) and not d]
+        if fixed:
+            ctx.mark_non_differentiable(*fixed)
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        parts, record = ctx.parts, ctx.record
+        tangents = [torch.zeros(meta[0], dtype=meta[1], device=meta[2]) if g is None else g
+                    for g, meta, d in zip(grads, ctx.out_meta, parts.differentiable) if d]
+        saved = record.saved
+        flat = ctx.run(parts.backward_input, *[saved[k] for k in parts.saved_i], *tangents)
+        n = len(parts.grad_inputs)
+        record.for_w = [*[saved[k] for k in parts.saved_w], *flat[n:], *tangents]
+        record.saved = []
+        out: list[Any] = [None] * ctx.num_inputs
+        for k, g in zip(parts.grad_inputs, flat[:n]):
+            out[k] = g
+        return (None, None, None, None, *out)
+
+
+def run_forward(parts: Parts, record: Deferred, run: Run, xs: Sequence[Any], anchor: torch.Tensor) -> tuple[Any, ...]:
+    """The stage's outputs under an autograd node whose backward is I. ``anchor``, an empty tensor
+    that requires grad, makes autograd run that backward even when no input needs a gradient (a
+    first stage's token ids): name it among the tensors a backward differentiates for."""
+    return tuple(_Explicit.apply(parts, record, run, anchor, *xs))
+
+
+def run_weights(parts: Parts, record: Deferred, run: Run) -> None:
+    """W: the weights' gradients from what I kept, added into ``.grad`` as AccumulateGrad does."""
+    if record.for_w is None:
+        return
+    taken = record.for_w
+    record.for_w = None
+    grads = run(parts.backward_weight, *taken)
+    held = {t.untyped_storage().data_ptr() for t in taken if isinstance(t, torch.Tensor)}
+    params = parts.params()
+    with torch.no_grad():
+        for p, g in zip([params[k] for k in parts.trainable], grads):
+            if g is None:
+                continue
+            for hook in (p._backward_hooks or {}).values():  # a tensor hook (register_hook) sees it first
+                changed = hook(g)
+                g = g if changed is None else changed
+            if p.grad is None:  # its own tensor, as AccumulateGrad keeps it (a copy if W returned an input)
+                own = g.untyped_storage().data_ptr() not in held and g.is_contiguous()
+                p.grad = g.detach() if own else g.detach().clone(memory_format=torch.contiguous_format)
+            else:
+                p.grad += g
+            for post in (getattr(p, "_post_accumulate_grad_hooks", None) or {}).values():
+                post(p)  # after the gradient is in, as autograd runs it (a tied replica's hands it to its owner)
+
+
+class StageGraphs:
+    """One stage's F/I/W graphs under a Pipeline's ``compile=``: made once per module, trainable set
+    and input shapes, each part compiled and run through the Pipeline's
+    :class:`~pipesplit.runtime.compiled.StageCompiler`; a stage they cannot take runs its split eager,
+    warned once with the reason."""
+
+    def __init__(self, compiler: Any, index: int):
+        self.compiler, self.index = compiler, index
+        self.built: dict[tuple[Any, ...], Parts | str] = {}
+
+    def parts(self, module: torch.nn.Module, params: Sequence[torch.Tensor], args: Sequence[Any],
+              microbatch_size: int, checkpointing: bool, writes_inputs: bool) -> Parts | None:
+        grad_inputs = [i for i, x in enumerate(args) if isinstance(x, torch.Tensor) and x.requires_grad]
+        key = (id(module), microbatch_size, tuple(p.requires_grad for p in params), tuple(grad_inputs),
+               tuple(tuple(x.shape) if isinstance(x, torch.Tensor) else x for x in args))
+        if key not in self.built:
+            why = unsupported(module, params, checkpointing)
+            if why is None and writes_inputs:
+                why = "it writes its inputs in place"
+            if why is None:
+                with self.compiler.exclusive():  # make_fx traces: nothing compiled may run meanwhile
+                    why = build_parts(module, args, grad_inputs)
+            self.built[key] = why
+        found = self.built[key]
+        if isinstance(found, str):
+            self.compiler.warn_eager_stage(self.index, found)
+            return None
+        return found
+
+    def runner(self, microbatch_size: int) -> Run:
+        compiler, index = self.compiler, self.index
+
+        def run(part: Any, *args: Any) -> Any:
+            # plain values in: torch.compile would otherwise differentiate a graph whose inputs require
+            # grad (the parameters F reads), which an I graph's backward ops cannot be (torch 2.15)
+            plain = [a.detach() if isinstance(a, torch.Tensor) and a.requires_grad else a for a in args]
+            with torch.no_grad():
+                return compiler.run(part, index, microbatch_size, *plain)
+
+        return run
