@@ -307,6 +307,61 @@ def part_oracle(args: argparse.Namespace, res: Result) -> None:
             + markdown_table(["planner cost", "its split", "bottleneck ms", "x best"], rows, "llrr"))
 
 
+# ---------------------------------------------------------------------------- (g) compiled stages
+def part_compiled(args: argparse.Namespace, res: Result) -> None:
+    """Issue 25's anchors on the device: the plain model and torch.compile(model) accumulating over m
+    microbatches against 2-stage pipelines, eager and compiled (zb_h1's stages as F/I/W graphs),
+    and zb_h1's split backward against 1f1b's fused one."""
+    dev = args.device
+    layers, dim, vocab, seq, batch, m = (2, 32, 64, 16, 4, 2) if args.quick else (12, 256, 512, 128, 8, 4)
+    backend = "aot_eager" if args.quick else "inductor"
+    torch.manual_seed(0)
+    model = gpt(layers=layers, dim=dim, vocab=vocab, seq=seq, heads=4).to(dev)
+    x, y = torch.randint(0, vocab, (batch, seq), device=dev), torch.randint(0, vocab, (batch, seq), device=dev)
+    plain, anchor = copy.deepcopy(model), torch.compile(copy.deepcopy(model), backend=backend)
+
+    def accumulate(net: Any) -> None:
+        net.zero_grad(set_to_none=True)
+        for xs, ys in zip(x.chunk(m), y.chunk(m)):
+            ce(net(xs), ys).backward()
+
+    fns: dict[str, Callable[[], Any]] = {"plain (eager)": lambda: accumulate(plain),
+                                         f"torch.compile(model) ({backend})": lambda: accumulate(anchor)}
+    compile_s: dict[str, float] = {}
+    prog = pipesplit.compile(model, x[: batch // m], num_stages=2, devices=[dev, dev], progress=False)
+    for schedule in ("1f1b", "zb_h1"):
+        for compiled in (False, True):
+            import warnings
+
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                pipe = pipesplit.Pipeline(prog, schedule, num_microbatches=m, loss_fn=ce,
+                                          compile={"backend": backend} if compiled else False)
+            label = f"pipesplit 2 stages, {schedule}, {'compiled' if compiled else 'eager'}"
+
+            def step(pipe: Any = pipe) -> None:
+                pipe.zero_grad(set_to_none=True)
+                pipe.step(x, target=y)
+
+            start = time.perf_counter()
+            step()
+            sync(dev)
+            compile_s[label] = time.perf_counter() - start
+            fns[label] = step
+    start = time.perf_counter()
+    fns[f"torch.compile(model) ({backend})"]()
+    compile_s[f"torch.compile(model) ({backend})"] = time.perf_counter() - start
+    for fn in fns.values():
+        fn()
+    med = interleaved(fns, 3 if args.quick else 15, dev)
+    base = med["plain (eager)"]
+    rows = [[k, f"{v * 1e3:.2f}", f"{v / base:.3f}", f"{compile_s.get(k, 0.0):.1f}"] for k, v in med.items()]
+    split = med["pipesplit 2 stages, zb_h1, compiled"] / med["pipesplit 2 stages, 1f1b, compiled"]
+    res.add("step_s", med, f"GPT {layers} x {dim}, batch {batch} x {seq}, {m} microbatches, every stage on {dev}; "
+            f"interleaved rounds, medians; zb_h1 / 1f1b compiled: {split:.3f}\n\n"
+            + markdown_table(["step", "ms", "x plain", "first step s (compile)"], rows, "lrrr"))
+
+
 # ---------------------------------------------------------------------------- (f) memory
 def part_memory(args: argparse.Namespace, res: Result) -> None:
     from pipesplit.bench.predict import predict
@@ -349,7 +404,8 @@ def part_memory(args: argparse.Namespace, res: Result) -> None:
                               "measured / estimate"], rows, "lrrrr"))
 
 
-PARTS = {"tests": part_tests, "exact": part_exact, "overhead": part_overhead, "predict": part_predict,
+PARTS = {"tests": part_tests, "exact": part_exact, "overhead": part_overhead, "compiled": part_compiled,
+         "predict": part_predict,
          "oracle": part_oracle, "memory": part_memory}
 
 

@@ -164,9 +164,10 @@ def test_inductor_compiled_stages_match_eager_stages(schedule):
 def test_compiled_stages_train_under_torchrun():
     """The distributed executor (2 processes, gloo) with compiled stages: two accumulated steps of a tied
     GPT, the second at a new microbatch size (a re-capture and a recompile), and a ResNet with in-place
-    ops at its cuts, each equal to the model's gradient accumulation on both ranks."""
-    result = torchrun("train_check.py", 2, "--schedule", "1f1b,interleaved_1f1b", "--compile", "aot_eager")
-    for schedule in ("1f1b", "interleaved_1f1b"):
+    ops at its cuts, each equal to the model's gradient accumulation on both ranks; under zb_h1 the GPT's
+    stages run as F/I/W graphs."""
+    result = torchrun("train_check.py", 2, "--schedule", "1f1b,interleaved_1f1b,zb_h1", "--compile", "aot_eager")
+    for schedule in ("1f1b", "interleaved_1f1b", "zb_h1"):  # zb_h1: F/I/W graphs (the ResNet's BatchNorm: eager)
         for what in ("accumulation over 2 steps, tied", "in-place ResNet"):
             ranks = set(re.findall(rf"rank (\d): ok \({re.escape(what)}[^)]*\b{schedule}\b[^)]*compiled\)", result.stdout))
             assert ranks == {"0", "1"}, f"{what} ({schedule}, compiled) not confirmed by both ranks:\n{result.stdout}"
