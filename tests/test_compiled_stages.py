@@ -17,6 +17,7 @@ import torch
 
 import pipesplit
 from pipesplit.models import GPT, GPTConfig, gpt
+from pipesplit.runtime.stage_graphs import Parts
 from tests.launch import torchrun
 from tests.training import check_training, dot_loss
 from tests.zoo import CASE_BY_NAME
@@ -62,8 +63,6 @@ def test_split_backward_stages_run_compiled_forward_input_and_weight_graphs(sche
     """A schedule that splits the backward runs each stage as three compiled graphs (F, I, W; see
     pipesplit/runtime/stage_graphs.py), with no eager fallback, and trains like gradient accumulation:
     a tied GPT whose input requires grad, over two steps, then with a layer frozen (new graphs)."""
-    from pipesplit.runtime.stage_graphs import Parts
-
     c = CASE_BY_NAME["gpt_tied"]
     torch.manual_seed(0)
     model = c.build()
@@ -171,3 +170,31 @@ def test_compiled_stages_train_under_torchrun():
         for what in ("accumulation over 2 steps, tied", "in-place ResNet"):
             ranks = set(re.findall(rf"rank (\d): ok \({re.escape(what)}[^)]*\b{schedule}\b[^)]*compiled\)", result.stdout))
             assert ranks == {"0", "1"}, f"{what} ({schedule}, compiled) not confirmed by both ranks:\n{result.stdout}"
+
+
+def test_a_weight_the_outputs_do_not_reach_keeps_no_gradient_under_compiled_graphs():
+    """Found by the fuzzer: a layer whose output nothing uses has no gradient in plain PyTorch (None), so
+    AdamW leaves it alone. The F/I/W graphs gave it zeros, and weight decay moved it (0.1% off)."""
+
+    class Dead(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.unused, self.used = torch.nn.Linear(8, 8, bias=False), torch.nn.Linear(8, 8, bias=False)
+
+        def forward(self, x):
+            self.unused(x)
+            return self.used(x)
+
+    torch.manual_seed(0)
+    model = Dead()
+    prog = pipesplit.compile(model, torch.randn(2, 8), num_stages=1, progress=False)
+    pipe = pipesplit.Pipeline(prog, "zb_h1", num_microbatches=1, loss_fn=dot_loss, loss_reduction="sum",
+                              num_ranks=1, compile=AOT)
+    before = pipe.prog.state_dict()["unused.weight"].clone()
+    opt = torch.optim.AdamW(pipe.parameters(), lr=0.1, weight_decay=0.1)
+    pipe.step(torch.randn(2, 8), target=torch.randn(2, 8))
+    held = dict(pipe.named_parameters())
+    assert held["unused.weight"].grad is None and held["used.weight"].grad is not None
+    assert all(isinstance(b, Parts) for b in pipe.workers[0].explicit.built.values())
+    opt.step()
+    assert torch.equal(held["unused.weight"].detach(), before)

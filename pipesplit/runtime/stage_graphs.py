@@ -154,6 +154,7 @@ def build_parts(module: torch.nn.Module, args: Sequence[Any], grad_inputs: list[
     def slot(name: str, kind: str) -> tuple[dict[str, Any], str]:
         prefix, _, leaf = name.rpartition(".")
         return getattr(owners[prefix], kind), leaf
+
     trainable = [k for k, p in enumerate(params) if p.requires_grad]
 
     def leaves_of(xs: Sequence[Any]) -> list[Any]:
@@ -177,13 +178,18 @@ def build_parts(module: torch.nn.Module, args: Sequence[Any], grad_inputs: list[
             wanted = [leaves[k] for k in grad_inputs] + [ps[k] for k in trainable]
             got: Sequence[Any] = (torch.autograd.grad(diff, wanted, gs, allow_unused=True)
                                   if diff and wanted else [None] * len(wanted))
-            got = [torch.zeros_like(w) if g is None else g for g, w in zip(got, wanted)]
-        return [*(o.detach() for o in got_outs), *got]
+            # a tensor the outputs do not reach gets no gradient: None in plain PyTorch (an optimizer
+            # skips it; AdamW would decay a zero). The graphs return only the others.
+            reached[:] = [g is not None for g in got]
+        return [*(o.detach() for o in got_outs), *(g for g in got if g is not None)]
 
+    reached: list[bool] = []  # per wanted tensor (inputs, then weights): does a gradient reach it
     try:
         traced = make_fx(joint, tracing_mode="fake")(params, buffers, list(args), tangents)
     except Exception as e:  # noqa: BLE001 - data-dependent code and the like: the eager split runs it
         return f"tracing its forward and backward failed ({type(e).__name__}: {str(e)[:120]})"
+    grad_inputs = [k for k, r in zip(grad_inputs, reached) if r]
+    trainable = [k for k, r in zip(trainable, reached[len(reached) - len(trainable):]) if r]
     split = _split(traced, len(params) + len(buffers) + len(args), (len(outs), len(grad_inputs)))
     if split is None:
         return "an output depends on an output gradient"
