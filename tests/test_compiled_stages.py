@@ -198,3 +198,23 @@ def test_a_weight_the_outputs_do_not_reach_keeps_no_gradient_under_compiled_grap
     assert all(isinstance(b, Parts) for b in pipe.workers[0].explicit.built.values())
     opt.step()
     assert torch.equal(held["unused.weight"].detach(), before)
+
+
+def test_autocast_turned_on_later_runs_the_split_eager_under_it():
+    """Graphs traced without autocast must not run under it (they would compute in float32 where the
+    model computes in bfloat16): a step under autocast after plain steps runs the split eager, as the
+    model would, and says so."""
+    c = CASE_BY_NAME["gpt_tied"]
+    torch.manual_seed(0)
+    model = c.build()
+    prog = pipesplit.compile(model, c.inputs(2)[0], num_stages=2, progress=False)
+    pipe = pipesplit.Pipeline(prog, "zb_h1", num_microbatches=2, loss_fn=dot_loss, loss_reduction="sum", compile=AOT)
+    x, t = c.inputs(4)[0][0], torch.randn(4, 16, 64)
+    pipe.step(x, target=t)
+    assert pipe.compiler.eager == []
+    ref = copy.deepcopy(model)
+    pipe.zero_grad()
+    with pytest.warns(UserWarning, match="autocast is on"), torch.autocast("cpu", dtype=torch.bfloat16):
+        got = pipe.step(x, target=t)
+        want = sum(dot_loss(ref(xm), tm) for xm, tm in zip(x.chunk(2), t.chunk(2)))
+    assert abs(float(got) - float(want)) <= 2e-2 * abs(float(want))

@@ -284,7 +284,8 @@ class StageGraphs:
               microbatch_size: int, checkpointing: bool, writes_inputs: bool) -> Parts | None:
         grad_inputs = [i for i, x in enumerate(args) if isinstance(x, torch.Tensor) and x.requires_grad]
         key = (id(module), microbatch_size, tuple(p.requires_grad for p in params), tuple(grad_inputs),
-               tuple(tuple(x.shape) if isinstance(x, torch.Tensor) else x for x in args))
+               tuple(tuple(x.shape) if isinstance(x, torch.Tensor) else x for x in args),
+               tuple(torch.is_autocast_enabled(kind) for kind in ("cpu", "cuda")))  # autocast: eager
         if key not in self.built:
             why = unsupported(module, params, checkpointing)
             if why is None and writes_inputs:
