@@ -218,3 +218,25 @@ def test_autocast_turned_on_later_runs_the_split_eager_under_it():
         got = pipe.step(x, target=t)
         want = sum(dot_loss(ref(xm), tm) for xm, tm in zip(x.chunk(2), t.chunk(2)))
     assert abs(float(got) - float(want)) <= 2e-2 * abs(float(want))
+
+
+def test_a_transposed_gradient_from_the_next_stage_reaches_the_i_graph_as_traced():
+    """Found by the fuzzer: GroupNorm's backward kernel needs a contiguous gradient, which autograd's formula
+    makes with .contiguous(), a no-op on the contiguous zeros the I graph was traced with. The next stage's
+    transpose sent a transposed gradient: the embedding's gradient came out 122% off."""
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.norm = torch.nn.Embedding(16, 8), torch.nn.GroupNorm(2, 8, affine=False)
+
+        def forward(self, x):
+            return self.norm(self.emb(x).transpose(1, 2)).transpose(1, 2)
+
+    torch.manual_seed(0)
+    model = Model()
+    prog = pipesplit.compile(model, torch.randint(0, 16, (1, 4)), num_stages=4, progress=False)
+    assert any("group_norm" in str(n.target) for n in prog.stages[2].module.graph.nodes)
+    pipe = pipesplit.Pipeline(prog, "zb_h1", num_microbatches=2, loss_fn=dot_loss, loss_reduction="sum", compile=AOT)
+    check_training(model, pipe, [((torch.randint(0, 16, (2, 4)),), {})], m=2, steps=1, rtol=RTOL)
+    assert all(isinstance(b, Parts) for b in pipe.workers[2].explicit.built.values())

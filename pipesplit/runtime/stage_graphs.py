@@ -225,7 +225,10 @@ class _Explicit(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:
         parts, record = ctx.parts, ctx.record
-        tangents = [torch.zeros(meta[0], dtype=meta[1], device=meta[2]) if g is None else g
+        # contiguous, as they were traced: autograd's formulas call .contiguous() on a gradient where a
+        # kernel needs it (GroupNorm's backward), a no-op on the traced zeros that left no trace in I
+        # (a transposed gradient from the next stage: an embedding's gradient 122% off, found by the fuzzer)
+        tangents = [torch.zeros(meta[0], dtype=meta[1], device=meta[2]) if g is None else g.contiguous()
                     for g, meta, d in zip(grads, ctx.out_meta, parts.differentiable) if d]
         saved = record.saved
         flat = ctx.run(parts.backward_input, *[saved[k] for k in parts.saved_i], *tangents)
@@ -284,7 +287,7 @@ class StageGraphs:
               microbatch_size: int, checkpointing: bool, writes_inputs: bool) -> Parts | None:
         grad_inputs = [i for i, x in enumerate(args) if isinstance(x, torch.Tensor) and x.requires_grad]
         key = (id(module), microbatch_size, tuple(p.requires_grad for p in params), tuple(grad_inputs),
-               tuple(tuple(x.shape) if isinstance(x, torch.Tensor) else x for x in args),
+               tuple((tuple(x.shape), x.stride()) if isinstance(x, torch.Tensor) else x for x in args),
                tuple(torch.is_autocast_enabled(kind) for kind in ("cpu", "cuda")))  # autocast: eager
         if key not in self.built:
             why = unsupported(module, params, checkpointing)
