@@ -28,7 +28,7 @@ def test_the_gpu_check_runs_end_to_end_on_cpu(tmp_path):
     assert "torch=" in proc.stdout and "date=" in proc.stdout, "the versions and the date are printed first"
     report = json.loads((out / "report.json").read_text())
     parts = report["parts"]
-    assert list(parts) == ["tests", "exact", "overhead", "predict", "oracle", "memory"]
+    assert list(parts) == ["tests", "exact", "overhead", "compiled", "predict", "oracle", "memory"]
     assert {name: p["status"] for name, p in parts.items()} == {name: "ok" for name in parts}
     assert report["versions"]["torch"] and report["versions"]["device"] == "cpu"
     exact = parts["exact"]["data"]

@@ -212,7 +212,7 @@ class _Explicit(torch.autograd.Function):
     """F under the stage's outputs; its backward is I."""
 
     @staticmethod
-    def forward(ctx: Any, parts: Parts, record: Deferred, run: Run, anchor: torch.Tensor, *xs: Any) -> Any:  # type: ignore[override]
+    def forward(ctx: Any, parts: Parts, record: Deferred, run: Run, anchor: torch.Tensor, *xs: Any) -> Any:
         flat = run(parts.forward, *parts.params(), *parts.buffers(), *xs)
         outs, record.saved = list(flat[:parts.num_outputs]), list(flat[parts.num_outputs:])
         ctx.parts, ctx.record, ctx.run, ctx.num_inputs = parts, record, run, len(xs)
@@ -245,7 +245,7 @@ def run_forward(parts: Parts, record: Deferred, run: Run, xs: Sequence[Any], anc
     """The stage's outputs under an autograd node whose backward is I. ``anchor``, an empty tensor
     that requires grad, makes autograd run that backward even when no input needs a gradient (a
     first stage's token ids): name it among the tensors a backward differentiates for."""
-    return tuple(_Explicit.apply(parts, record, run, anchor, *xs))
+    return tuple(_Explicit.apply(parts, record, run, anchor, *xs))  # type: ignore[no-untyped-call]
 
 
 def run_weights(parts: Parts, record: Deferred, run: Run) -> None:
@@ -293,10 +293,11 @@ class StageGraphs:
             why = unsupported(module, params, checkpointing)
             if why is None and writes_inputs:
                 why = "it writes its inputs in place"
-            if why is None:
+            if why is not None:
+                self.built[key] = why
+            else:
                 with self.compiler.exclusive():  # make_fx traces: nothing compiled may run meanwhile
-                    why = build_parts(module, args, grad_inputs)
-            self.built[key] = why
+                    self.built[key] = build_parts(module, args, grad_inputs)
         found = self.built[key]
         if isinstance(found, str):
             self.compiler.warn_eager_stage(self.index, found)
