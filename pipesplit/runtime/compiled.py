@@ -79,14 +79,14 @@ class StageCompiler:
         return self._gate.exclusive()
 
     def warn_eager_stage(self, stage: int, why: str) -> None:
-        """Once per stage: it runs its split backward eager, and why."""
+        """Once per stage: it runs eager (all of it, or its split backward), and why."""
         if stage in self.eager:
             return
         self.eager.append(stage)
         import warnings
 
-        warnings.warn(f"pipesplit: compile=...: stage {stage} runs eager (its input- and weight-gradient actions "
-                      f"through its own autograd graph): {why}. The other stages run compiled.", stacklevel=2)
+        warnings.warn(f"pipesplit: compile=...: stage {stage} runs eager: {why}. The other stages run compiled.",
+                      stacklevel=2)
 
 
 class _CompileGate:

@@ -34,22 +34,45 @@ from pipesplit.rng import seeded
 Run = Callable[..., Any]  # (part graph module, *args) -> its outputs, compiled
 
 
+def compile_blocker(module: torch.nn.Module) -> str | None:
+    """Why ``compile=`` runs this stage eager at all (None: it may compile). Each reason is a silent
+    wrong result the differential fuzzer found in compiled stages: a write in place (``relu_`` on a
+    value read again, a BatchNorm's or an EMA's buffer update, also inside a ``no_grad`` block),
+    and a parameter the outputs do not reach (plain PyTorch leaves its ``.grad`` None, so an
+    optimizer skips it; compiled code gave it zeros, which AdamW's weight decay then applied)."""
+    if not isinstance(module, fx.GraphModule):
+        return "the stage is not a graph"
+    for gm in (m for m in module.modules() if isinstance(m, fx.GraphModule)):  # higher-order ops' bodies too
+        for node in gm.graph.nodes:
+            schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+            if schema is not None and schema.is_mutable:
+                return f"it writes in place ({node.target})"
+    output = next(n for n in module.graph.nodes if n.op == "output")
+    reached = _ancestors([output])
+    params = {name for name, _ in module.named_parameters()}
+    dead = [str(n.target) for n in module.graph.nodes if n.op == "get_attr" and str(n.target) in params
+            and n not in reached]
+    if dead:
+        return (f"its parameter {dead[0]!r} does not reach its outputs (plain PyTorch leaves that gradient "
+                "None; compiled code gives zeros)")
+    return None
+
+
 def unsupported(module: torch.nn.Module, params: Sequence[torch.Tensor], checkpointing: bool) -> str | None:
     """Why this stage cannot run as explicit compiled F/I/W graphs (None: it can)."""
     if checkpointing:
         return "activation checkpointing replays the stage"
     if any(torch.is_autocast_enabled(kind) for kind in ("cpu", "cuda")):
         return "autocast is on"
-    if not isinstance(module, fx.GraphModule):
-        return "the stage is not a graph"
+    blocked = compile_blocker(module)
+    if blocked is not None:
+        return blocked
+    assert isinstance(module, fx.GraphModule)
     for node in module.graph.nodes:
         if node.op != "call_function":
             continue
         if node.target is seeded:
             return "it has random ops (pipesplit's per-microbatch streams)"
-        schema = getattr(node.target, "_schema", None)
-        if schema is not None and schema.is_mutable:
-            return f"it writes in place ({node.target})"
         if "embedding" in str(node.target) and len(node.args) > 4 and node.args[4]:
             return "it has a sparse embedding"
     for p in params:
@@ -73,6 +96,11 @@ class Parts:
     param_slots: list[tuple[dict[str, Any], str]]  # where F's first inputs are read, each call
     buffer_slots: list[tuple[dict[str, Any], str]]  # then these
     trainable: list[int]  # the parameters W returns gradients for, in order
+    # per output: which of grad_inputs / trainable it depends on. An output whose gradient does not come
+    # back (a cut that carries none, an output the loss ignores) is not a path: what only it reaches
+    # keeps no gradient, as in plain autograd (not the zeros the graphs compute from a zero gradient)
+    inputs_by_output: list[set[int]] = field(default_factory=list)
+    weights_by_output: list[set[int]] = field(default_factory=list)
 
     def params(self) -> list[torch.Tensor]:
         return [slots[name] for slots, name in self.param_slots]
@@ -196,8 +224,14 @@ def build_parts(module: torch.nn.Module, args: Sequence[Any], grad_inputs: list[
     fwd, bwd_i, bwd_w, saved_i, saved_w = split
     for part, label in ((fwd, "F"), (bwd_i, "I"), (bwd_w, "W")):
         part.pipesplit_part = label  # the compile log names the part
+    places = [n for n in fwd.graph.nodes if n.op == "placeholder"]
+    results = list(next(n for n in fwd.graph.nodes if n.op == "output").args[0])[:len(outs)]
+    deps = [_ancestors([r]) for r in results]
+    first_input = len(params) + len(buffers)
     return Parts(fwd, bwd_i, bwd_w, len(outs), differentiable, list(grad_inputs), saved_i, saved_w,
-                 [slot(n, "_parameters") for n, _ in named], [slot(n, "_buffers") for n, _ in named_buffers], trainable)
+                 [slot(n, "_parameters") for n, _ in named], [slot(n, "_buffers") for n, _ in named_buffers], trainable,
+                 [{j for j, k in enumerate(grad_inputs) if places[first_input + k] in d} for d in deps],
+                 [{j for j, k in enumerate(trainable) if places[k] in d} for d in deps])
 
 
 @dataclass
@@ -206,6 +240,7 @@ class Deferred:
 
     saved: list[Any] = field(default_factory=list)  # F's, for I and W
     for_w: list[Any] | None = None  # what W takes, once I has run
+    live: set[int] = field(default_factory=set)  # the outputs whose gradient came back (set by I)
 
 
 class _Explicit(torch.autograd.Function):
@@ -216,6 +251,7 @@ class _Explicit(torch.autograd.Function):
         flat = run(parts.forward, *parts.params(), *parts.buffers(), *xs)
         outs, record.saved = list(flat[:parts.num_outputs]), list(flat[parts.num_outputs:])
         ctx.parts, ctx.record, ctx.run, ctx.num_inputs = parts, record, run, len(xs)
+        ctx.set_materialize_grads(False)  # None for an output no gradient came back for, not zeros
         ctx.out_meta = [(o.shape, o.dtype, o.device) if isinstance(o, torch.Tensor) else None for o in outs]
         fixed = [o for o, d in zip(outs, parts.differentiable) if isinstance(o, torch.Tensor) and not d]
         if fixed:
@@ -235,9 +271,11 @@ class _Explicit(torch.autograd.Function):
         n = len(parts.grad_inputs)
         record.for_w = [*[saved[k] for k in parts.saved_w], *flat[n:], *tangents]
         record.saved = []
+        record.live = {k for k, g in enumerate(grads) if g is not None and parts.differentiable[k]}
+        reached = set().union(*(parts.inputs_by_output[k] for k in record.live))
         out: list[Any] = [None] * ctx.num_inputs
-        for k, g in zip(parts.grad_inputs, flat[:n]):
-            out[k] = g
+        for j, (k, g) in enumerate(zip(parts.grad_inputs, flat[:n])):
+            out[k] = g if j in reached else None
         return (None, None, None, None, *out)
 
 
@@ -258,8 +296,9 @@ def run_weights(parts: Parts, record: Deferred, run: Run) -> None:
     held = {t.untyped_storage().data_ptr() for t in taken if isinstance(t, torch.Tensor)}
     params = parts.params()
     with torch.no_grad():
-        for p, g in zip([params[k] for k in parts.trainable], grads):
-            if g is None:
+        reached = set().union(*(parts.weights_by_output[k] for k in record.live))
+        for j, (p, g) in enumerate(zip([params[k] for k in parts.trainable], grads)):
+            if g is None or j not in reached:
                 continue
             for hook in (p._backward_hooks or {}).values():  # a tensor hook (register_hook) sees it first
                 changed = hook(g)

@@ -19,7 +19,7 @@ from pipesplit.runtime.weight_grads import WeightGraph, input_grads, weight_back
 from pipesplit.runtime.compiled import StageCompiler
 from pipesplit.runtime.exchange import RankComm
 from pipesplit.runtime.loss_leaves import loss_leaves, output_nodes
-from pipesplit.runtime.stage_graphs import Deferred, Parts, StageGraphs, run_forward, run_weights
+from pipesplit.runtime.stage_graphs import Deferred, Parts, StageGraphs, compile_blocker, run_forward, run_weights
 from pipesplit.runtime.transport import Like
 from pipesplit.schedules import Action, ActionKind
 from pipesplit.schedules.rendezvous import Message
@@ -105,6 +105,7 @@ class StageWorker:
         self._weight_graphs: dict[tuple[int, tuple[bool, ...]], WeightGraph | None] = {}
         # compile= under a split backward: the stage as compiled F/I/W graphs (runtime/stage_graphs.py)
         self.explicit = StageGraphs(compiler, stage.index) if compiler is not None and self.split_backward else None
+        self._blocked: tuple[torch.nn.Module, str | None] | None = None  # (module, why compile= runs it eager)
         self.backwards_done = 0
         self._slots: tuple[torch.nn.Module, list[tuple[dict[str, Any], str]]] | None = None
         self._written: tuple[torch.nn.Module, frozenset[str]] | None = None
@@ -263,6 +264,8 @@ class StageWorker:
         # a zero-bubble stage's I/W split runs as explicit compiled F/I/W graphs, or eager through the
         # weight graph's own autograd nodes (which a compiled graph would fuse into one; warned once)
         compiler, mb_size = (self.compiler if weights is None else None), data.microbatch_size
+        if compiler is not None and explicit is None and self._compile_blocked(module):
+            compiler = None
 
         def run_stage(*xs: Any) -> Any:  # checkpointing replays it, masks and all, from the same seed
             if own:
@@ -392,6 +395,15 @@ class StageWorker:
             torch.autograd.backward(saved.tensors, saved.grads, inputs=saved.params)
             return
         weight_backward(weights, saved.inters, saved.inter_grads, saved.tensors, saved.grads)
+
+    def _compile_blocked(self, module: torch.nn.Module) -> bool:
+        """Whether ``compile=`` must run ``module`` eager (see stage_graphs.compile_blocker; warned once)."""
+        if self._blocked is None or self._blocked[0] is not module:
+            self._blocked = (module, compile_blocker(module))
+        why = self._blocked[1]
+        if why is not None and self.compiler is not None:
+            self.compiler.warn_eager_stage(self.index, why)
+        return why is not None
 
     def _run_part(self, microbatch_size: int) -> Callable[..., Any]:
         assert self.explicit is not None
