@@ -1,9 +1,10 @@
 """``Pipeline(..., compile=...)``: stages run as torch.compile'd code and train like the model.
 
 The matrix runs AOT autograd's joint graph without code generation (``backend="aot_eager"``,
-seconds per stage); one test runs Inductor itself (~20-60 s on 2 cores). Zero-bubble schedules
-split a stage's backward through its own autograd graph, so those stages run eager (warned);
-the others are compiled.
+seconds per stage); one test runs Inductor itself (~20-60 s on 2 cores). Under a schedule that
+splits the backward (zb_h1, zb_v, dualpipe_v) each stage runs as compiled F, I and W graphs
+(pipesplit/runtime/stage_graphs.py); a stage those or the whole-stage compile cannot take runs
+eager and says why.
 """
 
 from __future__ import annotations

@@ -2,9 +2,9 @@
 options) runs every stage's forward, and the backward AOT autograd derives from it, as code
 ``torch.compile`` generated (Inductor by default).
 
-Each stage module (and, for the zero-bubble schedules, its weight graph: the same ops with the
-weight consumers' outputs exposed, see :mod:`pipesplit.runtime.weight_grads`) is compiled once and
-the compiled callable reused across steps; torch's own guards recompile it for a new microbatch
+Each stage module (and, under a schedule that splits the backward, each stage's F, I and W
+graphs, see :mod:`pipesplit.runtime.stage_graphs`) is compiled once and the compiled callable
+reused across steps; torch's own guards recompile it for a new microbatch
 shape. The first call of each stage at each microbatch size is timed and logged (the compile
 time), and kept in :attr:`StageCompiler.seconds`.
 
