@@ -273,3 +273,31 @@ def test_a_cut_that_carries_no_gradient_leaves_what_only_it_reaches_without_one(
     held = dict(pipe.named_parameters())
     assert held["l1.weight"].grad is None and held["l2.weight"].grad is not None
     assert all(isinstance(b, Parts) for b in pipe.workers[0].explicit.built.values())
+
+
+def test_a_whole_compiled_stage_whose_cut_carries_no_gradient_leaves_what_only_it_reaches_without_one():
+    """Found by the fuzzer (gpipe, whole stages compiled): l1's output crosses a cut to a stage that does
+    not use it, so no gradient comes back; AOT autograd's backward still gave l1.weight zeros where plain
+    PyTorch leaves None (AdamW's weight decay then moved it). That stage now runs eager, and says why."""
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l1, self.l2, self.l3, self.l4 = (torch.nn.Linear(8, 8, bias=False) for _ in range(4))
+
+        def forward(self, x):
+            v1 = self.l1(x)
+            v2 = self.l2(x)
+            self.l4(v1)
+            return x + 1.0, self.l3(x) + v2
+
+    torch.manual_seed(0)
+    model = Model()
+    prog = pipesplit.compile(model, torch.randn(1, 4, 8), num_stages=2, progress=False)
+    pipe = pipesplit.Pipeline(prog, "gpipe", num_microbatches=1, loss_fn=dot_loss, loss_reduction="sum", compile=AOT)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        check_training(model, pipe, [((torch.randn(1, 4, 8),), {})], m=1, steps=1, rtol=RTOL)
+        pipe.step(torch.randn(1, 4, 8), target=(torch.randn(1, 4, 8), torch.randn(1, 4, 8)))  # check_training zeroed
+    held = dict(pipe.named_parameters())
+    assert held["l1.weight"].grad is None and held["l2.weight"].grad is not None

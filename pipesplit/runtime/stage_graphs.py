@@ -34,12 +34,14 @@ from pipesplit.rng import seeded
 Run = Callable[..., Any]  # (part graph module, *args) -> its outputs, compiled
 
 
-def compile_blocker(module: torch.nn.Module) -> str | None:
+def compile_blocker(module: torch.nn.Module, live: Sequence[int] | None = None) -> str | None:
     """Why ``compile=`` runs this stage eager at all (None: it may compile). Each reason is a silent
     wrong result the differential fuzzer found in compiled stages: a write in place (``relu_`` on a
     value read again, a BatchNorm's or an EMA's buffer update, also inside a ``no_grad`` block),
     and a parameter the outputs do not reach (plain PyTorch leaves its ``.grad`` None, so an
-    optimizer skips it; compiled code gave it zeros, which AdamW's weight decay then applied)."""
+    optimizer skips it; compiled code gave it zeros, which AdamW's weight decay then applied).
+    ``live``: the outputs a gradient comes back for (None: all); a parameter that reaches only the
+    others (a cut that carries no gradient) counts as unreached."""
     if not isinstance(module, fx.GraphModule):
         return "the stage is not a graph"
     for gm in (m for m in module.modules() if isinstance(m, fx.GraphModule)):  # higher-order ops' bodies too
@@ -47,14 +49,14 @@ def compile_blocker(module: torch.nn.Module) -> str | None:
             schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
             if schema is not None and schema.is_mutable:
                 return f"it writes in place ({node.target})"
-    output = next(n for n in module.graph.nodes if n.op == "output")
-    reached = _ancestors([output])
+    results = list(next(n for n in module.graph.nodes if n.op == "output").args[0])
+    reached = _ancestors([r for i, r in enumerate(results) if live is None or i in live])
     params = {name for name, _ in module.named_parameters()}
     dead = [str(n.target) for n in module.graph.nodes if n.op == "get_attr" and str(n.target) in params
             and n not in reached]
     if dead:
-        return (f"its parameter {dead[0]!r} does not reach its outputs (plain PyTorch leaves that gradient "
-                "None; compiled code gives zeros)")
+        return (f"its parameter {dead[0]!r} does not reach its outputs{'' if live is None else ' that get a gradient'} "
+                "(plain PyTorch leaves that gradient None; compiled code gives zeros)")
     return None
 
 

@@ -105,7 +105,7 @@ class StageWorker:
         self._weight_graphs: dict[tuple[int, tuple[bool, ...]], WeightGraph | None] = {}
         # compile= under a split backward: the stage as compiled F/I/W graphs (runtime/stage_graphs.py)
         self.explicit = StageGraphs(compiler, stage.index) if compiler is not None and self.split_backward else None
-        self._blocked: tuple[torch.nn.Module, str | None] | None = None  # (module, why compile= runs it eager)
+        self._blocked: tuple[torch.nn.Module, tuple[int, ...], str | None] | None = None  # (module, live outputs, why eager)
         self.backwards_done = 0
         self._slots: tuple[torch.nn.Module, list[tuple[dict[str, Any], str]]] | None = None
         self._written: tuple[torch.nn.Module, frozenset[str]] | None = None
@@ -397,10 +397,13 @@ class StageWorker:
         weight_backward(weights, saved.inters, saved.inter_grads, saved.tensors, saved.grads)
 
     def _compile_blocked(self, module: torch.nn.Module) -> bool:
-        """Whether ``compile=`` must run ``module`` eager (see stage_graphs.compile_blocker; warned once)."""
-        if self._blocked is None or self._blocked[0] is not module:
-            self._blocked = (module, compile_blocker(module))
-        why = self._blocked[1]
+        """Whether ``compile=`` must run ``module`` eager (see stage_graphs.compile_blocker; warned once).
+        The outputs a gradient comes back for: the last stage's all, another's those whose cut carries one."""
+        live = tuple(i for i, name in enumerate(self.stage.outputs) if self.is_last or any(
+            self.out_bounds[(name, dst)].requires_grad for dst in self.consumers.get(name, ())))
+        if self._blocked is None or self._blocked[0] is not module or self._blocked[1] != live:
+            self._blocked = (module, live, compile_blocker(module, live))
+        why = self._blocked[2]
         if why is not None and self.compiler is not None:
             self.compiler.warn_eager_stage(self.index, why)
         return why is not None
