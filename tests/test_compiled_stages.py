@@ -301,3 +301,32 @@ def test_a_whole_compiled_stage_whose_cut_carries_no_gradient_leaves_what_only_i
         pipe.step(torch.randn(1, 4, 8), target=(torch.randn(1, 4, 8), torch.randn(1, 4, 8)))  # check_training zeroed
     held = dict(pipe.named_parameters())
     assert held["l1.weight"].grad is None and held["l2.weight"].grad is not None
+
+
+def test_a_stage_whose_compiled_code_fails_runs_eager_and_says_why():
+    """Found by the fuzzer: BatchNorm in eval mode on a transposed input raised a raw "view size is not
+    compatible" from AOT autograd's runtime wrapper. A compiled stage that raises runs that call and every
+    later one eager, warned with torch's first line; the outputs are the model's."""
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.norm = torch.nn.Embedding(16, 8), torch.nn.BatchNorm1d(8, affine=False)
+
+        def forward(self, x):
+            return torch.nn.functional.linear(self.norm(self.emb(x).transpose(1, 2)).transpose(1, 2), self.emb.weight)
+
+    torch.manual_seed(0)
+    model = Model()
+    x = torch.randint(0, 16, (2, 4))
+    prog = pipesplit.compile(model, x, num_stages=1, progress=False)
+    pipe = pipesplit.Pipeline(prog, "gpipe", num_microbatches=1, loss_fn=dot_loss, loss_reduction="sum", compile=AOT)
+    model.eval()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = pipe.eval(x)
+        again = pipe.eval(x)
+    torch.testing.assert_close(got, model(x))
+    torch.testing.assert_close(again, model(x))
+    said = [str(w.message) for w in caught if "pipesplit" in str(w.message)]
+    assert len(said) == 1 and "stage 0 runs eager: its compiled code failed (RuntimeError: view size" in said[0], said

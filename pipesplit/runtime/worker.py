@@ -105,7 +105,8 @@ class StageWorker:
         self._weight_graphs: dict[tuple[int, tuple[bool, ...]], WeightGraph | None] = {}
         # compile= under a split backward: the stage as compiled F/I/W graphs (runtime/stage_graphs.py)
         self.explicit = StageGraphs(compiler, stage.index) if compiler is not None and self.split_backward else None
-        self._blocked: tuple[torch.nn.Module, tuple[int, ...], str | None] | None = None  # (module, live outputs, why eager)
+        # id(module) -> (module, the outputs a gradient comes back for, why compile= runs it eager or None)
+        self._blocked: dict[int, tuple[torch.nn.Module, tuple[int, ...], str | None]] = {}
         self.backwards_done = 0
         self._slots: tuple[torch.nn.Module, list[tuple[dict[str, Any], str]]] | None = None
         self._written: tuple[torch.nn.Module, frozenset[str]] | None = None
@@ -277,7 +278,10 @@ class StageWorker:
                     saved.deferred = (explicit, Deferred(), torch.empty(0, device=device, requires_grad=True))
                     return run_forward(explicit, saved.deferred[1], self._run_part(mb_size), xs, saved.deferred[2])
                 if compiler is not None:
-                    return compiler.run(module, self.index, mb_size, *xs)
+                    try:
+                        return compiler.run(module, self.index, mb_size, *xs)
+                    except Exception as e:  # noqa: BLE001 - torch.compile's own failure: this stage runs eager
+                        self._compile_failed(module, e)  # (it writes nothing in place: a rerun is safe)
                 return module(*xs)
 
         with grad_mode:
@@ -401,12 +405,23 @@ class StageWorker:
         The outputs a gradient comes back for: the last stage's all, another's those whose cut carries one."""
         live = tuple(i for i, name in enumerate(self.stage.outputs) if self.is_last or any(
             self.out_bounds[(name, dst)].requires_grad for dst in self.consumers.get(name, ())))
-        if self._blocked is None or self._blocked[0] is not module or self._blocked[1] != live:
-            self._blocked = (module, live, compile_blocker(module, live))
-        why = self._blocked[2]
+        known = self._blocked.get(id(module))
+        if known is None or known[0] is not module or known[1] != live:
+            known = self._blocked[id(module)] = (module, live, compile_blocker(module, live))
+        why = known[2]
         if why is not None and self.compiler is not None:
             self.compiler.warn_eager_stage(self.index, why)
         return why is not None
+
+    def _compile_failed(self, module: torch.nn.Module, error: Exception) -> None:
+        """A compiled stage raised (the fuzzer: a raw view error in AOT autograd's wrapper, BatchNorm in eval
+        mode on a transposed input): it runs eager from now on, warned, and this call reruns eager."""
+        assert self.compiler is not None
+        first = str(error).strip().splitlines()[0][:160] if str(error).strip() else ""
+        _, live, _ = self._blocked[id(module)]
+        why = f"its compiled code failed ({type(error).__name__}: {first})"
+        self._blocked[id(module)] = (module, live, why)
+        self.compiler.warn_eager_stage(self.index, why)
 
     def _run_part(self, microbatch_size: int) -> Callable[..., Any]:
         assert self.explicit is not None
