@@ -280,8 +280,9 @@ class StageWorker:
                 if compiler is not None:
                     try:
                         return compiler.run(module, self.index, mb_size, *xs)
-                    except Exception as e:  # noqa: BLE001 - torch.compile's own failure: this stage runs eager
-                        self._compile_failed(module, e)  # (it writes nothing in place: a rerun is safe)
+                    except RuntimeError as e:  # torch.compile's own failure (dynamo's errors are RuntimeErrors):
+                        self._compile_failed(module, e)  # this stage runs eager (it writes nothing in place: a
+                        # rerun is safe). Not Exception: checkpoint's recompute stops by raising one of its own
                 return module(*xs)
 
         with grad_mode:
