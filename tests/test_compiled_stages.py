@@ -333,3 +333,17 @@ def test_a_stage_whose_compiled_code_fails_runs_eager_and_says_why():
     torch.testing.assert_close(again, model(x))
     said = [str(w.message) for w in caught if "pipesplit" in str(w.message)]
     assert len(said) == 1 and "stage 0 runs eager: its compiled code failed (RuntimeError: view size" in said[0], said
+
+
+def test_a_checkpointed_stage_under_a_split_schedule_runs_eager():
+    """Found by the fuzzer: zb_v with checkpointing compiled the whole stage (checkpointing turns the F/I/W
+    split off), and I's backward, which keeps the graph for W, met compiled code's donated buffers: a raw
+    "compiled with non-empty donated buffers" error. Such a stage runs eager, says so, and trains exactly."""
+    c = CASE_BY_NAME["gpt_tied"]
+    torch.manual_seed(0)
+    model = c.build()
+    prog = pipesplit.compile(model, c.inputs(2)[0], num_stages=2, progress=False)
+    pipe = pipesplit.Pipeline(prog, "zb_v", num_microbatches=2, loss_fn=dot_loss, loss_reduction="sum",
+                              checkpoint=True, compile=AOT)
+    with pytest.warns(UserWarning, match="checkpointed under a schedule that splits its backward"):
+        check_training(model, pipe, [c.inputs(4)], m=2, steps=1, rtol=RTOL)

@@ -100,6 +100,7 @@ class StageWorker:
         self.tracer: Any = None  # a pipesplit.runtime.trace.Trace while Pipeline.trace() is active
         self.on_gradients = on_gradients  # called once a step's last weight gradients are in
         self.split_backward = split_backward and not checkpointing  # I then W: see runtime/weight_grads.py
+        self.schedule_splits = split_backward  # the schedule issues I and W for this stage (checkpointed or not)
         # (id(stage module), which parameters are trainable) -> its weight graph: freezing or
         # unfreezing a parameter between steps picks (or makes) the graph for the new set
         self._weight_graphs: dict[tuple[int, tuple[bool, ...]], WeightGraph | None] = {}
@@ -265,6 +266,12 @@ class StageWorker:
         # a zero-bubble stage's I/W split runs as explicit compiled F/I/W graphs, or eager through the
         # weight graph's own autograd nodes (which a compiled graph would fuse into one; warned once)
         compiler, mb_size = (self.compiler if weights is None else None), data.microbatch_size
+        if compiler is not None and explicit is None and data.training and self.schedule_splits:
+            # checkpointed under a split schedule: I keeps the graph for W, which compiled code's backward
+            # (run once, its buffers donated) refuses with a raw error (the fuzzer: zb_v + checkpoint)
+            compiler.warn_eager_stage(self.index, "it is checkpointed under a schedule that splits its backward "
+                                      "into I and W, and a compiled backward runs once")
+            compiler = None
         if compiler is not None and explicit is None and self._compile_blocked(module):
             compiler = None
 
