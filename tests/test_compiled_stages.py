@@ -347,3 +347,29 @@ def test_a_checkpointed_stage_under_a_split_schedule_runs_eager():
                               checkpoint=True, compile=AOT)
     with pytest.warns(UserWarning, match="checkpointed under a schedule that splits its backward"):
         check_training(model, pipe, [c.inputs(4)], m=2, steps=1, rtol=RTOL)
+
+
+def test_a_stage_whose_compiled_f_graph_fails_runs_its_split_eager():
+    """Found by the fuzzer: the same raw view error from AOT autograd (BatchNorm over a transposed input) in
+    a zero-bubble stage's compiled F graph. That microbatch runs the whole stage eager, its W a second
+    backward; the stage runs its split eager from then on; training equals gradient accumulation."""
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(16, 8)
+            self.norm = torch.nn.BatchNorm1d(8, affine=False, track_running_stats=False)
+
+        def forward(self, x):
+            return torch.nn.functional.linear(self.norm(self.emb(x).transpose(1, 2)).transpose(1, 2), self.emb.weight)
+
+    torch.manual_seed(0)
+    model = Model()
+    prog = pipesplit.compile(model, torch.randint(0, 16, (2, 4)), num_stages=1, progress=False)
+    pipe = pipesplit.Pipeline(prog, "zb_h1", num_microbatches=2, loss_fn=dot_loss, loss_reduction="sum",
+                              num_ranks=1, compile=AOT)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        check_training(model, pipe, [((torch.randint(0, 16, (4, 4)),), {})], m=2, steps=2, rtol=RTOL)
+    said = [str(w.message) for w in caught if "pipesplit" in str(w.message)]
+    assert len(said) == 1 and "compiled F graph failed (RuntimeError: view size" in said[0], said

@@ -345,6 +345,15 @@ class StageGraphs:
             return None
         return found
 
+    def failed(self, parts: Parts, error: Exception) -> None:
+        """``parts``' compiled code raised: the stage runs its split eager from now on (warned)."""
+        first = str(error).strip().splitlines()[0][:160] if str(error).strip() else ""
+        why = f"its compiled F graph failed ({type(error).__name__}: {first})"
+        for key, built in list(self.built.items()):
+            if built is parts:
+                self.built[key] = why
+        self.compiler.warn_eager_stage(self.index, why)
+
     def runner(self, microbatch_size: int) -> Run:
         compiler, index = self.compiler, self.index
 

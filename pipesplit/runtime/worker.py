@@ -283,7 +283,15 @@ class StageWorker:
             with random_stream(seed, device):
                 if explicit is not None:
                     saved.deferred = (explicit, Deferred(), torch.empty(0, device=device, requires_grad=True))
-                    return run_forward(explicit, saved.deferred[1], self._run_part(mb_size), xs, saved.deferred[2])
+                    try:
+                        return run_forward(explicit, saved.deferred[1], self._run_part(mb_size), xs, saved.deferred[2])
+                    except RuntimeError as e:  # F's compiled code failed (the fuzzer: AOT autograd's raw view
+                        # error, BatchNorm over a transposed input): this microbatch runs the whole stage eager
+                        # (its W a second backward), and the stage's split eager from now on
+                        assert self.explicit is not None
+                        self.explicit.failed(explicit, e)
+                        saved.deferred = None
+                        return self.stage.module(*xs)
                 if compiler is not None:
                     try:
                         return compiler.run(module, self.index, mb_size, *xs)
