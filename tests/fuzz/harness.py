@@ -236,8 +236,9 @@ def run_case(make_model: Callable[[], torch.nn.Module], io: dict, cfg: dict, mes
             close("loss (dropout, streamed)", loss, want)
             for n, p in held.items():
                 if p.grad is not None:
-                    close(f"gradient of {n} (dropout, streamed)", grads[n], p.grad, 1e-4 * max(
-                        (q.grad.to_dense().norm().item() for q in held.values() if q.grad is not None), default=0))
+                    close(f"gradient of {n} (dropout, streamed)", grads[n], p.grad, max(1e-4 * max(
+                        (q.grad.to_dense().norm().item() for q in held.values() if q.grad is not None), default=0),
+                        LOSS_FLOOR * abs(float(want))))  # the float64 rerun's floor, as compare_step's
             with torch.no_grad():  # the statistics the masks gave, so that eval compares the same state
                 ref.load_state_dict(prog.state_dict(), strict=False)
             break
