@@ -238,8 +238,11 @@ def build_parts(module: torch.nn.Module, args: Sequence[Any], grad_inputs: list[
 
 @dataclass
 class Deferred:
-    """One microbatch's values between its F, I and W."""
+    """One microbatch's F, I and W: the graphs, how they run, and the values between them."""
 
+    parts: Parts
+    run: Run  # (part, *args) -> its outputs, compiled
+    anchor: torch.Tensor  # an empty tensor that requires grad: see run_forward
     saved: list[Any] = field(default_factory=list)  # F's, for I and W
     for_w: list[Any] | None = None  # what W takes, once I has run
     live: set[int] = field(default_factory=set)  # the outputs whose gradient came back (set by I)
@@ -249,10 +252,11 @@ class _Explicit(torch.autograd.Function):
     """F under the stage's outputs; its backward is I."""
 
     @staticmethod
-    def forward(ctx: Any, parts: Parts, record: Deferred, run: Run, anchor: torch.Tensor, *xs: Any) -> Any:
-        flat = run(parts.forward, *parts.params(), *parts.buffers(), *xs)
+    def forward(ctx: Any, record: Deferred, anchor: torch.Tensor, *xs: Any) -> Any:
+        parts = record.parts
+        flat = record.run(parts.forward, *parts.params(), *parts.buffers(), *xs)
         outs, record.saved = list(flat[:parts.num_outputs]), list(flat[parts.num_outputs:])
-        ctx.parts, ctx.record, ctx.run, ctx.num_inputs = parts, record, run, len(xs)
+        ctx.record, ctx.num_inputs = record, len(xs)
         ctx.set_materialize_grads(False)  # None for an output no gradient came back for, not zeros
         ctx.out_meta = [(o.shape, o.dtype, o.device) if isinstance(o, torch.Tensor) else None for o in outs]
         fixed = [o for o, d in zip(outs, parts.differentiable) if isinstance(o, torch.Tensor) and not d]
@@ -262,14 +266,15 @@ class _Explicit(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:
-        parts, record = ctx.parts, ctx.record
+        record = ctx.record
+        parts = record.parts
         # contiguous, as they were traced: autograd's formulas call .contiguous() on a gradient where a
         # kernel needs it (GroupNorm's backward), a no-op on the traced zeros that left no trace in I
         # (a transposed gradient from the next stage: an embedding's gradient 122% off, found by the fuzzer)
         tangents = [torch.zeros(meta[0], dtype=meta[1], device=meta[2]) if g is None else g.contiguous()
                     for g, meta, d in zip(grads, ctx.out_meta, parts.differentiable) if d]
         saved = record.saved
-        flat = ctx.run(parts.backward_input, *[saved[k] for k in parts.saved_i], *tangents)
+        flat = record.run(parts.backward_input, *[saved[k] for k in parts.saved_i], *tangents)
         n = len(parts.grad_inputs)
         record.for_w = [*[saved[k] for k in parts.saved_w], *flat[n:], *tangents]
         record.saved = []
@@ -278,23 +283,23 @@ class _Explicit(torch.autograd.Function):
         out: list[Any] = [None] * ctx.num_inputs
         for j, (k, g) in enumerate(zip(parts.grad_inputs, flat[:n])):
             out[k] = g if j in reached else None
-        return (None, None, None, None, *out)
+        return (None, None, *out)
 
 
-def run_forward(parts: Parts, record: Deferred, run: Run, xs: Sequence[Any], anchor: torch.Tensor) -> tuple[Any, ...]:
-    """The stage's outputs under an autograd node whose backward is I. ``anchor``, an empty tensor
-    that requires grad, makes autograd run that backward even when no input needs a gradient (a
-    first stage's token ids): name it among the tensors a backward differentiates for."""
-    return tuple(_Explicit.apply(parts, record, run, anchor, *xs))  # type: ignore[no-untyped-call]
+def run_forward(record: Deferred, xs: Sequence[Any]) -> tuple[Any, ...]:
+    """The stage's outputs under an autograd node whose backward is I. ``record.anchor``, an empty
+    tensor that requires grad, makes autograd run that backward even when no input needs a gradient
+    (a first stage's token ids): name it among the tensors a backward differentiates for."""
+    return tuple(_Explicit.apply(record, record.anchor, *xs))  # type: ignore[no-untyped-call]
 
 
-def run_weights(parts: Parts, record: Deferred, run: Run) -> None:
+def run_weights(record: Deferred) -> None:
     """W: the weights' gradients from what I kept, added into ``.grad`` as AccumulateGrad does."""
     if record.for_w is None:
         return
-    taken = record.for_w
+    parts, taken = record.parts, record.for_w
     record.for_w = None
-    grads = run(parts.backward_weight, *taken)
+    grads = record.run(parts.backward_weight, *taken)
     held = {t.untyped_storage().data_ptr() for t in taken if isinstance(t, torch.Tensor)}
     params = parts.params()
     with torch.no_grad():

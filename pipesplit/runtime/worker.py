@@ -58,8 +58,7 @@ class _Saved:
     weights: WeightGraph | None = None  # the weight graph the forward ran (split backward)
     params: list[torch.Tensor] = field(default_factory=list)  # the stage's trainable parameters at the forward
     loss_leaves: list[torch.Tensor] = field(default_factory=list)  # what the loss function trains (last stage)
-    deferred: tuple[Parts, Deferred, torch.Tensor] | None = None  # compiled F/I/W: parts, I's record for W, anchor
-    microbatch_size: int = 0
+    deferred: Deferred | None = None  # compiled F/I/W: the graphs and what passes between them
 
 
 class StageWorker:
@@ -205,7 +204,7 @@ class StageWorker:
             tracer.record(self.rank_of[self.index], action, start, ready, time.perf_counter())
 
     def forward(self, m: int, data: StepData, comm: RankComm) -> None:
-        saved = _Saved([], microbatch_size=data.microbatch_size)
+        saved = _Saved([])
         received: dict[tuple[str, int], Any] = {}
         for name, kind, where in self.stage.inputs:
             if kind != "stage":
@@ -282,9 +281,10 @@ class StageWorker:
                     first_run.append(xs)
             with random_stream(seed, device):
                 if explicit is not None:
-                    saved.deferred = (explicit, Deferred(), torch.empty(0, device=device, requires_grad=True))
+                    saved.deferred = Deferred(explicit, self._run_part(mb_size),
+                                              torch.empty(0, device=device, requires_grad=True))
                     try:
-                        return run_forward(explicit, saved.deferred[1], self._run_part(mb_size), xs, saved.deferred[2])
+                        return run_forward(saved.deferred, xs)
                     except RuntimeError as e:  # F's compiled code failed (the fuzzer: AOT autograd's raw view
                         # error, BatchNorm over a transposed input): this microbatch runs the whole stage eager
                         # (its W a second backward), and the stage's split eager from now on
@@ -377,7 +377,7 @@ class StageWorker:
         if not saved.tensors:
             grads = [None] * len(leaves)
         elif split and saved.deferred is not None:  # the compiled I graph, under the stage's autograd node
-            anchor = saved.deferred[2]
+            anchor = saved.deferred.anchor
             grads = input_grads(None, saved.tensors, saved.grads, [*leaves, anchor], [])[0][:len(leaves)]
             if saved.loss_leaves:
                 torch.autograd.backward(saved.tensors, saved.grads, inputs=saved.loss_leaves, retain_graph=True)
@@ -405,8 +405,7 @@ class StageWorker:
     def backward_weight(self, m: int) -> None:
         saved = self.saved.pop(m)
         if saved.deferred is not None:  # the compiled W graph, from what I kept
-            parts, record, _ = saved.deferred
-            run_weights(parts, record, self._run_part(saved.microbatch_size))
+            run_weights(saved.deferred)
             return
         if not (saved.tensors and saved.params):
             return
