@@ -30,6 +30,7 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 
 from pipesplit.errors import PipesplitError
+from pipesplit.runtime.stage_graphs import compile_blocker, failure
 
 log = logging.getLogger("pipesplit")
 
@@ -50,7 +51,10 @@ class StageCompiler:
         self._timed: set[tuple[int, int, int, bool]] = set()
         self._gate = _CompileGate()
         self.seconds: dict[tuple[int, int], float] = {}  # (stage, microbatch size) -> first call, compile included
-        self.eager: list[int] = []  # stages whose split backward runs eager (warn_eager_stage says why)
+        self.eager: list[int] = []  # stages that run eager, all or their split backward (warn_eager_stage says why)
+        # module -> (the outputs a gradient comes back for, why it runs eager or None): see blocked()
+        self._blocked: weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple[int, ...], str | None]] = \
+            weakref.WeakKeyDictionary()
 
     def run(self, module: torch.nn.Module, stage: int, microbatch_size: int, *args: Any) -> Any:
         fn = self._compiled.get(module)
@@ -73,6 +77,23 @@ class StageCompiler:
                  f" {part}" if (part := getattr(module, "pipesplit_part", "")) else "", microbatch_size, seconds,
                  f" {self.options}" if self.options else "")
         return out
+
+    def blocked(self, module: torch.nn.Module, stage: int, live: tuple[int, ...]) -> bool:
+        """Whether ``module`` must run eager (:func:`pipesplit.runtime.stage_graphs.compile_blocker`, or
+        its compiled code failed before); ``live``: the outputs a gradient comes back for. Warned once."""
+        known = self._blocked.get(module)
+        if known is None or known[0] != live:
+            known = self._blocked[module] = (live, compile_blocker(module, live))
+        if known[1] is not None:
+            self.warn_eager_stage(stage, known[1])
+        return known[1] is not None
+
+    def failed(self, module: torch.nn.Module, stage: int, error: Exception) -> None:
+        """``module``'s compiled code raised (the fuzzer: a raw view error in AOT autograd's wrapper,
+        BatchNorm in eval mode on a transposed input): it runs eager from now on, warned."""
+        why = f"its compiled code failed ({failure(error)})"
+        self._blocked[module] = (self._blocked[module][0] if module in self._blocked else (), why)
+        self.warn_eager_stage(stage, why)
 
     def exclusive(self) -> contextlib.AbstractContextManager[None]:
         """Alone among compiled calls (a trace, like a compile, is process-wide)."""

@@ -34,6 +34,12 @@ from pipesplit.rng import seeded
 Run = Callable[..., Any]  # (part graph module, *args) -> its outputs, compiled
 
 
+def failure(error: Exception) -> str:
+    """A compiled call's error for a warning: its type and torch's first line."""
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0][:160] if text else ''}"
+
+
 def compile_blocker(module: torch.nn.Module, live: Sequence[int] | None = None) -> str | None:
     """Why ``compile=`` runs this stage eager at all (None: it may compile). Each reason is a silent
     wrong result the differential fuzzer found in compiled stages: a write in place (``relu_`` on a
@@ -352,8 +358,7 @@ class StageGraphs:
 
     def failed(self, parts: Parts, error: Exception) -> None:
         """``parts``' compiled code raised: the stage runs its split eager from now on (warned)."""
-        first = str(error).strip().splitlines()[0][:160] if str(error).strip() else ""
-        why = f"its compiled F graph failed ({type(error).__name__}: {first})"
+        why = f"its compiled F graph failed ({failure(error)})"
         for key, built in list(self.built.items()):
             if built is parts:
                 self.built[key] = why

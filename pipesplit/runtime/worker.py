@@ -19,7 +19,7 @@ from pipesplit.runtime.weight_grads import WeightGraph, input_grads, weight_back
 from pipesplit.runtime.compiled import StageCompiler
 from pipesplit.runtime.exchange import RankComm
 from pipesplit.runtime.loss_leaves import loss_leaves, output_nodes
-from pipesplit.runtime.stage_graphs import Deferred, Parts, StageGraphs, compile_blocker, run_forward, run_weights
+from pipesplit.runtime.stage_graphs import Deferred, Parts, StageGraphs, run_forward, run_weights
 from pipesplit.runtime.transport import Like
 from pipesplit.schedules import Action, ActionKind
 from pipesplit.schedules.rendezvous import Message
@@ -105,8 +105,6 @@ class StageWorker:
         self._weight_graphs: dict[tuple[int, tuple[bool, ...]], WeightGraph | None] = {}
         # compile= under a split backward: the stage as compiled F/I/W graphs (runtime/stage_graphs.py)
         self.explicit = StageGraphs(compiler, stage.index) if compiler is not None and self.split_backward else None
-        # id(module) -> (module, the outputs a gradient comes back for, why compile= runs it eager or None)
-        self._blocked: dict[int, tuple[torch.nn.Module, tuple[int, ...], str | None]] = {}
         self.backwards_done = 0
         self._slots: tuple[torch.nn.Module, list[tuple[dict[str, Any], str]]] | None = None
         self._written: tuple[torch.nn.Module, frozenset[str]] | None = None
@@ -271,7 +269,7 @@ class StageWorker:
             compiler.warn_eager_stage(self.index, "it is checkpointed under a schedule that splits its backward "
                                       "into I and W, and a compiled backward runs once")
             compiler = None
-        if compiler is not None and explicit is None and self._compile_blocked(module):
+        if compiler is not None and explicit is None and compiler.blocked(module, self.index, self._live_outputs()):
             compiler = None
 
         def run_stage(*xs: Any) -> Any:  # checkpointing replays it, masks and all, from the same seed
@@ -296,8 +294,8 @@ class StageWorker:
                     try:
                         return compiler.run(module, self.index, mb_size, *xs)
                     except RuntimeError as e:  # torch.compile's own failure (dynamo's errors are RuntimeErrors):
-                        self._compile_failed(module, e)  # this stage runs eager (it writes nothing in place: a
-                        # rerun is safe). Not Exception: checkpoint's recompute stops by raising one of its own
+                        compiler.failed(module, self.index, e)  # this stage runs eager (it writes nothing in place:
+                        # a rerun is safe). Not Exception: checkpoint's recompute stops by raising one of its own
                 return module(*xs)
 
         with grad_mode:
@@ -415,28 +413,10 @@ class StageWorker:
             return
         weight_backward(weights, saved.inters, saved.inter_grads, saved.tensors, saved.grads)
 
-    def _compile_blocked(self, module: torch.nn.Module) -> bool:
-        """Whether ``compile=`` must run ``module`` eager (see stage_graphs.compile_blocker; warned once).
-        The outputs a gradient comes back for: the last stage's all, another's those whose cut carries one."""
-        live = tuple(i for i, name in enumerate(self.stage.outputs) if self.is_last or any(
+    def _live_outputs(self) -> tuple[int, ...]:
+        """The outputs a gradient comes back for: the last stage's all, another's those whose cut carries one."""
+        return tuple(i for i, name in enumerate(self.stage.outputs) if self.is_last or any(
             self.out_bounds[(name, dst)].requires_grad for dst in self.consumers.get(name, ())))
-        known = self._blocked.get(id(module))
-        if known is None or known[0] is not module or known[1] != live:
-            known = self._blocked[id(module)] = (module, live, compile_blocker(module, live))
-        why = known[2]
-        if why is not None and self.compiler is not None:
-            self.compiler.warn_eager_stage(self.index, why)
-        return why is not None
-
-    def _compile_failed(self, module: torch.nn.Module, error: Exception) -> None:
-        """A compiled stage raised (the fuzzer: a raw view error in AOT autograd's wrapper, BatchNorm in eval
-        mode on a transposed input): it runs eager from now on, warned, and this call reruns eager."""
-        assert self.compiler is not None
-        first = str(error).strip().splitlines()[0][:160] if str(error).strip() else ""
-        _, live, _ = self._blocked[id(module)]
-        why = f"its compiled code failed ({type(error).__name__}: {first})"
-        self._blocked[id(module)] = (module, live, why)
-        self.compiler.warn_eager_stage(self.index, why)
 
     def _run_part(self, microbatch_size: int) -> Callable[..., Any]:
         assert self.explicit is not None
