@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import emit, header, markdown_table  # noqa: E402
+from common import emit, header, markdown_table, round_robin  # noqa: E402
 
 import pipesplit  # noqa: E402
 from pipesplit.models import gpt  # noqa: E402
@@ -59,18 +59,6 @@ def accumulate(net: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, m: int) -
         loss.backward()
         total += loss.detach()
     return total
-
-
-def interleaved(fns: dict[str, Callable[[], Any]], rounds: int) -> dict[str, list[float]]:
-    """Per variant, one wall time per round; the order rotates each round."""
-    names = list(fns)
-    times: dict[str, list[float]] = {n: [] for n in names}
-    for r in range(rounds):
-        for name in names[r % len(names):] + names[: r % len(names)]:
-            start = time.perf_counter()
-            fns[name]()
-            times[name].append(time.perf_counter() - start)
-    return times
 
 
 def bench_model(name: str, dims: tuple[int, ...], m: int, rounds: int, options: dict[str, Any],
@@ -108,9 +96,7 @@ def bench_model(name: str, dims: tuple[int, ...], m: int, rounds: int, options: 
             fns[label] = step
     want = accumulate(plain, x, y, m).item()
     diffs = {k: abs(float(fn()) - want) / abs(want) for k, fn in fns.items()}
-    for fn in fns.values():  # warm: every variant once more before timing
-        fn()
-    times = interleaved(fns, rounds)
+    times = round_robin(fns, rounds, warmup=1)  # warm: every variant once more before timing
     med = {k: statistics.median(v) for k, v in times.items()}
     base, comp = med["plain model (eager)"], med["torch.compile(model)"]
     rows = [[k, f"{v * 1e3:.2f}", f"{v / base:.3f}", f"{v / comp:.3f}",

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import emit, header, load_average, markdown_table, usable_cores  # noqa: E402
+from common import emit, header, load_average, markdown_table, round_robin, usable_cores  # noqa: E402
 
 import pipesplit  # noqa: E402
 from pipesplit.models import gpt  # noqa: E402
@@ -56,24 +56,6 @@ def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 def r3(x: float) -> str:
     """A ratio to three decimals (they sit near 1; three significant figures would hide 1.00 vs 1.004)."""
     return f"{x:.3f}"
-
-
-def round_robin(fns: dict[str, Callable[[], Any]], repeats: int, warmup: int) -> dict[str, list[float]]:
-    """Per name, ``repeats`` wall times of its function, timed one of each per round.
-
-    The order rotates every round so no variant always follows the same one.
-    """
-    names = list(fns)
-    for _ in range(warmup):
-        for name in names:
-            fns[name]()
-    times: dict[str, list[float]] = {name: [] for name in names}
-    for r in range(repeats):
-        for name in names[r % len(names):] + names[: r % len(names)]:
-            start = time.perf_counter()
-            fns[name]()
-            times[name].append(time.perf_counter() - start)
-    return times
 
 
 def paired_ratio(num: list[float], den: list[float]) -> float:

@@ -100,6 +100,24 @@ def best_of(
     return best, result
 
 
+def round_robin(fns: dict[str, Callable[[], Any]], repeats: int, warmup: int) -> dict[str, list[float]]:
+    """Per name, ``repeats`` wall times of its function, timed one of each per round.
+
+    The order rotates every round so no variant always follows the same one.
+    """
+    names = list(fns)
+    for _ in range(warmup):
+        for name in names:
+            fns[name]()
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(repeats):
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            start = time.perf_counter()
+            fns[name]()
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
 def seconds(x: float) -> str:
     """Seconds with three significant figures (``0.00123``, ``1.23``, ``123``)."""
     if x == 0:

@@ -247,63 +247,65 @@ def test_a_transposed_gradient_from_the_next_stage_reaches_the_i_graph_as_traced
     assert all(isinstance(b, Parts) for b in pipe.workers[2].explicit.built.values())
 
 
-def test_a_cut_that_carries_no_gradient_leaves_what_only_it_reaches_without_one():
+class _DeadCutGraphs(torch.nn.Module):
+    """l1's output crosses the cut to stage 1, which does not use it (l3): under zb_v stage 0 runs as F/I/W."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2, self.l3, self.l4 = (torch.nn.Linear(8, 8, bias=False) for _ in range(4))
+
+    def forward(self, x):
+        v1 = self.l1(x)
+        v2 = self.l2(x)
+        self.l3(v1)
+        return self.l4(x), v2
+
+
+class _DeadCutWhole(_DeadCutGraphs):
+    """The same dead cut, the outputs made where gpipe compiles stage 0 whole."""
+
+    def forward(self, x):
+        v1 = self.l1(x)
+        v2 = self.l2(x)
+        self.l4(v1)
+        return x + 1.0, self.l3(x) + v2
+
+
+@pytest.mark.parametrize("model_cls,schedule", [(_DeadCutGraphs, "zb_v"), (_DeadCutWhole, "gpipe")])
+def test_a_cut_that_carries_no_gradient_leaves_what_only_it_reaches_without_one(model_cls, schedule):
     """Found by the fuzzer: stage 0 sends l1's output to stage 1, which does not use it. No gradient comes
     back over that cut; the F/I/W graphs still took l1's gradient from a zero output gradient (autograd
-    hands a custom function zeros for it by default), so l1.weight got zeros where plain PyTorch leaves
-    None, and AdamW's weight decay moved it."""
-
-    class Model(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.l1, self.l2, self.l3, self.l4 = (torch.nn.Linear(8, 8, bias=False) for _ in range(4))
-
-        def forward(self, x):
-            v1 = self.l1(x)
-            v2 = self.l2(x)
-            self.l3(v1)
-            return self.l4(x), v2
-
+    hands a custom function zeros for it by default), and so did AOT autograd's backward of a whole
+    compiled stage (gpipe): l1.weight got zeros where plain PyTorch leaves None, and AdamW's weight decay
+    moved it. A whole stage like that now runs eager, and says why."""
     torch.manual_seed(0)
-    model = Model()
+    model = model_cls()
     prog = pipesplit.compile(model, torch.randn(1, 4, 8), num_stages=2, progress=False)
-    assert "linear" in prog.stages[0].outputs and "l1.weight" in dict(prog.stages[0].module.named_parameters())
-    pipe = pipesplit.Pipeline(prog, "zb_v", num_microbatches=1, loss_fn=dot_loss, loss_reduction="sum", compile=AOT)
+    explicit = schedule == "zb_v"
+    if explicit:
+        assert "linear" in prog.stages[0].outputs and "l1.weight" in dict(prog.stages[0].module.named_parameters())
+    pipe = pipesplit.Pipeline(prog, schedule, num_microbatches=1, loss_fn=dot_loss, loss_reduction="sum", compile=AOT)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # stage 1 (the dead l3) runs eager
+        warnings.simplefilter("ignore")  # the stage holding the dead layer runs eager
         check_training(model, pipe, [((torch.randn(1, 4, 8),), {})], m=1, steps=1, rtol=RTOL)
         pipe.step(torch.randn(1, 4, 8), target=(torch.randn(1, 4, 8), torch.randn(1, 4, 8)))  # check_training zeroed
     held = dict(pipe.named_parameters())
     assert held["l1.weight"].grad is None and held["l2.weight"].grad is not None
-    assert all(isinstance(b, Parts) for b in pipe.workers[0].explicit.built.values())
+    if explicit:
+        assert all(isinstance(b, Parts) for b in pipe.workers[0].explicit.built.values())
 
 
-def test_a_whole_compiled_stage_whose_cut_carries_no_gradient_leaves_what_only_it_reaches_without_one():
-    """Found by the fuzzer (gpipe, whole stages compiled): l1's output crosses a cut to a stage that does
-    not use it, so no gradient comes back; AOT autograd's backward still gave l1.weight zeros where plain
-    PyTorch leaves None (AdamW's weight decay then moved it). That stage now runs eager, and says why."""
+class _TransposedNorm(torch.nn.Module):
+    """BatchNorm over an embedding's transposed output, the head tied to the embedding: AOT autograd raises
+    a raw "view size is not compatible" on it (in eval mode, or without running statistics)."""
 
-    class Model(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.l1, self.l2, self.l3, self.l4 = (torch.nn.Linear(8, 8, bias=False) for _ in range(4))
+    def __init__(self, track_running_stats: bool = True):
+        super().__init__()
+        self.emb = torch.nn.Embedding(16, 8)
+        self.norm = torch.nn.BatchNorm1d(8, affine=False, track_running_stats=track_running_stats)
 
-        def forward(self, x):
-            v1 = self.l1(x)
-            v2 = self.l2(x)
-            self.l4(v1)
-            return x + 1.0, self.l3(x) + v2
-
-    torch.manual_seed(0)
-    model = Model()
-    prog = pipesplit.compile(model, torch.randn(1, 4, 8), num_stages=2, progress=False)
-    pipe = pipesplit.Pipeline(prog, "gpipe", num_microbatches=1, loss_fn=dot_loss, loss_reduction="sum", compile=AOT)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        check_training(model, pipe, [((torch.randn(1, 4, 8),), {})], m=1, steps=1, rtol=RTOL)
-        pipe.step(torch.randn(1, 4, 8), target=(torch.randn(1, 4, 8), torch.randn(1, 4, 8)))  # check_training zeroed
-    held = dict(pipe.named_parameters())
-    assert held["l1.weight"].grad is None and held["l2.weight"].grad is not None
+    def forward(self, x):
+        return torch.nn.functional.linear(self.norm(self.emb(x).transpose(1, 2)).transpose(1, 2), self.emb.weight)
 
 
 def test_a_stage_whose_compiled_code_fails_runs_eager_and_says_why():
@@ -311,16 +313,8 @@ def test_a_stage_whose_compiled_code_fails_runs_eager_and_says_why():
     compatible" from AOT autograd's runtime wrapper. A compiled stage that raises runs that call and every
     later one eager, warned with torch's first line; the outputs are the model's."""
 
-    class Model(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.emb, self.norm = torch.nn.Embedding(16, 8), torch.nn.BatchNorm1d(8, affine=False)
-
-        def forward(self, x):
-            return torch.nn.functional.linear(self.norm(self.emb(x).transpose(1, 2)).transpose(1, 2), self.emb.weight)
-
     torch.manual_seed(0)
-    model = Model()
+    model = _TransposedNorm()
     x = torch.randint(0, 16, (2, 4))
     prog = pipesplit.compile(model, x, num_stages=1, progress=False)
     pipe = pipesplit.Pipeline(prog, "gpipe", num_microbatches=1, loss_fn=dot_loss, loss_reduction="sum", compile=AOT)
@@ -354,17 +348,8 @@ def test_a_stage_whose_compiled_f_graph_fails_runs_its_split_eager():
     a zero-bubble stage's compiled F graph. That microbatch runs the whole stage eager, its W a second
     backward; the stage runs its split eager from then on; training equals gradient accumulation."""
 
-    class Model(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.emb = torch.nn.Embedding(16, 8)
-            self.norm = torch.nn.BatchNorm1d(8, affine=False, track_running_stats=False)
-
-        def forward(self, x):
-            return torch.nn.functional.linear(self.norm(self.emb(x).transpose(1, 2)).transpose(1, 2), self.emb.weight)
-
     torch.manual_seed(0)
-    model = Model()
+    model = _TransposedNorm(track_running_stats=False)
     prog = pipesplit.compile(model, torch.randint(0, 16, (2, 4)), num_stages=1, progress=False)
     pipe = pipesplit.Pipeline(prog, "zb_h1", num_microbatches=2, loss_fn=dot_loss, loss_reduction="sum",
                               num_ranks=1, compile=AOT)
