@@ -404,9 +404,14 @@ def part_memory(args: argparse.Namespace, res: Result) -> None:
                               "measured / estimate"], rows, "lrrrr"))
 
 
-PARTS = {"tests": part_tests, "exact": part_exact, "overhead": part_overhead, "compiled": part_compiled,
-         "predict": part_predict,
-         "oracle": part_oracle, "memory": part_memory}
+def _cuda_graphs(args: argparse.Namespace, res: Result) -> None:
+    from _gpu_graphs import part_cuda_graphs  # its own file: it imports this one
+
+    part_cuda_graphs(args, res)
+
+
+PARTS = {"tests": part_tests, "exact": part_exact, "cuda_graphs": _cuda_graphs, "overhead": part_overhead,
+         "compiled": part_compiled, "predict": part_predict, "oracle": part_oracle, "memory": part_memory}
 
 
 def main() -> None:

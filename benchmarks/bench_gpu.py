@@ -8,6 +8,9 @@ Parts (``--parts`` picks some; ``benchmarks/_gpu_parts.py`` holds them):
 - ``tests``: ``pytest -m cuda`` (every CUDA test of the suite);
 - ``exact``: ``prog(x)`` and ``Pipeline.step`` against gradient accumulation on the plain model,
   a few models x every schedule, then one optimizer step;
+- ``cuda_graphs``: compiled stages replayed as CUDA graph slots (``compile={"mode": "reduce-overhead"}``)
+  against compiled stages without them, the plain model and ``torch.compile(model)`` with and without
+  its own CUDA graphs, 1 and 2 stages, on the host-bound GPT (``benchmarks/_gpu_graphs.py``);
 - ``overhead``: a 1-stage Pipeline step against the plain model's step and ``torch.compile(model)``'s
   on a host-bound GPT (12 x 256), interleaved rounds, medians; a ``torch.profiler`` table of where
   host time goes in each;
@@ -49,7 +52,8 @@ from common import header, now  # noqa: E402
 from pipesplit.devices import device_name  # noqa: E402
 
 # seconds per part on a GPU (the budget, 9 minutes, cuts the last parts short if they all run long)
-LIMITS = {"tests": 90, "exact": 60, "overhead": 70, "compiled": 120, "predict": 110, "oracle": 60, "memory": 30}
+LIMITS = {"tests": 80, "exact": 50, "cuda_graphs": 100, "overhead": 60, "compiled": 100, "predict": 80, "oracle": 45,
+          "memory": 25}
 PARTS = tuple(LIMITS)
 
 

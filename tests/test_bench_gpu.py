@@ -28,7 +28,7 @@ def test_the_gpu_check_runs_end_to_end_on_cpu(tmp_path):
     assert "torch=" in proc.stdout and "date=" in proc.stdout, "the versions and the date are printed first"
     report = json.loads((out / "report.json").read_text())
     parts = report["parts"]
-    assert list(parts) == ["tests", "exact", "overhead", "compiled", "predict", "oracle", "memory"]
+    assert list(parts) == ["tests", "exact", "cuda_graphs", "overhead", "compiled", "predict", "oracle", "memory"]
     assert {name: p["status"] for name, p in parts.items()} == {name: "ok" for name in parts}
     assert report["versions"]["torch"] and report["versions"]["device"] == "cpu"
     exact = parts["exact"]["data"]
@@ -40,6 +40,11 @@ def test_the_gpu_check_runs_end_to_end_on_cpu(tmp_path):
     assert {row[0] for row in parts["predict"]["data"]["rows"]} == {"flops", "profile"}
     assert parts["oracle"]["data"]["oracle"]["best"]
     assert len(parts["memory"]["data"]["rows"]) == 2
+    graphs = parts["cuda_graphs"]
+    assert "EMULATED" in graphs["markdown"] and "slots" in graphs["markdown"], graphs["markdown"]
+    assert {k for k in graphs["data"]["step_s"] if "CUDA graphs" in k} == {
+        "pipesplit 1 stage, 1f1b, compiled + CUDA graphs", "pipesplit 2 stages, 1f1b, compiled + CUDA graphs",
+        "pipesplit 2 stages, zb_h1, compiled + CUDA graphs"}
     md = (out / "report.md").read_text()
     for name in parts:
         assert f"### {name}" in md

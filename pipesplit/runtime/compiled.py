@@ -30,6 +30,7 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 
 from pipesplit.errors import PipesplitError
+from pipesplit.runtime.cuda_graphs import without_inductor_graphs
 from pipesplit.runtime.stage_graphs import compile_blocker, failure
 
 log = logging.getLogger("pipesplit")
@@ -46,12 +47,15 @@ class StageCompiler:
         if unknown:
             raise PipesplitError(f"compile= options {unknown} are not torch.compile's; it takes {_ALLOWED} "
                                  "(e.g. compile={'mode': 'max-autotune'} or compile={'backend': 'aot_eager'}).")
-        self.options = opts
+        # CUDA graphs (mode="reduce-overhead", ...): pipesplit captures its own per microbatch in flight
+        # (runtime/cuda_graphs.py); Inductor's cudagraph trees are taken out of the options
+        self.options, self.graphs = without_inductor_graphs(opts)
         self._compiled: weakref.WeakKeyDictionary[torch.nn.Module, Callable[..., Any]] = weakref.WeakKeyDictionary()
         self._timed: set[tuple[int, int, int, bool]] = set()
         self._gate = _CompileGate()
         self.seconds: dict[tuple[int, int], float] = {}  # (stage, microbatch size) -> first call, compile included
         self.eager: list[int] = []  # stages that run eager, all or their split backward (warn_eager_stage says why)
+        self.ungraphed: list[int] = []  # stages that run compiled without the CUDA graphs asked for (warn_no_graphs)
         # module -> (the outputs a gradient comes back for, why it runs eager or None): see blocked()
         self._blocked: weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple[int, ...], str | None]] = \
             weakref.WeakKeyDictionary()
@@ -110,18 +114,32 @@ class StageCompiler:
                       stacklevel=2)
 
 
+    def warn_no_graphs(self, stage: int, why: str) -> None:
+        """Once per stage: CUDA graphs were asked for, and this stage runs compiled without them, and why."""
+        if stage in self.ungraphed:
+            return
+        self.ungraphed.append(stage)
+        import warnings
+
+        warnings.warn(f"pipesplit: compile=...: stage {stage} runs compiled without CUDA graphs: {why}.", stacklevel=2)
+
+
 class _CompileGate:
-    """Any number of compiled calls at once, or one first call (a compile) alone."""
+    """Any number of compiled calls at once, or one first call (a compile, a trace, a CUDA graph
+    capture) alone. The thread holding it alone may call compiled code inside (a capture compiles)."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._running = 0
-        self._compiling = False
+        self._owner: int | None = None  # the thread running alone
 
     @contextlib.contextmanager
     def shared(self) -> Iterator[None]:
+        if self._owner == threading.get_ident():
+            yield
+            return
         with self._cond:
-            self._cond.wait_for(lambda: not self._compiling)
+            self._cond.wait_for(lambda: self._owner is None)
             self._running += 1
         try:
             yield
@@ -132,12 +150,16 @@ class _CompileGate:
 
     @contextlib.contextmanager
     def exclusive(self) -> Iterator[None]:
+        me = threading.get_ident()
+        if self._owner == me:
+            yield
+            return
         with self._cond:
-            self._cond.wait_for(lambda: not self._compiling and self._running == 0)
-            self._compiling = True
+            self._cond.wait_for(lambda: self._owner is None and self._running == 0)
+            self._owner = me
         try:
             yield
         finally:
             with self._cond:
-                self._compiling = False
+                self._owner = None
                 self._cond.notify_all()

@@ -29,6 +29,8 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx as fx
 from pipesplit.compat import fake_mode, make_fx
+from pipesplit.runtime import cuda_graphs
+from pipesplit.runtime.cuda_graphs import MAX_SLOTS, Slots, capture_blocker
 from pipesplit.rng import seeded
 
 Run = Callable[..., Any]  # (part graph module, *args) -> its outputs, compiled
@@ -252,6 +254,8 @@ class Deferred:
     saved: list[Any] = field(default_factory=list)  # F's, for I and W
     for_w: list[Any] | None = None  # what W takes, once I has run
     live: set[int] = field(default_factory=set)  # the outputs whose gradient came back (set by I)
+    static_outputs: bool = False  # run replays CUDA graphs: W's gradients are the slot's (runtime/cuda_graphs.py)
+    finish: Callable[[], None] | None = None  # after W: gives the CUDA graph slot back
 
 
 class _Explicit(torch.autograd.Function):
@@ -301,6 +305,14 @@ def run_forward(record: Deferred, xs: Sequence[Any]) -> tuple[Any, ...]:
 
 def run_weights(record: Deferred) -> None:
     """W: the weights' gradients from what I kept, added into ``.grad`` as AccumulateGrad does."""
+    try:
+        _accumulate(record)
+    finally:
+        if record.finish is not None:
+            record.finish()
+
+
+def _accumulate(record: Deferred) -> None:
     if record.for_w is None:
         return
     parts, taken = record.parts, record.for_w
@@ -317,7 +329,7 @@ def run_weights(record: Deferred) -> None:
                 changed = hook(g)
                 g = g if changed is None else changed
             if p.grad is None:  # its own tensor, as AccumulateGrad keeps it (a copy if W returned an input)
-                own = g.untyped_storage().data_ptr() not in held and g.is_contiguous()
+                own = g.untyped_storage().data_ptr() not in held and g.is_contiguous() and not record.static_outputs
                 p.grad = g.detach() if own else g.detach().clone(memory_format=torch.contiguous_format)
             else:
                 p.grad += g
@@ -328,12 +340,20 @@ def run_weights(record: Deferred) -> None:
 class StageGraphs:
     """One stage's F/I/W graphs under a Pipeline's ``compile=``: made once per module, trainable set
     and input shapes, each part compiled and run through the Pipeline's
-    :class:`~pipesplit.runtime.compiled.StageCompiler`; a stage they cannot take runs its split eager,
-    warned once with the reason."""
+    :class:`~pipesplit.runtime.compiled.StageCompiler`, and replayed as CUDA graphs where asked for
+    (:mod:`pipesplit.runtime.cuda_graphs`). A stage they cannot take runs its split eager (``split``:
+    the schedule splits its backward) or compiled whole, without CUDA graphs; warned once with the reason."""
 
-    def __init__(self, compiler: Any, index: int):
-        self.compiler, self.index = compiler, index
+    def __init__(self, compiler: Any, index: int, split: bool, device: torch.device):
+        self.compiler, self.index, self.split, self.device = compiler, index, split, device
         self.built: dict[tuple[Any, ...], Parts | str] = {}
+        self.slots: dict[int, Slots | None] = {}  # id(parts) -> its CUDA graph slots (None: not captured)
+
+    def _refused(self, why: str) -> None:
+        if self.split:
+            self.compiler.warn_eager_stage(self.index, why)
+        else:
+            self.compiler.warn_no_graphs(self.index, why)
 
     def parts(self, module: torch.nn.Module, params: Sequence[torch.Tensor], args: Sequence[Any],
               microbatch_size: int, checkpointing: bool, writes_inputs: bool) -> Parts | None:
@@ -352,7 +372,7 @@ class StageGraphs:
                     self.built[key] = build_parts(module, args, grad_inputs)
         found = self.built[key]
         if isinstance(found, str):
-            self.compiler.warn_eager_stage(self.index, found)
+            self._refused(found)
             return None
         return found
 
@@ -362,7 +382,32 @@ class StageGraphs:
         for key, built in list(self.built.items()):
             if built is parts:
                 self.built[key] = why
-        self.compiler.warn_eager_stage(self.index, why)
+        self._refused(why)
+
+    def deferred(self, parts: Parts, xs: Sequence[Any], microbatch_size: int) -> Deferred:
+        """The record of one microbatch's F, I and W: compiled, over a CUDA graph slot where asked for."""
+        run = self.runner(microbatch_size)
+        record = Deferred(parts, run, torch.empty(0, device=self.device, requires_grad=True))
+        slots = self._slots(parts, xs, run) if self.compiler.graphs else None
+        runner = slots.acquire(xs) if slots is not None else None
+        if runner is not None:
+            record.run, record.static_outputs, record.finish = runner, True, runner.release
+            runner.bind(record)
+        elif slots is not None and not slots.broken:
+            self.compiler.warn_no_graphs(self.index, f"more than {MAX_SLOTS} microbatches in flight; the others "
+                                         "run compiled without them")
+        return record
+
+    def _slots(self, parts: Parts, xs: Sequence[Any], run: Run) -> Slots | None:
+        if id(parts) not in self.slots:
+            backend = cuda_graphs.backend_for(self.device)
+            why = capture_blocker(self.device, [*parts.params(), *parts.buffers(), *xs]) if backend else None
+            if why is not None:
+                self.compiler.warn_no_graphs(self.index, why)
+            self.slots[id(parts)] = (Slots(parts, run, backend, self.index, self.compiler.exclusive,
+                                           lambda why: self.compiler.warn_no_graphs(self.index, why))
+                                     if backend is not None and why is None else None)
+        return self.slots[id(parts)]
 
     def runner(self, microbatch_size: int) -> Run:
         compiler, index = self.compiler, self.index

@@ -19,6 +19,7 @@ from pipesplit.runtime.weight_grads import WeightGraph, input_grads, weight_back
 from pipesplit.runtime.compiled import StageCompiler
 from pipesplit.runtime.exchange import RankComm
 from pipesplit.runtime.loss_leaves import loss_leaves, output_nodes
+from pipesplit.runtime import cuda_graphs
 from pipesplit.runtime.stage_graphs import Deferred, Parts, StageGraphs, run_forward, run_weights
 from pipesplit.runtime.transport import Like
 from pipesplit.schedules import Action, ActionKind
@@ -104,7 +105,10 @@ class StageWorker:
         # unfreezing a parameter between steps picks (or makes) the graph for the new set
         self._weight_graphs: dict[tuple[int, tuple[bool, ...]], WeightGraph | None] = {}
         # compile= under a split backward: the stage as compiled F/I/W graphs (runtime/stage_graphs.py)
-        self.explicit = StageGraphs(compiler, stage.index) if compiler is not None and self.split_backward else None
+        # (or under any schedule where CUDA graphs are asked for and the device can capture them)
+        self.explicit = (StageGraphs(compiler, stage.index, self.split_backward, stage.device)
+                         if compiler is not None and (self.split_backward or (
+                             compiler.graphs and cuda_graphs.backend_for(stage.device) is not None)) else None)
         self.backwards_done = 0
         self._slots: tuple[torch.nn.Module, list[tuple[dict[str, Any], str]]] | None = None
         self._written: tuple[torch.nn.Module, frozenset[str]] | None = None
@@ -251,7 +255,7 @@ class StageWorker:
             args.append(value)
         grad_mode = torch.enable_grad() if data.training else torch.no_grad()
         module, device = self.stage.module, self.stage.device
-        explicit = self._explicit(args, data.microbatch_size) if data.training and self.split_backward else None
+        explicit = self._explicit(args, data.microbatch_size) if data.training else None
         weights = self._weights() if data.training and self.split_backward and explicit is None else None
         saved.weights, saved.params = weights, self.params if data.training else []
         if weights is not None:
@@ -279,15 +283,16 @@ class StageWorker:
                     first_run.append(xs)
             with random_stream(seed, device):
                 if explicit is not None:
-                    saved.deferred = Deferred(explicit, self._run_part(mb_size),
-                                              torch.empty(0, device=device, requires_grad=True))
+                    assert self.explicit is not None
+                    saved.deferred = self.explicit.deferred(explicit, xs, mb_size)
                     try:
                         return run_forward(saved.deferred, xs)
                     except RuntimeError as e:  # F's compiled code failed (the fuzzer: AOT autograd's raw view
                         # error, BatchNorm over a transposed input): this microbatch runs the whole stage eager
                         # (its W a second backward), and the stage's split eager from now on
-                        assert self.explicit is not None
                         self.explicit.failed(explicit, e)
+                        if saved.deferred.finish is not None:
+                            saved.deferred.finish()
                         saved.deferred = None
                         return self.stage.module(*xs)
                 if compiler is not None:
@@ -417,10 +422,6 @@ class StageWorker:
         """The outputs a gradient comes back for: the last stage's all, another's those whose cut carries one."""
         return tuple(i for i, name in enumerate(self.stage.outputs) if self.is_last or any(
             self.out_bounds[(name, dst)].requires_grad for dst in self.consumers.get(name, ())))
-
-    def _run_part(self, microbatch_size: int) -> Callable[..., Any]:
-        assert self.explicit is not None
-        return self.explicit.runner(microbatch_size)
 
     def _explicit(self, args: Sequence[Any], microbatch_size: int) -> Parts | None:
         if self.explicit is None:

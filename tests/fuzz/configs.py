@@ -72,6 +72,7 @@ def draw_config(pick: Callable[[Any], Any], integer: Callable[[int, int], int], 
         "loss_param": integer(0, 4) == 4,  # the loss function trains a scale of its own (not the model's)
         # compiled stages (AOT autograd's graphs, no code generation): zero-bubble stages as F/I/W graphs
         "compile": local and integer(1, COMPILE_SHARE) == COMPILE_SHARE,
+        "graphs": integer(0, 1) == 1,  # with compile: CUDA graph slots, emulated (mode="reduce-overhead")
     }
 
 
@@ -83,5 +84,6 @@ def features(spec: ModelSpec, cfg: dict[str, Any], dist: str | None = None) -> s
              "recapture": cfg["example_batch"] != cfg["mb"], "batch_change": cfg["mb2"] != cfg["mb"],
              "no_zero_grad": cfg["no_zero_grad"], "eval_pipe": cfg["eval_pipe"] and cfg["eval"] == "pipe",
              "freeze_mid": cfg["freeze_mid"], "loss_param": cfg.get("loss_param", False),
-             "compile": cfg.get("compile", False), "m>1": cfg["m"] > 1, "multi_stage": cfg["stages"] > 1, "dist": dist is not None, "mesh": dist == "mesh"}
+             "compile": cfg.get("compile", False), "graphs": cfg.get("compile", False) and cfg.get("graphs", False),
+             "m>1": cfg["m"] > 1, "multi_stage": cfg["stages"] > 1, "dist": dist is not None, "mesh": dist == "mesh"}
     return out | {name for name, on in flags.items() if on}

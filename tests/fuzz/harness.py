@@ -175,7 +175,22 @@ def held_state(pipe: Any) -> dict:
 
 
 def run_case(make_model: Callable[[], torch.nn.Module], io: dict, cfg: dict, mesh: Any = None) -> None:
-    """Raises AssertionError on a difference, Refused on a PipesplitError, Invalid if the model fails."""
+    """Raises AssertionError on a difference, Refused on a PipesplitError, Invalid if the model fails.
+    ``cfg["graphs"]``: compiled stages replay CUDA graph slots, emulated on CPU (a replay overwrites its
+    outputs in place, as a CUDA graph's does: pipesplit/runtime/cuda_graphs.py)."""
+    if not cfg.get("graphs"):
+        return _run_case(make_model, io, cfg, mesh)
+    from pipesplit.runtime import cuda_graphs
+
+    real = cuda_graphs.backend_for
+    cuda_graphs.backend_for = lambda device: cuda_graphs.EmulatedCapture()
+    try:
+        return _run_case(make_model, io, cfg, mesh)
+    finally:
+        cuda_graphs.backend_for = real
+
+
+def _run_case(make_model: Callable[[], torch.nn.Module], io: dict, cfg: dict, mesh: Any = None) -> None:
     torch.manual_seed(cfg["seed"])
     model = make_model()
     ref = copy.deepcopy(model)
@@ -191,7 +206,8 @@ def run_case(make_model: Callable[[], torch.nn.Module], io: dict, cfg: dict, mes
                                  order=cfg["order"], recompute=cfg["recompute"], progress=False)
         pipe = pipesplit.Pipeline(prog, cfg["schedule"], num_microbatches=m, loss_fn=loss_p, loss_reduction="sum",
                                   checkpoint=cfg["checkpoint"], transport=cfg["transport"], timeout=60, mesh=mesh,
-                                  compile={"backend": "aot_eager"} if cfg.get("compile") else False)
+                                  compile=({"backend": "aot_eager", "mode": "reduce-overhead"} if cfg.get("graphs")
+                                           else {"backend": "aot_eager"}) if cfg.get("compile") else False)
         eval_pipe = pipesplit.Pipeline(prog, "gpipe", num_microbatches=1, timeout=60, mesh=mesh) \
             if cfg["eval_pipe"] and cfg["eval"] == "pipe" else pipe
     except pipesplit.PipesplitError as e:
