@@ -31,7 +31,7 @@ import torch
 
 from pipesplit.errors import PipesplitError
 from pipesplit.runtime.cuda_graphs import without_inductor_graphs
-from pipesplit.runtime.stage_graphs import compile_blocker, failure
+from pipesplit.runtime.compile_limits import compile_blocker, failure
 
 log = logging.getLogger("pipesplit")
 
@@ -83,7 +83,7 @@ class StageCompiler:
         return out
 
     def blocked(self, module: torch.nn.Module, stage: int, live: tuple[int, ...]) -> bool:
-        """Whether ``module`` must run eager (:func:`pipesplit.runtime.stage_graphs.compile_blocker`, or
+        """Whether ``module`` must run eager (:func:`pipesplit.runtime.compile_limits.compile_blocker`, or
         its compiled code failed before); ``live``: the outputs a gradient comes back for. Warned once."""
         known = self._blocked.get(module)
         if known is None or known[0] != live:

@@ -23,7 +23,7 @@ stage's explicit F, I and W graphs (:mod:`pipesplit.runtime.stage_graphs`) itsel
   the next microbatch captures anew.
 
 Capture is for stages on a CUDA device whose tensors are all on it; anything the explicit graphs
-refuse (random ops, writes in place, checkpointing, autocast; see ``stage_graphs.unsupported``)
+refuse (random ops, writes in place, checkpointing, autocast; see ``compile_limits.unsupported``)
 runs as plain compiled code, and a capture that fails leaves the stage compiled without graphs:
 both are warned once per stage with the reason. Only a GPU confirms the speed; on CPU the whole
 path (slots, copies in and out, reuse, retirement, fallback) runs under :class:`EmulatedCapture`,
