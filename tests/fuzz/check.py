@@ -69,8 +69,11 @@ def run(spec: ModelSpec, cfg: dict[str, Any], stats: Stats | None = None, includ
         if stats:
             stats.skipped_known += 1
         return "known"
+    replays = harness.GRAPH_REPLAYS
     try:
         harness.run_case(lambda: build(spec), io(spec), cfg, mesh=mesh)
+        if harness.GRAPH_REPLAYS > replays:  # the case ran CUDA graph slots, not only asked for them
+            feats = feats | {"graphs_replayed"}
     except harness.Invalid:
         if stats:
             stats.invalid += 1

@@ -174,6 +174,9 @@ def held_state(pipe: Any) -> dict:
     return {k: v for k, v in state.items() if k in names}
 
 
+GRAPH_REPLAYS = 0  # emulated CUDA graph replays so far (the fuzzer counts the cases that replayed any)
+
+
 def run_case(make_model: Callable[[], torch.nn.Module], io: dict, cfg: dict, mesh: Any = None) -> None:
     """Raises AssertionError on a difference, Refused on a PipesplitError, Invalid if the model fails.
     ``cfg["graphs"]``: compiled stages replay CUDA graph slots, emulated on CPU (a replay overwrites its
@@ -182,8 +185,14 @@ def run_case(make_model: Callable[[], torch.nn.Module], io: dict, cfg: dict, mes
         return _run_case(make_model, io, cfg, mesh)
     from pipesplit.runtime import cuda_graphs
 
+    class Counted(cuda_graphs.EmulatedCapture):
+        def replay(self, graph: Any) -> None:
+            global GRAPH_REPLAYS
+            GRAPH_REPLAYS += 1
+            super().replay(graph)
+
     real = cuda_graphs.backend_for
-    cuda_graphs.backend_for = lambda device: cuda_graphs.EmulatedCapture()
+    cuda_graphs.backend_for = lambda device: Counted()
     try:
         return _run_case(make_model, io, cfg, mesh)
     finally:
