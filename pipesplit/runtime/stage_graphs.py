@@ -354,3 +354,17 @@ class StageGraphs:
                 return compiler.run(part, index, microbatch_size, *plain)
 
         return run
+
+
+def part_flops(part: fx.GraphModule) -> dict[str, int]:
+    """FLOPs of one of a stage's F, I or W graphs as torch's ``FlopCounterMode`` counts them (matrix
+    multiplies and convolutions), per op, run on the fake values the trace left on its inputs: what
+    the cost model's forward, input-gradient and weight-gradient FLOPs are checked against
+    (``tests/test_backward_flops.py``)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    vals = [n.meta.get("val") for n in part.graph.nodes if n.op == "placeholder"]
+    mode = next((v.fake_mode for v in vals if hasattr(v, "fake_mode")), None)
+    with mode if mode is not None else fake_mode(), FlopCounterMode(display=False) as counter:
+        fx.Interpreter(part).run(*vals)
+    return {str(op): int(n) for op, n in counter.get_flop_counts().get("Global", {}).items()}
