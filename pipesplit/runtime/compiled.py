@@ -60,14 +60,24 @@ class StageCompiler:
         self._blocked: weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple[int, ...], str | None]] = \
             weakref.WeakKeyDictionary()
 
-    def run(self, module: torch.nn.Module, stage: int, microbatch_size: int, *args: Any) -> Any:
+    def run(self, module: torch.nn.Module, stage: int, microbatch_size: int, *args: Any, blocking: bool = True) -> Any:
+        """``module`` compiled, on ``args``. ``blocking=False`` (autograd's device thread, which a
+        stage tracing its joint graph under the gate may be waiting for): never wait on the gate nor
+        compile; while the gate is held, or before the first compile, the graph runs uncompiled."""
         fn = self._compiled.get(module)
         if fn is None:
             fn = self._compiled[module] = torch.compile(module, **self.options)
         key = (id(module), stage, microbatch_size, torch.is_grad_enabled())
         if key in self._timed:
-            with self._gate.shared():
-                return fn(*args)
+            if blocking:
+                with self._gate.shared():
+                    return fn(*args)
+            with self._gate.try_shared() as entered:
+                if entered:
+                    return fn(*args)
+            return module(*args)
+        if not blocking:
+            return module(*args)
         # Compiling traces with FX, which torch flags process-wide: a compiled stage called from
         # another thread meanwhile raises "FX to symbolically trace a dynamo-optimized function"
         # (seen on torch 2.10). A first call therefore runs alone.
@@ -147,6 +157,24 @@ class _CompileGate:
             with self._cond:
                 self._running -= 1
                 self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def try_shared(self) -> Iterator[bool]:
+        """As :meth:`shared` if nothing runs alone now (yields True), else at once, outside (False)."""
+        if self._owner == threading.get_ident():
+            yield True
+            return
+        with self._cond:
+            entered = self._owner is None
+            if entered:
+                self._running += 1
+        try:
+            yield entered
+        finally:
+            if entered:
+                with self._cond:
+                    self._running -= 1
+                    self._cond.notify_all()
 
     @contextlib.contextmanager
     def exclusive(self) -> Iterator[None]:

@@ -34,6 +34,7 @@ shows as a wrong gradient in the tests.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -66,27 +67,47 @@ def without_inductor_graphs(options: Mapping[str, Any]) -> tuple[dict[str, Any],
 
 
 class CudaCapture:
-    """Capture and replay with ``torch.cuda.CUDAGraph``: warmed up and captured on a stream of its own,
-    replayed on the caller's (the stage's) stream."""
+    """Capture and replay with ``torch.cuda.CUDAGraph``: warmed up and captured on one stream per device
+    kept for captures (high priority: never one of the stages' streams, which come from torch's pool of
+    normal-priority streams), one capture at a time in the process; replayed on the caller's (the
+    stage's) stream. A capture that fails leaves the caller on its own stream, ordered after the
+    capture stream's work."""
+
+    _streams: dict[torch.device, Any] = {}
+    _lock = threading.Lock()
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.stream = torch.cuda.Stream(device)
 
     def new_pool(self) -> Any:
         return torch.cuda.graph_pool_handle()
 
     def capture(self, fn: Callable[..., Any], inputs: Sequence[Any], pool: Any) -> tuple[Any, Any]:
-        current = torch.cuda.current_stream(self.device)
-        self.stream.wait_stream(current)
-        with torch.cuda.stream(self.stream):
-            fn(*inputs)  # warm up on the capture stream: lazy initialisation (cuBLAS workspaces) stays outside
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: other stages' threads keep launching meanwhile
-        with torch.cuda.graph(graph, pool=pool, stream=self.stream, capture_error_mode="thread_local"):
-            outs = fn(*inputs)
-        current.wait_stream(self.stream)
-        return graph, outs
+        with CudaCapture._lock:
+            stream = CudaCapture._streams.get(self.device)
+            if stream is None:
+                stream = CudaCapture._streams[self.device] = torch.cuda.Stream(self.device, priority=-1)
+            current = torch.cuda.current_stream(self.device)
+            stream.wait_stream(current)
+            graph = torch.cuda.CUDAGraph()
+            try:
+                with torch.cuda.stream(stream):  # restores the caller's stream however the capture ends
+                    fn(*inputs)  # warm-up: lazy initialisation (cuBLAS workspaces) stays out of the graph
+                    # thread_local: other stages' threads keep launching meanwhile. Not torch.cuda.graph:
+                    # its device-wide synchronize and empty_cache would stall every stage per capture
+                    graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+                    try:
+                        outs = fn(*inputs)
+                    finally:
+                        graph.capture_end()
+            except BaseException:
+                # an invalidated capture can leave the allocator routing this stream to the graph's
+                # pool: later captures take a new stream
+                CudaCapture._streams.pop(self.device, None)
+                raise
+            finally:
+                current.wait_stream(stream)
+            return graph, outs
 
     def replay(self, graph: Any) -> None:
         graph.replay()
@@ -190,12 +211,14 @@ class Slots:
                 restore |= set(range(first, first + len(self.parts.buffer_slots)))
             written = [inputs[k] for k in sorted(restore) if isinstance(inputs[k], torch.Tensor)]
             kept = [t.clone() for t in written]
-            with self.exclusive():
-                slot.graphs[label], slot.outputs[label] = self.backend.capture(lambda *a: self.run(part, *a), inputs,
-                                                                               slot.pool)
-            with torch.no_grad():
-                for t, old in zip(written, kept):
-                    t.copy_(old)
+            try:
+                with self.exclusive():
+                    slot.graphs[label], slot.outputs[label] = self.backend.capture(
+                        lambda *a: self.run(part, *a), inputs, slot.pool)
+            finally:  # also when the capture failed after its warm-up: the fallback run is the one update
+                with torch.no_grad():
+                    for t, old in zip(written, kept):
+                        t.copy_(old)
             self.captures += 1
             log.info("stage %d: CUDA graph of %s captured for slot %d in %.3fs", self.index, label,
                      next((k for k, s in enumerate(self.slots) if s is slot), -1), time.perf_counter() - start)
@@ -206,13 +229,19 @@ class Slots:
 
 class SlotRunner:
     """One microbatch's F, I and W over its slot: ``(part, *args) -> outputs``, like the compiled runner
-    it stands for (see :class:`~pipesplit.runtime.stage_graphs.Deferred`)."""
-
-    static_outputs = True  # W's gradients are the slot's: one that becomes .grad is copied out
+    it stands for (see :class:`~pipesplit.runtime.stage_graphs.Deferred`). F and I replay the slot's
+    graphs. I's graph is captured right after the slot's first F, on the stage's thread, from output
+    gradients of zeros (I writes nothing): on a GPU, I itself runs on autograd's device thread, which
+    must never wait on the compile gate (a stage tracing its joint graph holds the gate and needs that
+    thread). W runs as compiled code without a graph: its outputs, a gradient per weight, would stay
+    allocated in every slot (under gpipe, m copies of the stage's gradients)."""
 
     def __init__(self, slots: Slots, slot: _Slot, token: object):
         self.slots, self.slot, self.token = slots, slot, token
-        self.tangents_in = False  # this microbatch's output gradients are in the slot
+
+    @property
+    def needs_input_capture(self) -> bool:
+        return "I" not in self.slot.graphs and not self.slots.broken
 
     def bind(self, record: Any) -> None:
         """Give the slot back when ``record`` goes without its W (a step that raised)."""
@@ -221,12 +250,13 @@ class SlotRunner:
     def release(self) -> None:
         self.slots.release(self.slot, self.token)
 
-    def __call__(self, part: Any, *args: Any) -> Any:
+    def __call__(self, part: Any, *args: Any, blocking: bool = True) -> Any:
         slots, slot, parts = self.slots, self.slot, self.slots.parts
         label = "F" if part is parts.forward else "I" if part is parts.backward_input else "W"
-        if slots.broken or not _has_ops(part):  # nothing to launch (a W with every weight frozen)
+        if (label == "W" or slots.broken or not _has_ops(part)  # (an I with nothing to launch: a first stage)
+                or (not blocking and label not in slot.graphs)):  # autograd's thread does not capture
             with torch.no_grad():
-                return slots.run(part, *args)
+                return slots.run(part, *args, blocking=blocking)
         try:
             with torch.no_grad():
                 return self._replay(label, part, args)
@@ -236,7 +266,7 @@ class SlotRunner:
             slots.broken = True
             slots.on_failure(f"capturing its {label} graph failed ({type(e).__name__}: {str(e).strip()[:160]})")
             with torch.no_grad():
-                return slots.run(part, *args)
+                return slots.run(part, *args, blocking=blocking)
 
     def _replay(self, label: str, part: Any, args: Sequence[Any]) -> Any:
         slots, slot, parts = self.slots, self.slot, self.slots.parts
@@ -248,14 +278,10 @@ class SlotRunner:
             return [*(_copy_out(o) for o in flat[:n]), *flat[n:]]
         num_tangents = sum(parts.differentiable)
         given, tangents = list(args[:len(args) - num_tangents]), args[len(args) - num_tangents:]
-        if not self.tangents_in:  # I and W read the output gradients from the slot: copied in once
-            if not slot.tangents:
-                slot.tangents = [g.detach().clone(memory_format=torch.contiguous_format) for g in tangents]
-            _copy_in(slot.tangents, tangents)
-            self.tangents_in = True
-        flat = slots.replay(slot, label, part, [*given, *slot.tangents])
-        if label == "W":
-            return flat
+        if not slot.tangents:
+            slot.tangents = [g.detach().clone(memory_format=torch.contiguous_format) for g in tangents]
+        _copy_in(slot.tangents, tangents)
+        flat = slots.replay(slot, "I", part, [*given, *slot.tangents])
         n = len(parts.grad_inputs)
         return [*(_copy_out(g) for g in flat[:n]), *flat[n:]]
 

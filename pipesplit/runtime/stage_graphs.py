@@ -56,6 +56,7 @@ class Parts:
     # keeps no gradient, as in plain autograd (not the zeros the graphs compute from a zero gradient)
     inputs_by_output: list[set[int]] = field(default_factory=list)
     weights_by_output: list[set[int]] = field(default_factory=list)
+    input_ready: bool = False  # I compiled, on the stage's thread (see _prepare_input)
 
     def params(self) -> list[torch.Tensor]:
         return [slots[name] for slots, name in self.param_slots]
@@ -188,7 +189,6 @@ class Deferred:
     saved: list[Any] = field(default_factory=list)  # F's, for I and W
     for_w: list[Any] | None = None  # what W takes, once I has run
     live: set[int] = field(default_factory=set)  # the outputs whose gradient came back (set by I)
-    static_outputs: bool = False  # run replays CUDA graphs: W's gradients are the slot's (runtime/cuda_graphs.py)
     finish: Callable[[], None] | None = None  # after W: gives the CUDA graph slot back
 
 
@@ -200,6 +200,8 @@ class _Explicit(torch.autograd.Function):
         parts = record.parts
         flat = record.run(parts.forward, *parts.params(), *parts.buffers(), *xs)
         outs, record.saved = list(flat[:parts.num_outputs]), list(flat[parts.num_outputs:])
+        if not parts.input_ready or getattr(record.run, "needs_input_capture", False):
+            _prepare_input(record, outs)
         ctx.record, ctx.num_inputs = record, len(xs)
         ctx.set_materialize_grads(False)  # None for an output no gradient came back for, not zeros
         ctx.out_meta = [(o.shape, o.dtype, o.device) if isinstance(o, torch.Tensor) else None for o in outs]
@@ -218,7 +220,8 @@ class _Explicit(torch.autograd.Function):
         tangents = [torch.zeros(meta[0], dtype=meta[1], device=meta[2]) if g is None else g.contiguous()
                     for g, meta, d in zip(grads, ctx.out_meta, parts.differentiable) if d]
         saved = record.saved
-        flat = record.run(parts.backward_input, *[saved[k] for k in parts.saved_i], *tangents)
+        # on a GPU this runs on autograd's device thread: it must not wait on the compile gate
+        flat = record.run(parts.backward_input, *[saved[k] for k in parts.saved_i], *tangents, blocking=False)
         n = len(parts.grad_inputs)
         record.for_w = [*[saved[k] for k in parts.saved_w], *flat[n:], *tangents]
         record.saved = []
@@ -228,6 +231,18 @@ class _Explicit(torch.autograd.Function):
         for j, (k, g) in enumerate(zip(parts.grad_inputs, flat[:n])):
             out[k] = g if j in reached else None
         return (None, None, *out)
+
+
+def _prepare_input(record: Deferred, outs: Sequence[Any]) -> None:
+    """I compiled (and, over a CUDA graph slot, captured) here, on the stage's thread, from output
+    gradients of zeros: I writes nothing. On a GPU autograd runs I on its device thread, which must not
+    compile there: a compile waits on the gate, whose holder may be a stage tracing its joint graph with
+    autograd, on that same thread."""
+    parts = record.parts
+    zeros = [torch.zeros_like(o, memory_format=torch.contiguous_format)
+             for o, d in zip(outs, parts.differentiable) if d]
+    record.run(parts.backward_input, *[record.saved[k] for k in parts.saved_i], *zeros)
+    parts.input_ready = True
 
 
 def run_forward(record: Deferred, xs: Sequence[Any]) -> tuple[Any, ...]:
@@ -252,7 +267,10 @@ def _accumulate(record: Deferred) -> None:
     parts, taken = record.parts, record.for_w
     record.for_w = None
     grads = record.run(parts.backward_weight, *taken)
-    held = {t.untyped_storage().data_ptr() for t in taken if isinstance(t, torch.Tensor)}
+    # what W read (an op's several outputs come as a tuple: LayerNorm's backward, run in I, hands W its
+    # weight's gradient inside one). A gradient in one of those is copied: over a CUDA graph slot it is
+    # the slot's memory, which the next microbatch's I overwrites (the emulation's test: 78-284% off)
+    held = {t.untyped_storage().data_ptr() for t in _leaves(taken)}
     params = parts.params()
     with torch.no_grad():
         reached = set().union(*(parts.weights_by_output[k] for k in record.live))
@@ -263,7 +281,7 @@ def _accumulate(record: Deferred) -> None:
                 changed = hook(g)
                 g = g if changed is None else changed
             if p.grad is None:  # its own tensor, as AccumulateGrad keeps it (a copy if W returned an input)
-                own = g.untyped_storage().data_ptr() not in held and g.is_contiguous() and not record.static_outputs
+                own = g.untyped_storage().data_ptr() not in held and g.is_contiguous()
                 p.grad = g.detach() if own else g.detach().clone(memory_format=torch.contiguous_format)
             else:
                 p.grad += g
@@ -325,7 +343,7 @@ class StageGraphs:
         slots = self._slots(parts, xs, run) if self.compiler.graphs else None
         runner = slots.acquire(xs) if slots is not None else None
         if runner is not None:
-            record.run, record.static_outputs, record.finish = runner, True, runner.release
+            record.run, record.finish = runner, runner.release
             runner.bind(record)
         elif slots is not None and not slots.broken:
             self.compiler.warn_no_graphs(self.index, f"more than {MAX_SLOTS} microbatches in flight; the others "
@@ -346,14 +364,24 @@ class StageGraphs:
     def runner(self, microbatch_size: int) -> Run:
         compiler, index = self.compiler, self.index
 
-        def run(part: Any, *args: Any) -> Any:
+        def run(part: Any, *args: Any, blocking: bool = True) -> Any:
             # plain values in: torch.compile would otherwise differentiate a graph whose inputs require
             # grad (the parameters F reads), which an I graph's backward ops cannot be (torch 2.15)
             plain = [a.detach() if isinstance(a, torch.Tensor) and a.requires_grad else a for a in args]
             with torch.no_grad():
-                return compiler.run(part, index, microbatch_size, *plain)
+                return compiler.run(part, index, microbatch_size, *plain, blocking=blocking)
 
         return run
+
+
+def _leaves(values: Sequence[Any]) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            out.append(v)
+        elif isinstance(v, (list, tuple)):
+            out.extend(_leaves(v))
+    return out
 
 
 def part_flops(part: fx.GraphModule) -> dict[str, int]:
