@@ -8,16 +8,16 @@ are overwritten by the next replay of that graph, and a pipeline keeps several m
 flight, each holding its forward's saved values until its backward, and hands outputs to other
 stages' threads. So pipesplit takes Inductor's CUDA graphs out of the options (``reduce-overhead``
 compiles as the default mode, ``max-autotune`` as ``max-autotune-no-cudagraphs``) and captures the
-stage's explicit F, I and W graphs (:mod:`pipesplit.runtime.stage_graphs`) itself, in **slots**:
+stage's explicit F and I graphs (:mod:`pipesplit.runtime.stage_graphs`) itself, in **slots**:
 
-- a slot is one microbatch in flight: its F, I and W graphs, captured into one memory pool, I and
-  W reading F's outputs (the values saved for the backward) where F's replay left them, and W
-  reading what I kept. A microbatch takes a free slot at its F and gives it back after its W, so a
-  stage has as many slots as it has microbatches in flight (what the schedule holds anyway);
+- a slot is one microbatch in flight: its F and I graphs, captured into one memory pool, I reading
+  F's outputs (the values saved for the backward) where F's replay left them. A microbatch takes a
+  free slot at its F and gives it back after its W, so a stage has as many slots as it has
+  microbatches in flight (what the schedule holds anyway). W runs as compiled code without a graph:
+  its outputs, a gradient per weight, would stay allocated in every slot;
 - what leaves the slot is copied out: the stage's outputs (sent on, or read by the loss), the
-  inputs' gradients (sent back), a weight's gradient that becomes ``.grad`` (one added into an
-  existing ``.grad`` is read in place). Received activations and output gradients are copied into
-  the slot's static inputs;
+  inputs' gradients (sent back), a weight's gradient W takes from what I kept. Received activations
+  and output gradients are copied into the slot's static inputs;
 - a graph reads the parameters and buffers where they were at its capture. An optimizer updates
   them in place; a parameter that moved (``.to``, a new ``nn.Parameter``) retires every slot and
   the next microbatch captures anew.
