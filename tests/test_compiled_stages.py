@@ -357,4 +357,4 @@ def test_a_stage_whose_compiled_f_graph_fails_runs_its_split_eager():
         warnings.simplefilter("always")
         check_training(model, pipe, [((torch.randint(0, 16, (4, 4)),), {})], m=2, steps=2, rtol=RTOL)
     said = [str(w.message) for w in caught if "pipesplit" in str(w.message)]
-    assert len(said) == 1 and "compiled F graph failed (RuntimeError: view size" in said[0], said
+    assert len(said) == 1 and "compiled graphs failed (RuntimeError: view size" in said[0], said

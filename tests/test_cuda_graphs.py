@@ -11,6 +11,7 @@ need a GPU: ``benchmarks/bench_gpu.py`` runs them (part ``cuda_graphs``).
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -226,6 +227,63 @@ def test_input_gradients_on_autograds_thread_never_wait_on_the_compile_gate():
             release.set()
             t.join(10)
     assert done and (0, 3) not in compiler.seconds
+
+
+class _SharedGradient(torch.nn.Module):
+    """``h * (w1 + w2)``: autograd hands one gradient tensor to both weights."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2 = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+        self.w1, self.w2 = torch.nn.Parameter(torch.randn(8)), torch.nn.Parameter(torch.randn(8))
+
+    def forward(self, x):
+        return self.l2(self.l1(x) * (self.w1 + self.w2))
+
+
+class _Norms(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1, self.ln, self.l2, self.ln2 = (torch.nn.Linear(8, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 8),
+                                              torch.nn.LayerNorm(8))
+
+    def forward(self, x):
+        return self.ln2(self.l2(self.ln(self.l1(x))))
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])
+def test_one_gradient_for_two_weights_and_hooks_that_keep_theirs(emulated, graphs, schedule):
+    """W's outputs become .grad as AccumulateGrad's do (the second review): one gradient tensor
+    for two weights gave both the same .grad, which each later microbatch added into twice (81%
+    off); a hook that keeps the gradient it saw kept the slot's memory or the .grad itself, both
+    written later. Compiled F/I/W graphs with and without CUDA graph slots."""
+    compile_ = GRAPHS if graphs else {"backend": "aot_eager"}
+    for build in (_SharedGradient, _Norms):
+        torch.manual_seed(0)
+        model = build()
+        x = torch.randn(8, 8)
+        prog = pipesplit.compile(model, x[:2], num_stages=2, progress=False)
+        pipe = pipesplit.Pipeline(prog, schedule, num_microbatches=4, loss_fn=dot_loss, loss_reduction="sum",
+                                  compile=compile_)
+        check_training(model, pipe, [((x,), {})], m=4, steps=2, rtol=RTOL)
+        model.load_state_dict(pipe.prog.state_dict())  # where the pipeline's training took it
+        ref = copy.deepcopy(model)
+        seen: dict[str, list] = {}
+        for side, named in (("pipe", pipe.named_parameters()), ("ref", ref.named_parameters())):
+            for name, p in named:
+                if p.dim() == 1:
+                    p.register_hook(lambda g, key=(side, name): seen.setdefault(key, []).append(g))
+        target = torch.randn(8, 8)
+        pipe.zero_grad(set_to_none=True)
+        pipe.step(x, target=target)
+        for xs, ts in zip(x.chunk(4), target.chunk(4)):
+            dot_loss(ref(xs), ts).backward()
+        names = {name for side, name in seen if side == "ref"}
+        assert names and all(len(seen[("pipe", n)]) == len(seen[("ref", n)]) == 4 for n in names), seen.keys()
+        for n in names:
+            for got, want in zip(seen[("pipe", n)], seen[("ref", n)]):
+                assert torch.allclose(got, want, rtol=1e-4, atol=1e-5), (build.__name__, n)
 
 
 # ---------------------------------------------------------------------------- on a GPU (bench_gpu.py's tests part)

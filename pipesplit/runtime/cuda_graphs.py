@@ -241,7 +241,7 @@ class SlotRunner:
 
     @property
     def needs_input_capture(self) -> bool:
-        return "I" not in self.slot.graphs and not self.slots.broken
+        return "I" not in self.slot.graphs and not self.slots.broken and _has_ops(self.slots.parts.backward_input)
 
     def bind(self, record: Any) -> None:
         """Give the slot back when ``record`` goes without its W (a step that raised)."""

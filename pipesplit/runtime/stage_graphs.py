@@ -217,7 +217,7 @@ class _Explicit(torch.autograd.Function):
         # contiguous, as they were traced: autograd's formulas call .contiguous() on a gradient where a
         # kernel needs it (GroupNorm's backward), a no-op on the traced zeros that left no trace in I
         # (a transposed gradient from the next stage: an embedding's gradient 122% off, found by the fuzzer)
-        tangents = [torch.zeros(meta[0], dtype=meta[1], device=meta[2]) if g is None else g.contiguous()
+        tangents = [torch.zeros(meta[0], dtype=meta[1], device=meta[2]) if g is None else _dense(g)
                     for g, meta, d in zip(grads, ctx.out_meta, parts.differentiable) if d]
         saved = record.saved
         # on a GPU this runs on autograd's device thread: it must not wait on the compile gate
@@ -231,6 +231,17 @@ class _Explicit(torch.autograd.Function):
         for j, (k, g) in enumerate(zip(parts.grad_inputs, flat[:n])):
             out[k] = g if j in reached else None
         return (None, None, *out)
+
+
+def _dense(g: torch.Tensor) -> torch.Tensor:
+    """``g`` with the strides I was compiled for: row-major, size-1 dimensions included
+    (``.contiguous()`` keeps a size-1 dimension's odd stride, and dynamo, which guards strides, would
+    recompile I there, on autograd's thread: the second review)."""
+    strides, step = [], 1
+    for size in reversed(g.shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return g if g.stride() == tuple(reversed(strides)) else g.clone(memory_format=torch.contiguous_format)
 
 
 def _prepare_input(record: Deferred, outs: Sequence[Any]) -> None:
@@ -274,15 +285,23 @@ def _accumulate(record: Deferred) -> None:
     params = parts.params()
     with torch.no_grad():
         reached = set().union(*(parts.weights_by_output[k] for k in record.live))
+        handed: set[int] = set()  # storages given to a .grad or a hook in this call
         for j, (p, g) in enumerate(zip([params[k] for k in parts.trainable], grads)):
             if g is None or j not in reached:
                 continue
-            for hook in (p._backward_hooks or {}).values():  # a tensor hook (register_hook) sees it first
+            # a tensor of its own, as AccumulateGrad keeps one: a copy of a gradient that is what W read
+            # (the slot's memory, an input), or already another weight's (h * (w1 + w2): one tensor for
+            # both, which the next += would add to twice; the second review: 81% off)
+            ptr = g.untyped_storage().data_ptr()
+            if ptr in held or ptr in handed or not g.is_contiguous():
+                g = g.detach().clone(memory_format=torch.contiguous_format)
+            handed.add(g.untyped_storage().data_ptr())
+            hooks = list((p._backward_hooks or {}).values())
+            for hook in hooks:  # a tensor hook (register_hook) sees it first
                 changed = hook(g)
                 g = g if changed is None else changed
-            if p.grad is None:  # its own tensor, as AccumulateGrad keeps it (a copy if W returned an input)
-                own = g.untyped_storage().data_ptr() not in held and g.is_contiguous()
-                p.grad = g.detach() if own else g.detach().clone(memory_format=torch.contiguous_format)
+            if p.grad is None:  # a hook may keep what it saw: .grad is then a copy, as AccumulateGrad's
+                p.grad = g.detach() if not hooks else g.detach().clone(memory_format=torch.contiguous_format)
             else:
                 p.grad += g
             for post in (getattr(p, "_post_accumulate_grad_hooks", None) or {}).values():
@@ -330,7 +349,7 @@ class StageGraphs:
 
     def failed(self, parts: Parts, error: Exception) -> None:
         """``parts``' compiled code raised: the stage runs its split eager from now on (warned)."""
-        why = f"its compiled F graph failed ({failure(error)})"
+        why = f"its compiled graphs failed ({failure(error)})"
         for key, built in list(self.built.items()):
             if built is parts:
                 self.built[key] = why
