@@ -286,6 +286,20 @@ def test_one_gradient_for_two_weights_and_hooks_that_keep_theirs(emulated, graph
                 assert torch.allclose(got, want, rtol=1e-4, atol=1e-5), (build.__name__, n)
 
 
+def test_slots_are_kept_for_the_most_recent_shapes_only(emulated, monkeypatch):
+    """Each input shape has its own slots, whose graphs hold memory: a stage keeps those of the
+    MAX_SHAPES most recent shapes (variable sequence lengths would otherwise grow memory without bound)."""
+    monkeypatch.setattr("pipesplit.runtime.stage_graphs.MAX_SHAPES", 2)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8))
+    prog = pipesplit.compile(model, torch.randn(2, 8), num_stages=2, dynamic_batch=True, progress=False)
+    pipe = pipesplit.Pipeline(prog, "1f1b", num_microbatches=2, loss_fn=dot_loss, loss_reduction="sum", compile=GRAPHS)
+    batches = [((torch.randn(b, 8),), {}) for b in (4, 6, 8, 4)]  # microbatches of 2, 3, 4, then 2 again
+    check_training(model, pipe, batches, m=2, steps=4, rtol=RTOL)
+    for w in pipe.workers.values():
+        assert len(w.explicit.slots) == 2, w.explicit.slots  # sizes 4 and 2 (again, captured anew)
+
+
 # ---------------------------------------------------------------------------- on a GPU (bench_gpu.py's tests part)
 @pytest.mark.cuda
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb_h1"])

@@ -45,6 +45,7 @@ import torch
 log = logging.getLogger("pipesplit")
 
 MAX_SLOTS = 64  # microbatches in flight per stage and input shape; beyond it a microbatch runs without graphs
+MAX_SHAPES = 4  # input shapes (and trainable sets) per stage whose slots are kept; older ones are captured anew
 _MODES = {"reduce-overhead": None, "max-autotune": "max-autotune-no-cudagraphs"}
 
 

@@ -31,7 +31,7 @@ import torch.fx as fx
 from pipesplit.compat import fake_mode, make_fx
 from pipesplit.runtime import cuda_graphs
 from pipesplit.runtime.compile_limits import ancestors, failure, unsupported
-from pipesplit.runtime.cuda_graphs import MAX_SLOTS, Slots, capture_blocker
+from pipesplit.runtime.cuda_graphs import MAX_SHAPES, MAX_SLOTS, Slots, capture_blocker
 
 Run = Callable[..., Any]  # (part graph module, *args) -> its outputs, compiled
 
@@ -378,6 +378,10 @@ class StageGraphs:
             self.slots[id(parts)] = (Slots(parts, run, backend, self.index, self.compiler.exclusive,
                                            lambda why: self.compiler.warn_no_graphs(self.index, why))
                                      if backend is not None and why is None else None)
+            if len(self.slots) > MAX_SHAPES:  # each shape's slots hold their graphs' memory: the oldest go
+                del self.slots[next(iter(self.slots))]  # (busy ones finish their microbatch first)
+        else:
+            self.slots[id(parts)] = self.slots.pop(id(parts))  # the most recent last
         return self.slots[id(parts)]
 
     def runner(self, microbatch_size: int) -> Run:
