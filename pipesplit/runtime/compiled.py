@@ -115,23 +115,21 @@ class StageCompiler:
 
     def warn_eager_stage(self, stage: int, why: str) -> None:
         """Once per stage: it runs eager (all of it, or its split backward), and why."""
-        if stage in self.eager:
-            return
-        self.eager.append(stage)
-        import warnings
-
-        warnings.warn(f"pipesplit: compile=...: stage {stage} runs eager: {why}. The other stages run compiled.",
-                      stacklevel=2)
-
+        _warn_once(self.eager, stage, f"runs eager: {why}. The other stages run compiled")
 
     def warn_no_graphs(self, stage: int, why: str) -> None:
         """Once per stage: CUDA graphs were asked for, and this stage runs compiled without them, and why."""
-        if stage in self.ungraphed:
-            return
-        self.ungraphed.append(stage)
-        import warnings
+        _warn_once(self.ungraphed, stage, f"runs compiled without CUDA graphs: {why}")
 
-        warnings.warn(f"pipesplit: compile=...: stage {stage} runs compiled without CUDA graphs: {why}.", stacklevel=2)
+
+def _warn_once(said: list[int], stage: int, what: str) -> None:
+    """``pipesplit: compile=...: stage {stage} {what}.``, unless ``said`` lists the stage already."""
+    if stage in said:
+        return
+    said.append(stage)
+    import warnings
+
+    warnings.warn(f"pipesplit: compile=...: stage {stage} {what}.", stacklevel=3)
 
 
 class _CompileGate:
