@@ -91,6 +91,13 @@ def test_split_backward_stages_run_compiled_forward_input_and_weight_graphs(sche
     assert parts == {"F", "I", "W"} | ({None} if whole else set()), parts
 
 
+def dropout_gpt_program() -> pipesplit.SplitProgram:
+    """A small GPT with dropout in 2 stages: random ops, which compiled graphs and CUDA graphs refuse."""
+    torch.manual_seed(0)
+    drop = GPT(GPTConfig(vocab=32, dim=16, layers=2, heads=2, seq=8, dropout=0.1))
+    return pipesplit.compile(drop, torch.randint(0, 32, (2, 8)), num_stages=2, progress=False)
+
+
 def test_a_stage_the_graphs_cannot_take_warns_and_runs_its_split_eager():
     """BatchNorm's running statistics are written in place and dropout draws from pipesplit's streams:
     such stages run their split backward eager, say why, and still train exactly."""
@@ -101,9 +108,7 @@ def test_a_stage_the_graphs_cannot_take_warns_and_runs_its_split_eager():
     pipe = pipesplit.Pipeline(prog, "zb_h1", num_microbatches=2, loss_fn=dot_loss, loss_reduction="sum", compile=AOT)
     with pytest.warns(UserWarning, match=r"stage \d runs eager.*writes in place"):
         check_training(model, pipe, [c.inputs(4)], m=2, steps=1, rtol=RTOL)
-    torch.manual_seed(0)
-    drop = GPT(GPTConfig(vocab=32, dim=16, layers=2, heads=2, seq=8, dropout=0.1))
-    prog = pipesplit.compile(drop, torch.randint(0, 32, (2, 8)), num_stages=2, progress=False)
+    prog = dropout_gpt_program()
     pipe = pipesplit.Pipeline(prog, "zb_h1", num_microbatches=2, loss_fn=dot_loss, loss_reduction="sum", compile=AOT)
     with pytest.warns(UserWarning, match=r"stage \d runs eager.*random ops"):
         pipe.step(torch.randint(0, 32, (4, 8)), target=torch.randn(4, 8, 32))

@@ -18,9 +18,9 @@ import pytest
 import torch
 
 import pipesplit
-from pipesplit.models import GPT, GPTConfig
 from pipesplit.runtime import cuda_graphs
 from pipesplit.runtime.cuda_graphs import EmulatedCapture, capture_blocker, without_inductor_graphs
+from tests.test_compiled_stages import dropout_gpt_program
 from tests.training import check_training, dot_loss
 from tests.zoo import CASE_BY_NAME
 
@@ -134,9 +134,7 @@ def test_a_stage_with_random_ops_runs_compiled_without_graphs_and_says_why(emula
     """Dropout draws from pipesplit's per-microbatch streams, which a replay would repeat: under a
     schedule that does not split the backward the stage runs as whole-stage compiled code (not
     eager), warned."""
-    torch.manual_seed(0)
-    drop = GPT(GPTConfig(vocab=32, dim=16, layers=2, heads=2, seq=8, dropout=0.1))
-    prog = pipesplit.compile(drop, torch.randint(0, 32, (2, 8)), num_stages=2, progress=False)
+    prog = dropout_gpt_program()
     pipe = pipesplit.Pipeline(prog, "1f1b", num_microbatches=2, loss_fn=dot_loss, loss_reduction="sum", compile=GRAPHS)
     with pytest.warns(UserWarning, match=r"runs compiled without CUDA graphs: it has random ops"):
         pipe.step(torch.randint(0, 32, (4, 8)), target=torch.randn(4, 8, 32))
@@ -146,7 +144,6 @@ def test_a_stage_with_random_ops_runs_compiled_without_graphs_and_says_why(emula
 
 def test_more_microbatches_in_flight_than_slots_run_without_graphs(emulated, monkeypatch):
     monkeypatch.setattr(cuda_graphs, "MAX_SLOTS", 2)
-    monkeypatch.setattr("pipesplit.runtime.stage_graphs.MAX_SLOTS", 2)
     c, model, pipe = _pipe("gpipe", 2)
     with pytest.warns(UserWarning, match="more than 2 microbatches in flight"):
         check_training(model, pipe, [c.inputs(8)], m=4, steps=1, rtol=RTOL)
@@ -289,7 +286,7 @@ def test_one_gradient_for_two_weights_and_hooks_that_keep_theirs(emulated, graph
 def test_slots_are_kept_for_the_most_recent_shapes_only(emulated, monkeypatch):
     """Each input shape has its own slots, whose graphs hold memory: a stage keeps those of the
     MAX_SHAPES most recent shapes (variable sequence lengths would otherwise grow memory without bound)."""
-    monkeypatch.setattr("pipesplit.runtime.stage_graphs.MAX_SHAPES", 2)
+    monkeypatch.setattr(cuda_graphs, "MAX_SHAPES", 2)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8))
     prog = pipesplit.compile(model, torch.randn(2, 8), num_stages=2, dynamic_batch=True, progress=False)

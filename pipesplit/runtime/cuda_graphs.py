@@ -42,6 +42,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
+from pipesplit.compat import pytree
+
 log = logging.getLogger("pipesplit")
 
 MAX_SLOTS = 64  # microbatches in flight per stage and input shape; beyond it a microbatch runs without graphs
@@ -129,7 +131,7 @@ class EmulatedCapture:
     def replay(self, graph: Any) -> None:
         fn, inputs, outs = graph
         with torch.no_grad():
-            for old, new in zip(_tensors(outs), _tensors(fn(*inputs))):  # a saved value may be a tuple (an op's)
+            for old, new in zip(tensors_in(outs), tensors_in(fn(*inputs))):  # a saved value may be a tuple (an op's)
                 same = (old.data_ptr() == new.data_ptr() and old.shape == new.shape and old.stride() == new.stride())
                 if not same:  # not a view of what it was (a saved parameter): writing it would bump its
                     old.copy_(new)  # version, which a real replay does not, and eager stages check
@@ -309,12 +311,9 @@ def _has_ops(part: Any) -> bool:
     return any(n.op == "call_function" for n in part.graph.nodes)
 
 
-def _tensors(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _tensors(v)]
-    return []
+def tensors_in(value: Any) -> list[torch.Tensor]:
+    """The tensors in ``value``, tuples and lists opened (a saved value may be an op's several outputs)."""
+    return [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
 
 
 def _copy_in(static: list[Any], given: Sequence[Any]) -> None:

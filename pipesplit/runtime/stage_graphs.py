@@ -31,7 +31,7 @@ import torch.fx as fx
 from pipesplit.compat import fake_mode, make_fx
 from pipesplit.runtime import cuda_graphs
 from pipesplit.runtime.compile_limits import ancestors, failure, unsupported
-from pipesplit.runtime.cuda_graphs import MAX_SHAPES, MAX_SLOTS, Slots, capture_blocker
+from pipesplit.runtime.cuda_graphs import Slots, capture_blocker, tensors_in
 
 Run = Callable[..., Any]  # (part graph module, *args) -> its outputs, compiled
 
@@ -281,7 +281,7 @@ def _accumulate(record: Deferred) -> None:
     # what W read (an op's several outputs come as a tuple: LayerNorm's backward, run in I, hands W its
     # weight's gradient inside one). A gradient in one of those is copied: over a CUDA graph slot it is
     # the slot's memory, which the next microbatch's I overwrites (the emulation's test: 78-284% off)
-    held = {t.untyped_storage().data_ptr() for t in _leaves(taken)}
+    held = {t.untyped_storage().data_ptr() for t in tensors_in(taken)}
     params = parts.params()
     with torch.no_grad():
         reached = set().union(*(parts.weights_by_output[k] for k in record.live))
@@ -365,8 +365,8 @@ class StageGraphs:
             record.run, record.finish = runner, runner.release
             runner.bind(record)
         elif slots is not None and not slots.broken:
-            self.compiler.warn_no_graphs(self.index, f"more than {MAX_SLOTS} microbatches in flight; the others "
-                                         "run compiled without them")
+            self.compiler.warn_no_graphs(self.index, f"more than {cuda_graphs.MAX_SLOTS} microbatches in flight; "
+                                         "the others run compiled without them")
         return record
 
     def _slots(self, parts: Parts, xs: Sequence[Any], run: Run) -> Slots | None:
@@ -378,7 +378,7 @@ class StageGraphs:
             self.slots[id(parts)] = (Slots(parts, run, backend, self.index, self.compiler.exclusive,
                                            lambda why: self.compiler.warn_no_graphs(self.index, why))
                                      if backend is not None and why is None else None)
-            if len(self.slots) > MAX_SHAPES:  # each shape's slots hold their graphs' memory: the oldest go
+            if len(self.slots) > cuda_graphs.MAX_SHAPES:  # each shape's slots hold their graphs' memory: the oldest go
                 del self.slots[next(iter(self.slots))]  # (busy ones finish their microbatch first)
         else:
             self.slots[id(parts)] = self.slots.pop(id(parts))  # the most recent last
@@ -395,16 +395,6 @@ class StageGraphs:
                 return compiler.run(part, index, microbatch_size, *plain, blocking=blocking)
 
         return run
-
-
-def _leaves(values: Sequence[Any]) -> list[torch.Tensor]:
-    out: list[torch.Tensor] = []
-    for v in values:
-        if isinstance(v, torch.Tensor):
-            out.append(v)
-        elif isinstance(v, (list, tuple)):
-            out.extend(_leaves(v))
-    return out
 
 
 def part_flops(part: fx.GraphModule) -> dict[str, int]:
