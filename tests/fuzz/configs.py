@@ -73,13 +73,15 @@ def draw_config(pick: Callable[[Any], Any], integer: Callable[[int, int], int], 
         # compiled stages (AOT autograd's graphs, no code generation): zero-bubble stages as F/I/W graphs
         "compile": local and integer(1, COMPILE_SHARE) == COMPILE_SHARE,
         "graphs": integer(0, 1) == 1,  # with compile: CUDA graph slots, emulated (mode="reduce-overhead")
+        "reduction": pick(("sum", "mean")),  # loss_reduction: "mean" scales each microbatch's loss by 1/m
     }
 
 
 def features(spec: ModelSpec, cfg: dict[str, Any], dist: str | None = None) -> set[str]:
     out = model_features(spec)
     out |= {f"schedule={cfg['schedule']}", f"stages={cfg['stages']}", f"opt={cfg['opt']}", f"eval={cfg['eval']}",
-            f"cost={cfg['cost']}", f"order={cfg['order']}", f"recompute={cfg['recompute']}"}
+            f"cost={cfg['cost']}", f"order={cfg['order']}", f"recompute={cfg['recompute']}",
+            f"reduction={cfg.get('reduction', 'sum')}"}
     flags = {"rendezvous": cfg["transport"] == "rendezvous", "checkpoint": cfg["checkpoint"],
              "recapture": cfg["example_batch"] != cfg["mb"], "batch_change": cfg["mb2"] != cfg["mb"],
              "no_zero_grad": cfg["no_zero_grad"], "eval_pipe": cfg["eval_pipe"] and cfg["eval"] == "pipe",

@@ -67,12 +67,15 @@ def make_inputs(io: dict, batch: int, gen: torch.Generator) -> tuple[tuple, dict
     else:
         x = torch.randn(batch, io["seq"], io["dim"], generator=gen)
     kw = {"gate": torch.randn(batch, io["seq"], io["dim"], generator=gen)} if io["kwarg"] else {}
+    if io.get("table"):  # a (T, D) table without a batch dimension: every microbatch reads it whole
+        return (x, torch.randn(io["seq"], io["dim"], generator=gen)), kw
     return (x,), kw
 
 
-def fresh(args: tuple, kw: dict, grad: bool) -> tuple[tuple, dict]:
-    """Copies of the inputs (a model may write them in place); the first one a leaf needing grad."""
-    args = tuple(a.clone().requires_grad_(grad and i == 0) for i, a in enumerate(args))
+def fresh(args: tuple, kw: dict, grad: bool, table_grad: bool = False) -> tuple[tuple, dict]:
+    """Copies of the inputs (a model may write them in place); the first one a leaf needing grad
+    (``grad``), the table (the second) one too with ``table_grad``."""
+    args = tuple(a.clone().requires_grad_((grad and i == 0) or (table_grad and i == 1)) for i, a in enumerate(args))
     return args, {k: v.clone() for k, v in kw.items()}
 
 
@@ -84,19 +87,23 @@ def dot_loss(out: Any, target: Any) -> torch.Tensor:
 
 
 def chunks(args: tuple, kw: dict, target: Any, m: int) -> list[tuple[tuple, dict, Any]]:
+    """m microbatches: the first input, the kwargs and the target cut along dim 0; the other positional
+    inputs (a table) and 0-dim target leaves (an auxiliary scalar's) whole to each."""
     def cut(tree: Any) -> list[Any]:
         leaves, spec = pytree.tree_flatten(tree)
-        parts = [x.chunk(m) for x in leaves]
+        parts = [x.chunk(m) if x.dim() else [x] * m for x in leaves]
         return [pytree.tree_unflatten([p[i] for p in parts], spec) for i in range(m)]
-    return [(a, k, t) for (a, k), t in zip(cut((args, kw)), cut(target) if target is not None else [None] * m)]
+    cuts = cut((args[:1], kw))
+    return [((*a, *args[1:]), k, t) for (a, k), t in zip(cuts, cut(target) if target is not None else [None] * m)]
 
 
 def reference_step(ref: torch.nn.Module, args: tuple, kw: dict, target: Any, m: int,
-                   loss_fn: Callable[[Any, Any], torch.Tensor] = dot_loss) -> torch.Tensor:
+                   loss_fn: Callable[[Any, Any], torch.Tensor] = dot_loss, scale: float = 1.0) -> torch.Tensor:
+    """Gradient accumulation over m microbatches, each loss times ``scale`` (1/m for a mean)."""
     total = torch.zeros(())
     try:
         for a, k, t in chunks(args, kw, target, m):
-            loss = loss_fn(ref(*a, **k), t)
+            loss = loss_fn(ref(*a, **k), t) * scale
             loss.backward()
             total = total + loss.detach()
     except Exception as e:  # the plain model cannot run this case: not a test of pipesplit
@@ -107,8 +114,9 @@ def reference_step(ref: torch.nn.Module, args: tuple, kw: dict, target: Any, m: 
 def reference_forward(ref: torch.nn.Module, args: tuple, kw: dict, m: int) -> Any:
     with torch.no_grad():
         outs = [ref(*a, **k) for a, k, _ in chunks(args, kw, None, m)]
-    leaves = [pytree.tree_flatten(o)[0] for o in outs]
-    return pytree.tree_unflatten([torch.cat(col) for col in zip(*leaves)], pytree.tree_flatten(outs[0])[1])
+    leaves = [pytree.tree_flatten(o)[0] for o in outs]  # a 0-dim output: the microbatches' mean, as pipesplit merges it
+    return pytree.tree_unflatten([torch.cat(col) if col[0].dim() else torch.stack(col).mean() for col in zip(*leaves)],
+                                 pytree.tree_flatten(outs[0])[1])
 
 
 class _Streamed(fx.Interpreter):
@@ -124,12 +132,12 @@ class _Streamed(fx.Interpreter):
 
 
 def streamed_step(prog: Any, args: tuple, kw: dict, target: Any, m: int, seed: int,
-                  loss_fn: Callable[[Any, Any], torch.Tensor] = dot_loss) -> torch.Tensor:
+                  loss_fn: Callable[[Any, Any], torch.Tensor] = dot_loss, scale: float = 1.0) -> torch.Tensor:
     total = torch.zeros(())
     for i, (a, k, t) in enumerate(chunks(args, kw, target, m)):
         prog.sync_tied()
         flat = _Streamed(prog, seed, i).run(*prog.flatten_inputs(a, k))
-        loss = loss_fn(pytree.tree_unflatten(prog.assemble_outputs(flat), prog.out_spec), t)
+        loss = loss_fn(pytree.tree_unflatten(prog.assemble_outputs(flat), prog.out_spec), t) * scale
         loss.backward()
         total = total + loss.detach()
     return total
@@ -143,7 +151,7 @@ def optimizer(kind: str, params: Any) -> torch.optim.Optimizer:
 
 
 def compare_step(step: int, loss: Any, want: torch.Tensor, held: dict, ref: torch.nn.Module,
-                 state: dict, x: Any, x_ref: Any) -> None:
+                 state: dict, x: Any, x_ref: Any, table: Any = None, table_ref: Any = None) -> None:
     close(f"loss at step {step}", loss, want)
     ref_params = dict(ref.named_parameters())
     norms = [p.grad.to_dense().double().norm().item() for p in ref_params.values() if p.grad is not None]
@@ -159,6 +167,9 @@ def compare_step(step: int, loss: Any, want: torch.Tensor, held: dict, ref: torc
     if x_ref is not None:
         assert x.grad is not None, f"step {step}: the input's gradient is None (the model computes it)"
         close(f"input gradient at step {step}", x.grad, x_ref.grad)
+    if table_ref is not None:  # an input without a batch dimension: its gradient sums over the microbatches
+        assert table.grad is not None, f"step {step}: the table input's gradient is None (the model computes it)"
+        close(f"table input gradient at step {step}", table.grad, table_ref.grad)
     ref_state = ref.state_dict()
     floor = 1e-4 * max((t.double().norm().item() for t in ref_state.values() if t.is_floating_point()), default=0.0)
     for name in state:
@@ -212,8 +223,10 @@ def _run_case(make_model: Callable[[], torch.nn.Module], io: dict, cfg: dict, me
     try:
         ex_args, ex_kw = make_inputs(io, cfg["example_batch"], gen)
         prog = pipesplit.compile(model, ex_args, example_kwargs=ex_kw, num_stages=cfg["stages"], cost=cfg["cost"],
-                                 order=cfg["order"], recompute=cfg["recompute"], progress=False)
-        pipe = pipesplit.Pipeline(prog, cfg["schedule"], num_microbatches=m, loss_fn=loss_p, loss_reduction="sum",
+                                 order=cfg["order"], recompute=cfg["recompute"], progress=False,
+                                 unbatched=["pos"] if io.get("table") else ())
+        pipe = pipesplit.Pipeline(prog, cfg["schedule"], num_microbatches=m, loss_fn=loss_p,
+                                  loss_reduction=cfg.get("reduction", "sum"),
                                   checkpoint=cfg["checkpoint"], transport=cfg["transport"], timeout=60, mesh=mesh,
                                   compile=({"backend": "aot_eager", "mode": "reduce-overhead"} if cfg.get("graphs")
                                            else {"backend": "aot_eager"}) if cfg.get("compile") else False)
@@ -221,6 +234,7 @@ def _run_case(make_model: Callable[[], torch.nn.Module], io: dict, cfg: dict, me
             if cfg["eval_pipe"] and cfg["eval"] == "pipe" else pipe
     except pipesplit.PipesplitError as e:
         raise Refused(f"{type(e).__name__}: {e}") from e
+    scale = 1.0 / (m * dp) if cfg.get("reduction") == "mean" else 1.0  # what the Pipeline multiplies each loss by
     held = dict(pipe.named_parameters())
     runs_loss = pipe.executor == "local" or prog.num_stages - 1 in pipe.workers
     extra_p, extra_r = ([scale_p], [scale_r]) if scale_p is not None else ([], [])
@@ -236,10 +250,11 @@ def _run_case(make_model: Callable[[], torch.nn.Module], io: dict, cfg: dict, me
         with torch.no_grad():
             shapes = copy.deepcopy(ref)(*fresh(args, kw, False)[0], **fresh(args, kw, False)[1])
         target = pytree.tree_map(lambda o: torch.randn(o.shape, generator=gen), shapes)
-        r_args, r_kw = fresh(args, kw, io["input_grad"])
-        p_args, p_kw = fresh(args, kw, io["input_grad"])
-        if io["dropout"]:
-            reference_step(copy.deepcopy(ref), r_args, r_kw, target, m * dp, loss_r)  # Invalid if the model cannot train
+        tg = io.get("table_grad", False)
+        r_args, r_kw = fresh(args, kw, io["input_grad"], tg)
+        p_args, p_kw = fresh(args, kw, io["input_grad"], tg)
+        if io["dropout"]:  # Invalid if the model cannot train
+            reference_step(copy.deepcopy(ref), r_args, r_kw, target, m * dp, loss_r, scale)
         torch.manual_seed(1000 + step)
         seed = int(torch.randint(0, 2**62, ()).item())  # the draw pipe.step makes for its streams
         torch.manual_seed(1000 + step)
@@ -254,11 +269,13 @@ def _run_case(make_model: Callable[[], torch.nn.Module], io: dict, cfg: dict, me
             with torch.no_grad():
                 for k, v in prog.state_dict().items():
                     v.copy_(before[k])
-            s_args, s_kw = fresh(args, kw, io["input_grad"])  # a model without parameters needs a graph too
+            s_args, s_kw = fresh(args, kw, io["input_grad"], tg)  # a model without parameters needs a graph too
             scale_s = None if scale_p is None else scale_p.detach().clone().requires_grad_()  # its own leaf
             want = streamed_step(prog, s_args, s_kw, target, m, seed, loss_p if scale_s is None else
-                                 lambda o, t: dot_loss(o, t) * scale_s)
+                                 lambda o, t: dot_loss(o, t) * scale_s, scale)
             close("loss (dropout, streamed)", loss, want)
+            if tg:
+                close("table input gradient (dropout, streamed)", p_args[1].grad, s_args[1].grad)
             for n, p in held.items():
                 if p.grad is not None:
                     close(f"gradient of {n} (dropout, streamed)", grads[n], p.grad, max(1e-4 * max(
@@ -267,14 +284,14 @@ def _run_case(make_model: Callable[[], torch.nn.Module], io: dict, cfg: dict, me
             with torch.no_grad():  # the statistics the masks gave, so that eval compares the same state
                 ref.load_state_dict(prog.state_dict(), strict=False)
             break
-        want = reference_step(ref, r_args, r_kw, target, m * dp, loss_r)
+        want = reference_step(ref, r_args, r_kw, target, m * dp, loss_r, scale)
         try:
             loss = pipe.step(*p_args, target=target, **p_kw)
         except pipesplit.PipesplitError as e:
             raise Refused(f"{type(e).__name__} at step {step}: {e}") from e
         state = held_state(pipe)
         compare_step(step, loss, want, held, ref, state, p_args[0] if io["input_grad"] else None,
-                     r_args[0] if io["input_grad"] else None)
+                     r_args[0] if io["input_grad"] else None, p_args[1] if tg else None, r_args[1] if tg else None)
         if scale_p is not None and runs_loss:  # under torchrun the rank holding the last stage runs the loss
             assert scale_p.grad is not None, f"step {step}: the loss function's own scale got no gradient"
             close(f"gradient of the loss function's scale at step {step}", scale_p.grad, scale_r.grad)

@@ -43,6 +43,9 @@ class ModelSpec:
     kwarg: bool = False  # a ``gate`` keyword input
     input_grad: bool = False  # the float input requires grad
     outputs: str = "tensor"  # "tensor" | "tuple" | "dict"
+    table: bool = False  # a second positional input ``pos`` (T, D) without a batch dimension, added to v0
+    table_grad: bool = False  # ... which requires grad (its gradient sums over the microbatches)
+    aux: bool = False  # a tuple/dict output also carries a 0-dim scalar (an auxiliary loss term)
     extra: tuple[str, ...] = field(default=())  # reserved for future features
 
 
@@ -115,14 +118,19 @@ def source(spec: ModelSpec) -> str:
     for i, layer in enumerate(spec.layers, 1):
         init += _init_line(spec, i, layer)
     fwd = ["v0 = self.emb(x)" if spec.tokens else "v0 = x"]
+    if spec.table:
+        fwd = [fwd[0] + " + pos"]
     for i, layer in enumerate(spec.layers, 1):
         fwd += _forward_line(spec, i, layer)
     n = len(spec.layers)
     last = f"F.linear(v{n}, self.emb.weight)" if spec.tokens and spec.tied_head else f"v{n}"
     aux = f"v{max(0, n // 2)}"
-    ret = {"tensor": last, "tuple": f"({last}, {aux})", "dict": f"{{'out': {last}, 'aux': {aux}}}"}[spec.outputs]
+    reg = f"v{max(0, n // 2)}.pow(2).mean()"  # a scalar each microbatch has its own of
+    ret = {"tensor": last, "tuple": f"({last}, {aux}, {reg})" if spec.aux else f"({last}, {aux})",
+           "dict": f"{{'out': {last}, 'aux': {aux}, 'reg': {reg}}}" if spec.aux else
+           f"{{'out': {last}, 'aux': {aux}}}"}[spec.outputs]
     fwd.append(f"return {ret}")
-    sig = "self, x, gate=None" if spec.kwarg else "self, x"
+    sig = "self, x" + (", pos" if spec.table else "") + (", gate=None" if spec.kwarg else "")
     body = ["import torch", "import torch.nn.functional as F", "from torch import nn", "", "",
             "class Model(nn.Module):", "    def __init__(self):"]
     body += [f"        {line}" for line in init]
@@ -142,7 +150,7 @@ def io(spec: ModelSpec) -> dict[str, Any]:
     return {"tokens": spec.tokens, "vocab": VOCAB, "dim": D, "seq": T, "kwarg": spec.kwarg,
             "input_grad": spec.input_grad and not spec.tokens,
             "dropout": any(layer.op == "dropout" and layer.flag for layer in spec.layers),
-            "sparse": spec.tokens and spec.sparse}
+            "sparse": spec.tokens and spec.sparse, "table": spec.table, "table_grad": spec.table and spec.table_grad}
 
 
 def model_features(spec: ModelSpec) -> set[str]:
@@ -159,7 +167,7 @@ def model_features(spec: ModelSpec) -> set[str]:
             out.add("dropout_p")
         if layer.op == "linear" and not layer.flag:
             out.add("linear_nobias")
-    alias = {0} if not spec.tokens else set()  # values that are the caller's input tensor itself
+    alias = {0} if not spec.tokens and not spec.table else set()  # values that are the caller's input tensor itself
     for i, layer in enumerate(spec.layers, 1):
         if OPS[layer.op][1] and min(layer.src, i - 1) in alias:
             alias.add(i)
@@ -174,6 +182,10 @@ def model_features(spec: ModelSpec) -> set[str]:
     if spec.tied_head and not spec.tokens:
         out.discard("tied_head")
     out.add(f"out_{spec.outputs}")
+    if spec.table:
+        out.add("table_grad" if spec.table_grad else "table")
+    if spec.aux and spec.outputs != "tensor":
+        out.add("aux_scalar")
     n = len(spec.layers)
     live = {n} | ({n // 2} if spec.outputs != "tensor" else set())
     for i in range(n, 0, -1):  # values no output depends on (in-place writes count as used)
@@ -203,4 +215,5 @@ def draw_model(pick: Callable[[Any], Any], integer: Callable[[int, int], int], o
     return ModelSpec(tuple(layers), tokens=tokens, sparse=tokens and integer(0, 3) == 3,
                      padding_idx=tokens and pick((False, True)), tied_head=tokens and pick((False, True)),
                      kwarg=pick((False, True)), input_grad=not tokens and integer(0, 2) == 2,
-                     outputs=pick(("tensor", "tuple", "dict")))
+                     outputs=pick(("tensor", "tuple", "dict")), table=integer(0, 3) == 3,
+                     table_grad=pick((False, True)), aux=pick((False, True)))
