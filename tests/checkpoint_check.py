@@ -70,6 +70,10 @@ def main() -> int:
     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
     train(pipe, opt, data[:2], clip=1.0)
     pipe.save(path[0], opt)
+    # a rank's state_dict is its own stages' (the rest trains elsewhere: a copy here would be stale)
+    held = {alias for entry, _ in pipe.prog.held_state() for alias in entry.aliases}
+    keys = set(pipe.prog.state_dict())
+    assert keys == {k for k in model.state_dict() if k in held} and len(keys) < len(model.state_dict()), (rank, keys)
     straight = train(pipe, opt, data[2:], clip=1.0)
     _, other = pipe_for(4, "zb_v")  # 4 stages, 2 per rank
     opt2 = torch.optim.AdamW(other.parameters(), lr=1e-2)

@@ -178,6 +178,11 @@ def test_a_meta_model_gets_storage_then_values_from_its_own_init_or_a_checkpoint
     x, y = _batches(1)[0]
     with pytest.raises(pipesplit.PipesplitError, match="storage but no values yet"):
         pipe.step(x, target=y)
+    with pytest.raises(pipesplit.PipesplitError, match="no values yet.*uninitialised memory"):
+        pipe.save(str(tmp_path / "empty"))  # it would load as a trained model
+    assert not (tmp_path / "empty").exists()
+    with pytest.raises(pipesplit.PipesplitError, match="no values yet"):
+        pipe.prog.state_dict()
     pipe.init_weights(meta)  # the model's own reset_parameters, on the pipeline's tensors
     assert torch.isfinite(pipe.step(x, target=y))
     assert all(p.is_meta for p in meta.parameters()), "the user's model is left as it was"
@@ -273,3 +278,191 @@ def test_init_weights_counts_a_reset_parameters_that_writes_through_data():
         w, b = params[f"{i}.weight"], params[f"{i}.bias"]
         assert w.abs().max() <= 0.25 and w.std() > 0.05, (i, w)
         assert torch.equal(b, torch.full_like(b, 0.5)), (i, b)
+
+
+# ---------------------------------------------------------------- optimizer state, exactly
+
+
+def _straight_and_resumed(tmp_path, before, after, build_opt=lambda ps: torch.optim.AdamW(ps, lr=1e-2),
+                          save_at=2, between=None):
+    """Train ``before`` steps, save, ``after`` more (straight); a fresh pipeline of another layout that
+    ``between(pipe)`` prepared loads the checkpoint and trains the same ``after`` steps (resumed)."""
+    torch.manual_seed(0)
+    batches = _batches(save_at + 2)
+    pipe = _gpt_pipe(CASE_BY_NAME["gpt_tied"].build(), 2)
+    opt = build_opt(list(pipe.named_parameters()))
+    before(pipe, opt, batches[:save_at])
+    pipe.save(str(tmp_path / "ckpt"), opt)
+    straight = after(pipe, opt, batches[save_at:])
+    torch.manual_seed(1)  # other initial values: everything must come from the checkpoint
+    fresh = _gpt_pipe(CASE_BY_NAME["gpt_tied"].build(), 3, "gpipe")
+    opt2 = build_opt(list(fresh.named_parameters()))
+    if between is not None:
+        between(fresh, opt2)
+    fresh.load(str(tmp_path / "ckpt"), opt2)
+    resumed = after(fresh, opt2, batches[save_at:])
+    return pipe, fresh, straight, resumed
+
+
+def _adamw(named):
+    return torch.optim.AdamW([p for _, p in named], lr=1e-2)
+
+
+def _assert_same_run(pipe, fresh, straight, resumed):
+    assert resumed == pytest.approx(straight, rel=1e-6, abs=1e-7)
+    want = pipe.prog.state_dict()
+    for k, v in fresh.prog.state_dict().items():
+        assert_close(v, want[k], name=f"{k} resumed")
+
+
+def test_saving_before_the_first_step_leaves_the_optimizer_as_it_was(tmp_path):
+    """torch's get_optimizer_state_dict steps an optimizer without state at lr 0 (AdamW's step
+    becomes 1, which changes every later step's bias correction): pipesplit's save must not."""
+    for build in (_adamw, lambda named: torch.optim.SGD([p for _, p in named], lr=0.05, momentum=0.9,
+                                                         weight_decay=0.1)):
+        batches = _batches(2)
+        runs = []
+        for save in (False, True):
+            torch.manual_seed(0)
+            pipe = _gpt_pipe(CASE_BY_NAME["gpt_tied"].build(), 2)
+            opt = build(list(pipe.named_parameters()))
+            if save:
+                pipe.save(str(tmp_path / "ckpt"), opt)
+                assert not opt.state, "saving gave the optimizer state"
+            runs.append((_train(pipe, opt, batches), pipe.prog.state_dict()))
+        assert runs[0][0] == runs[1][0]
+        for k, v in runs[1][1].items():
+            assert torch.equal(v, runs[0][1][k]), k
+
+
+def test_a_checkpoint_without_optimizer_steps_resumes_as_a_fresh_optimizer(tmp_path):
+    pipe, fresh, straight, resumed = _straight_and_resumed(
+        tmp_path, lambda p, o, b: None, _train, save_at=0)
+    _assert_same_run(pipe, fresh, straight, resumed)
+
+
+def _freeze(pipe, name, frozen=True):
+    dict(pipe.named_parameters())[name].requires_grad_(not frozen)
+
+
+def test_a_frozen_parameter_keeps_its_optimizer_state_through_a_checkpoint(tmp_path):
+    """Frozen when saved and when loaded, unfrozen after: its AdamW moments must come back
+    (torch's set_optimizer_state_dict skips parameters that do not require grad)."""
+    name = "blocks.1.fc.weight"
+
+    def before(pipe, opt, batches):
+        _train(pipe, opt, batches)
+        _freeze(pipe, name)
+
+    def after(pipe, opt, batches):
+        out = _train(pipe, opt, batches[:1])
+        _freeze(pipe, name, False)
+        return out + _train(pipe, opt, batches[1:])
+
+    pipe, fresh, straight, resumed = _straight_and_resumed(tmp_path, before, after, _adamw,
+                                                           between=lambda p, o: _freeze(p, name))
+    _assert_same_run(pipe, fresh, straight, resumed)
+
+
+def test_loading_where_gradients_are_present_still_loads_the_optimizer_state(tmp_path):
+    """A warm-up step leaves zeroed (not None) gradients before the load; torch's
+    set_optimizer_state_dict then loads no optimizer state at all."""
+    def warm_up(pipe, opt):
+        x, y = _batches(1)[0]
+        pipe.step(x, target=y)
+        pipe.zero_grad(set_to_none=False)
+
+    pipe, fresh, straight, resumed = _straight_and_resumed(tmp_path, _train, _train, _adamw, between=warm_up)
+    _assert_same_run(pipe, fresh, straight, resumed)
+
+
+def test_param_groups_with_an_empty_group_save_and_load(tmp_path):
+    """Groups by kind (decay / no decay) with one left empty, as a rank holding none of a group has."""
+    def groups(named):
+        decay = [p for n, p in named if p.dim() > 1]
+        return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                                  {"params": [p for n, p in named if p.dim() <= 1], "weight_decay": 0.0, "lr": 3e-3},
+                                  {"params": [], "weight_decay": 0.5}], lr=1e-2)
+
+    pipe, fresh, straight, resumed = _straight_and_resumed(tmp_path, _train, _train, groups)
+    _assert_same_run(pipe, fresh, straight, resumed)
+
+
+def test_an_optimizer_holding_a_tensor_that_is_not_the_pipelines_is_refused_by_name(tmp_path):
+    pipe = _gpt_pipe(CASE_BY_NAME["gpt_tied"].build(), 2)
+    scale = torch.ones(3, requires_grad=True)  # a loss function's own parameter
+    opt = torch.optim.SGD([*pipe.parameters(), scale], lr=0.1)
+    with pytest.raises(pipesplit.InputError, match=r"1 parameter\(s\) that are not this pipeline's \(group 0: \(3,\)\)"):
+        pipe.save(str(tmp_path / "ckpt"), opt)
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_a_checkpoint_of_another_model_is_refused_before_anything_is_written(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    torch.manual_seed(0)
+    pipe = _gpt_pipe(CASE_BY_NAME["gpt_tied"].build(), 2)
+    before = {k: v.clone() for k, v in pipe.prog.state_dict().items()}
+    sd = {k: v.clone() for k, v in before.items()}
+    missing = dict(sd)
+    missing.pop("blocks.0.attn.qkv.bias" if "blocks.0.attn.qkv.bias" in sd else sorted(sd)[-1])
+    wider = {**sd, "extra.weight": torch.zeros(2)}
+    shaped = {**sd, sorted(sd)[0]: torch.zeros(3, 3)}
+    for name, state in (("missing", missing), ("wider", wider), ("shaped", shaped)):
+        dcp.save({"model": state}, checkpoint_id=str(tmp_path / name), no_dist=True)
+    with pytest.raises(pipesplit.InputError, match=r"1 missing tensor\(s\)"):
+        pipe.load(str(tmp_path / "missing"))
+    with pytest.raises(pipesplit.InputError, match=r"1 the model does not have \['extra.weight'\]"):
+        pipe.load(str(tmp_path / "wider"))
+    with pytest.raises(pipesplit.InputError, match=r"another shape than the model's.*\(3, 3\)"):
+        pipe.load(str(tmp_path / "shaped"))
+    with pytest.raises(pipesplit.InputError, match="holds no optimizer state"):
+        pipe.load(str(tmp_path / "wider"), torch.optim.AdamW(pipe.parameters()), strict=False)
+    with pytest.raises(pipesplit.InputError, match="is not a checkpoint"):
+        pipe.load(str(tmp_path / "nowhere"))
+    for k, v in pipe.prog.state_dict().items():  # nothing was written by a refused load
+        assert torch.equal(v, before[k]), k
+    pipe.load(str(tmp_path / "wider"), strict=False)  # the names both have
+    pipe.load(str(tmp_path / "missing"), strict=False)
+
+
+class WithUnused(torch.nn.Module):
+    """A head and a buffer the forward does not read (another phase's): the model's state all the same."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+        self.aux_head = torch.nn.Linear(8, 3)
+        self.register_buffer("class_prior", torch.rand(3))
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)))
+
+
+def test_state_the_forward_does_not_read_is_saved_loaded_and_trained_as_the_models(tmp_path):
+    """The checkpoint left out the unused head and buffer: dcp.load into the plain model failed, and
+    pipe.load kept a fresh pipeline's values for them without a word."""
+    import torch.distributed.checkpoint as dcp
+
+    torch.manual_seed(0)
+    model = WithUnused()
+    prog = pipesplit.compile(model, torch.randn(2, 8), num_stages=2, progress=False)
+    pipe = pipesplit.Pipeline(prog, "1f1b", num_microbatches=2, loss_fn=lambda o, t: (o - t).pow(2).mean())
+    assert set(dict(pipe.named_parameters())) == set(dict(model.named_parameters()))
+    opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+    pipe.step(torch.randn(4, 8), target=torch.randn(4, 8))
+    opt.step()
+    with torch.no_grad():
+        dict(pipe.named_parameters())["aux_head.weight"].add_(1.0)  # trained elsewhere (another phase)
+    pipe.save(str(tmp_path / "ckpt"), opt)
+    plain = WithUnused()
+    sd = plain.state_dict()
+    dcp.load({"model": sd}, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
+    plain.load_state_dict(sd)
+    torch.manual_seed(1)
+    fresh = pipesplit.Pipeline(pipesplit.compile(WithUnused(), torch.randn(2, 8), num_stages=3, progress=False),
+                               "gpipe", num_microbatches=2)
+    fresh.load(str(tmp_path / "ckpt"))
+    for name, want in pipe.prog.state_dict().items():
+        assert torch.equal(sd[name], want), f"{name} in the plain model"
+        assert torch.equal(fresh.prog.state_dict()[name], want), f"{name} in a pipeline of another layout"

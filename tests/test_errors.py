@@ -508,7 +508,8 @@ def test_load_state_dict_mismatched_keys():
     for k, v in prog.state_dict().items():  # a refused load changes nothing
         assert torch.equal(v, before[k]), k
 
-    prog.load_state_dict({"ln_f.bias": torch.full((16,), 0.5), "bogus.weight": torch.zeros(3)}, strict=False)
+    result = prog.load_state_dict({"ln_f.bias": torch.full((16,), 0.5), "bogus.weight": torch.zeros(3)}, strict=False)
+    assert result.unexpected_keys == ["bogus.weight"] and len(result.missing_keys) == len(before) - 1, result
     after = prog.state_dict()
     assert torch.equal(after["ln_f.bias"], torch.full((16,), 0.5))
     for k, v in after.items():

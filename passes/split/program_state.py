@@ -7,7 +7,7 @@ attributes it reads when it places the state on the stages' devices.
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator, Mapping, NamedTuple
 
 import torch
 from torch import nn
@@ -16,6 +16,13 @@ from pipesplit.capture import StateEntry
 from pipesplit.errors import InputError
 from pipesplit.state import Tied, zero_grads
 from pipesplit.deprecation import renamed_attribute
+
+
+class IncompatibleKeys(NamedTuple):
+    """What ``load_state_dict`` did not match, as ``nn.Module.load_state_dict`` returns it."""
+
+    missing_keys: list[str]
+    unexpected_keys: list[str]
 
 
 class ProgramState:
@@ -131,17 +138,22 @@ class ProgramState:
                 yield entry.name, owner
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The original model's state_dict keys (aliases of tied tensors included)."""
+        """The original model's state_dict keys (aliases of tied tensors included), for what this process
+        holds: every key in one process; under torchrun a rank's own stages' (as ``named_parameters``),
+        since the other ranks train the rest. ``pipe.save(path)`` writes the whole model from every rank."""
+        if self.uninitialised:
+            names = sorted(self._state[i].name for i in self.uninitialised)
+            raise InputError(
+                f"state_dict: {len(names)} tensor(s) have storage but no values yet ({', '.join(names[:10])}"
+                f"{' ...' if len(names) > 10 else ''}); give them values first: pipe.init_weights(model) or pipe.load(path)."
+            )
         for tied in self._tied:
             tied.sync()
-        out = {}
-        for key, idx in self._state_keys.items():
-            owner = self._owner[idx]
-            out[key] = (owner if owner is not None else self._state[idx].tensor).detach()
-        return out
+        return {key: owner.detach() for key, idx in self._state_keys.items() if (owner := self._owner[idx]) is not None}
 
-    def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True) -> None:
-        """Copy an original-model state_dict into every stage (and every replica)."""
+    def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True) -> IncompatibleKeys:
+        """Copy an original-model state_dict into every stage (and every replica); returns the keys
+        it lacked and the ones the model does not have (``strict=False``; ``strict`` refuses both)."""
         missing = [k for k in self._state_keys if k not in state_dict]
         unexpected = [k for k in state_dict if k not in self._state_keys]
         if strict and (missing or unexpected):
@@ -165,6 +177,7 @@ class ProgramState:
                     self._owner[idx].copy_(state_dict[key])  # type: ignore[union-attr]
                     self.uninitialised.discard(idx)
         self.refresh_tied()
+        return IncompatibleKeys(missing, unexpected)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         zero_grads(self.parameters(), set_to_none)

@@ -18,36 +18,18 @@ from typing import TYPE_CHECKING, Any, Iterator
 import torch
 from torch import nn
 
-from pipesplit.errors import RuntimeCommError
+from pipesplit.errors import InputError, PipesplitError, RuntimeCommError
+from pipesplit.runtime import optim_state
 from pipesplit.runtime.collectives import store_barrier
-from pipesplit.state import attach
 
 if TYPE_CHECKING:
     from pipesplit.runtime.pipeline import Pipeline
-
-
-def _flat_options() -> Any:
-    """Optimizer state keyed per parameter name (``state.<name>.exp_avg``, ``param_groups.<name>.lr``):
-    what lets another layout, holding other parameters per rank, find its share."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-    return StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 def _dist() -> Any:
     import torch.distributed as dist
 
     return dist if dist.is_available() and dist.is_initialized() else None
-
-
-def held_module(pipe: "Pipeline") -> nn.Module:
-    """An ``nn.Module`` whose parameters and persistent buffers are the tensors this process holds,
-    under the original model's names (a tied weight once, under its first name)."""
-    module = nn.Module()
-    for entry, tensor in pipe.prog.held_state():
-        if entry.is_param or entry.persistent:
-            attach(module, entry.name, tensor, entry.persistent)
-    return module
 
 
 def _model_state(pipe: "Pipeline") -> dict[str, torch.Tensor]:
@@ -75,6 +57,14 @@ def save(pipe: "Pipeline", path: str | os.PathLike[str], optimizer: torch.optim.
     """
     import torch.distributed.checkpoint as dcp
 
+    if pipe.prog.uninitialised:
+        names = sorted(pipe.prog.state_entry(i).name for i in pipe.prog.uninitialised)
+        raise PipesplitError(
+            f"save: {len(names)} tensor(s) of this process have storage but no values yet ({', '.join(names[:10])}"
+            f"{' ...' if len(names) > 10 else ''}): the checkpoint would hold uninitialised memory. Give them values "
+            "first: pipe.init_weights(model) or pipe.load(path)."
+        )
+    names = optim_state.parameter_names(optimizer, pipe.prog.named_parameters()) if optimizer is not None else []
     final = Path(path)
     staging = final.with_name(final.name + ".partial")
     dist = _dist() if pipe.executor == "distributed" else None
@@ -83,10 +73,8 @@ def save(pipe: "Pipeline", path: str | os.PathLike[str], optimizer: torch.optim.
         shutil.rmtree(staging)
     _barrier(pipe, dist, "before writing the checkpoint")
     state: dict[str, Any] = {"model": _model_state(pipe)}
-    if optimizer is not None:
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-        state["optim"] = get_optimizer_state_dict(held_module(pipe), optimizer, options=_flat_options())
+    if optimizer is not None:  # keyed by parameter name: another layout finds its share
+        state["optim"] = optim_state.flat_state(optimizer, names)
     try:
         dcp.save(state, checkpoint_id=staging, no_dist=dist is None)  # type: ignore[attr-defined]
     except Exception as e:
@@ -121,28 +109,65 @@ def _barrier(pipe: "Pipeline", dist: Any, when: str) -> None:
         store_barrier(pipe.timeout, when + " (the previous checkpoint, if any, is untouched)")
 
 
-def load(pipe: "Pipeline", path: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None = None) -> None:
+def load(pipe: "Pipeline", path: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None = None,
+         strict: bool = True) -> None:
     """Load what :func:`save` wrote into this pipeline (and ``optimizer``), whatever layout saved it.
 
-    Call it on every rank, after building the optimizer on ``pipe.parameters()``.
+    Call it on every rank, after building the optimizer on ``pipe.parameters()``. Each parameter
+    gets the optimizer state the checkpoint holds for it, frozen or not (none where it held none).
+    The checkpoint must hold every tensor this process holds and nothing the model does not have,
+    with the model's shapes (``strict=False``: load the names both have).
     """
     import torch.distributed.checkpoint as dcp
 
-    module = held_module(pipe)
-    state: dict[str, Any] = {"model": _model_state(pipe)}
+    saved = _saved_entries(path)
+    model_state = _model_state(pipe)
+    names = optim_state.parameter_names(optimizer, pipe.prog.named_parameters()) if optimizer is not None else []
+    _check_model_entries(pipe, model_state, saved, path, strict)
+    state: dict[str, Any] = {"model": {k: t for k, t in model_state.items() if f"model.{k}" in saved}}
     if optimizer is not None:
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-        state["optim"] = get_optimizer_state_dict(module, optimizer, options=_flat_options())  # initialises what it loads into
+        if not any(key.startswith("optim.") for key in saved):
+            raise InputError(f"load: {path} holds no optimizer state (it was saved without one): "
+                             "load it with pipe.load(path), without the optimizer.")
+        state["optim"] = optim_state.wanted(names, saved, "optim.")
     dcp.load(state, checkpoint_id=path, no_dist=pipe.executor != "distributed")  # type: ignore[attr-defined]  # in place
     if optimizer is not None:
-        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
-
-        set_optimizer_state_dict(module, optimizer, state["optim"], options=_flat_options())
+        optim_state.load_flat_state(optimizer, names, state["optim"])
     loaded = set(state["model"])
     pipe.prog.uninitialised -= {idx for idx, _ in pipe.prog.held_items()
                                 if loaded & set(pipe.prog.state_entry(idx).aliases)}
     pipe.prog.refresh_tied()
+
+
+def _saved_entries(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Every entry of the checkpoint at ``path``: its full key -> its storage metadata (size, dtype)."""
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+    if not (Path(path) / ".metadata").is_file():
+        what = "no such folder" if not Path(path).exists() else "no .metadata file in it"
+        raise InputError(f"load: {path} is not a checkpoint ({what}); pipe.save(path) writes one.")
+    return dict(FileSystemReader(path).read_metadata().state_dict_metadata)
+
+
+def _check_model_entries(pipe: "Pipeline", model_state: dict[str, torch.Tensor], saved: dict[str, Any],
+                         path: str | os.PathLike[str], strict: bool) -> None:
+    """Refuse a checkpoint of another model by name, before anything is written."""
+    wrong = [f"{k}: {tuple(saved[f'model.{k}'].size)} for {tuple(t.shape)}" for k, t in model_state.items()
+             if f"model.{k}" in saved and tuple(getattr(saved[f"model.{k}"], "size", ())) != tuple(t.shape)]
+    if wrong:
+        raise InputError(f"load: {path} holds {len(wrong)} tensor(s) of another shape than the model's (saved for "
+                         f"expected): {wrong[:5]}. Load a checkpoint of the model this program was compiled from.")
+    if not strict:
+        return
+    missing = sorted(k for k in model_state if f"model.{k}" not in saved)
+    known = {alias for i in range(pipe.prog.num_state_entries) for alias in pipe.prog.state_entry(i).aliases}
+    unexpected = sorted(k[len("model."):] for k in saved if k.startswith("model.") and k[len("model."):] not in known)
+    if missing or unexpected:
+        raise InputError(
+            f"load: {path} does not match the model: {len(missing)} missing tensor(s) {missing[:5]}, "
+            f"{len(unexpected)} the model does not have {unexpected[:5]}. Pass strict=False to load the names "
+            "both have (the missing ones keep their values)."
+        )
 
 
 def _grads(pipe: "Pipeline") -> Iterator[torch.Tensor]:

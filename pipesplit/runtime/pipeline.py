@@ -321,11 +321,12 @@ class Pipeline:
         ``init_fn(name, tensor)`` for the rest. Every rank calls it; tied copies and replicas then agree."""
         init_weights(self.prog, model, init_fn, self.collectives.share_initialised if self.collectives else None)
 
-    def load(self, path: str, optimizer: torch.optim.Optimizer | None = None) -> None:
-        """Load a checkpoint saved by any pipeline layout (or from the plain model's state_dict)."""
+    def load(self, path: str, optimizer: torch.optim.Optimizer | None = None, strict: bool = True) -> None:
+        """Load a checkpoint saved by any pipeline layout (or from the plain model's state_dict); every
+        rank calls it. ``strict=False`` loads the names the checkpoint and the model both have."""
         from pipesplit.runtime.checkpoint import load
 
-        load(self, path, optimizer)
+        load(self, path, optimizer, strict)
 
     # -------------------------------------------------------------------- modes
     @property
