@@ -157,7 +157,7 @@ def test_an_unbatched_output_the_size_of_the_batch_is_not_concatenated():
     torch.manual_seed(0)
     model = WithTable()
     prog = pipesplit.compile(model, torch.randn(2, 8), num_stages=2, progress=False)
-    assert prog.static_batch == 2 and prog.output_batched == [True, False]
+    assert prog.static_batch == 2 and prog.output_batch_dims == [0, None]
     pipe = pipesplit.Pipeline(prog, "gpipe", num_microbatches=2)
     x = torch.randn(4, 8)
     out, table = pipe.forward(x)
@@ -296,3 +296,75 @@ def test_pipelines_on_one_program_follow_each_others_recapture_under_torchrun():
 
     result = torchrun("pipes_check.py", 2, timeout=300)
     assert set(re.findall(r"rank (\d): ok pipes eval first", result.stdout)) == {"0", "1"}, result.stdout
+
+
+class Shapes(nn.Module):
+    """Outputs with the batch elsewhere than the inputs' batch dimension: flattened rows, a transposed
+    (T, B, V), a per-sample score, a mean over the batch and an integer count."""
+
+    def __init__(self, seq_first: bool = False):
+        super().__init__()
+        self.seq_first = seq_first
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 6)
+
+    def forward(self, x):
+        h = self.b(torch.tanh(self.a(x)))  # (B, T, 6), or (T, B, 6) seq-first
+        if self.seq_first:
+            return h.mean(0), h.pow(2).mean(), h.mean((0, 1))  # (B, 6): batch at 0; a mean (scalar); one over the batch
+        return h.reshape(-1, 6), h.transpose(0, 1), h.mean((0, 1))  # (B * T, 6), (T, B, 6), (6,)
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+@pytest.mark.parametrize("seq_first", [False, True])
+def test_outputs_join_where_their_batch_is(dynamic, seq_first):
+    """pipe(x) averaged every output whose batch was not at the inputs' batch dimension (flattened
+    logits came back with a microbatch's rows, a (T, B, V) with B/m)."""
+    torch.manual_seed(0)
+    model = Shapes(seq_first)
+    x = torch.randn(5, 8, 8) if seq_first else torch.randn(8, 5, 8)  # (T, B, F) or (B, T, F)
+    d = 1 if seq_first else 0
+    prog = pipesplit.compile(model, (x.narrow(d, 0, 2),), num_stages=2, batch_dim=d, dynamic_batch=dynamic,
+                             progress=False)
+    pipe = pipesplit.Pipeline(prog, "gpipe", num_microbatches=4)
+    got, want = pipe(x), model(x)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g.shape == w.shape, (i, g.shape, w.shape)
+        torch.testing.assert_close(g, w, msg=f"output {i}")
+    assert prog.static_batch is None, "the static capture's unknown outputs were resolved by a dynamic one"
+
+
+class Counts(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 4)
+
+    def forward(self, x):
+        h = self.a(x)
+        return h, torch.nn.functional.one_hot(h.argmax(-1), 4).flatten(0, 1).sum(0)  # tokens per expert
+
+
+def test_an_integer_output_that_differs_between_microbatches_is_refused():
+    """pipe(x) returned the first microbatch's count (8 of 32 tokens)."""
+    torch.manual_seed(0)
+    prog = pipesplit.compile(Counts(), torch.randn(2, 4, 8), num_stages=1, progress=False)
+    pipe = pipesplit.Pipeline(prog, "gpipe", num_microbatches=4)
+    with pytest.raises(pipesplit.InputError, match=r"output 1 \(torch.int64, shape \(4,\)\) has no batch dimension"):
+        pipe(torch.randn(8, 4, 8))
+
+
+class SeqFlat(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 6)
+
+    def forward(self, x):  # (T, B, F) -> (T * B, 6): the samples interleave
+        return self.a(x).reshape(-1, 6)
+
+
+def test_a_seq_first_output_flattened_across_the_batch_is_refused():
+    torch.manual_seed(0)
+    x = torch.randn(5, 8, 8)
+    prog = pipesplit.compile(SeqFlat(), (x[:, :2],), num_stages=1, batch_dim=1, dynamic_batch=True, progress=False)
+    pipe = pipesplit.Pipeline(prog, "gpipe", num_microbatches=4)
+    with pytest.raises(pipesplit.InputError, match="carries the batch, but not in a dimension of its own"):
+        pipe(x)

@@ -66,26 +66,54 @@ def recapture_fn(
     return recapture
 
 
-def batched_outputs(captured: Captured) -> list[bool]:
-    """Per flat output: whether it carries the batch dimension (merged by concatenation).
+UNMERGEABLE = -1  # an output that carries the batch where microbatches cannot be joined (seq * batch, flattened)
+UNKNOWN = -2  # static capture: an output computed from the batch, not with the batch's size at batch_dim
 
-    Dynamic capture: its size there is the batch symbol. Static capture: its size there is the
-    example's batch and it depends on a batched input (a table the size of the batch does not).
+
+def output_batch_dims(captured: Captured) -> list[int | None]:
+    """Per flat output: the dimension that carries the batch (microbatches' outputs concatenate
+    there), None for an output without one, or ``UNMERGEABLE``.
+
+    Dynamic capture: the dimension whose size is the batch symbol (the inputs' batch dimension
+    first); a first dimension that is a multiple of it is a flattened batch-first batch
+    (``(batch * seq, vocab)`` logits: contiguous per sample, as the targets' rule takes it) where
+    the inputs carry the batch first; any other use of the symbol is ``UNMERGEABLE``. Static
+    capture: the inputs' batch dimension where the output depends on a batched input and has the
+    example's batch size there; ``UNKNOWN`` for another output that depends on one (sizes alone
+    cannot tell a (seq, batch) output or flattened rows from a count that happens to have the
+    batch's size): the dynamic capture decides, if the microbatches' values need joining.
     """
     d, static = captured.batch_dim, captured.static_batch
     placeholders = [n for n in captured.gm.graph.nodes if n.op == "placeholder"]
     batched_in = {n for n, info in zip(placeholders, captured.inputs) if info.batched}
+    symbols = {n.meta["val"].shape[d].node.expr for n in batched_in
+               if static_dim(n.meta["val"].shape[d]) is None}
     out_node = next(n for n in captured.gm.graph.nodes if n.op == "output")
-    result = []
+    result: list[int | None] = []
     for v in out_node.args[0]:
         val = v.meta.get("val") if isinstance(v, fx.Node) else None
-        if not isinstance(val, torch.Tensor) or val.dim() <= d:
-            result.append(False)
+        if not isinstance(val, torch.Tensor) or val.dim() == 0:
+            result.append(None)
         elif static is None:
-            result.append(static_dim(val.shape[d]) is None)
+            result.append(_symbolic_batch_dim(val.shape, symbols, d))
+        elif not _depends_on(v, batched_in):
+            result.append(None)
         else:
-            result.append(int(val.shape[d]) == static and _depends_on(v, batched_in))
+            result.append(d if val.dim() > d and int(val.shape[d]) == static else UNKNOWN)
     return result
+
+
+def _symbolic_batch_dim(shape: Any, symbols: set[Any], d: int) -> int | None:
+    exprs = [None if static_dim(s) is not None else s.node.expr for s in shape]
+    at = [j for j, e in enumerate(exprs) if e is not None and e in symbols]
+    if at:
+        return d if d in at else at[0]
+    uses = [j for j, e in enumerate(exprs) if e is not None and e.free_symbols & {x for s in symbols for x in s.free_symbols}]
+    if not uses:
+        return None
+    if d == 0 and uses == [0] and any((exprs[0] / s).is_Integer for s in symbols):
+        return 0  # (batch * seq, ...): batch-first, flattened
+    return UNMERGEABLE
 
 
 def _depends_on(node: fx.Node, sources: set[fx.Node]) -> bool:

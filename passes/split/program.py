@@ -14,7 +14,7 @@ from pipesplit.capture import Captured, InputInfo, static_dim
 from pipesplit.compat import pytree
 from pipesplit.devices import concrete_device
 from pipesplit.errors import InputError, PipesplitError, PlanError, partial_program
-from pipesplit.passes.split.generalise import batched_outputs
+from pipesplit.passes.split.generalise import output_batch_dims
 from pipesplit.inputs import Shown, shown, describe_structure, batch_sizes, check_input, check_range
 from pipesplit.passes.split.devices import capture_device, retarget
 from pipesplit.passes.split.modes import eval_module
@@ -155,7 +155,7 @@ class SplitProgram(ProgramState):
             and v.meta["val"].dim() > d
             and static_dim(v.meta["val"].shape[d]) is None
         }
-        self.output_batched = batched_outputs(captured)
+        self.output_batch_dims = output_batch_dims(captured)  # where microbatches' outputs join (None: no batch)
         self.random_ops = sum(n.target is seeded for p in split.stages for n in p.graph.nodes)  # dropout & co.
 
     def _holder(self, piece: StagePiece, take: Callable[[int], torch.Tensor]) -> nn.Module:

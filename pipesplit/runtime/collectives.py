@@ -252,18 +252,19 @@ class StepCollectives:
             self.stats.restore(saved)
 
     # ---------------------------------------------------------------- outputs
-    def gather_replicas(self, merged: list[Any], batched: Sequence[bool], batch_dim: int) -> list[Any]:
+    def gather_replicas(self, merged: list[Any], batch_dims: Sequence[int | None]) -> list[Any]:
         """This replica's merged outputs -> the whole global batch's, on every replica: batched outputs
-        concatenated in replica order (the order the global batch was split in), the others averaged
-        (every replica ran as many microbatches) or taken from this replica."""
+        concatenated along their batch dimension in replica order (the order the global batch was split
+        in), the others averaged (every replica ran as many microbatches) or taken from this replica."""
         if self.layout.dp_group is None:
             return merged
         out = []
-        for value, is_batched in zip(merged, batched):
-            if not isinstance(value, torch.Tensor) or not (is_batched or value.is_floating_point()):
+        for value, batch_dim in zip(merged, batch_dims):
+            batch_dim = None if batch_dim is None or batch_dim < 0 else batch_dim  # unknown: one all microbatches agree on
+            if not isinstance(value, torch.Tensor) or not (batch_dim is not None or value.is_floating_point()):
                 out.append(value)
                 continue
-            if not is_batched:
+            if batch_dim is None:
                 total = value.detach().clone()
                 self.dist.all_reduce(total, group=self.layout.dp_group)
                 out.append(total / self.layout.dp_size)

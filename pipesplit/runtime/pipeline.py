@@ -13,9 +13,10 @@ from torch import nn
 from pipesplit.compat import pytree
 from pipesplit.errors import PipesplitError, ScheduleError
 from pipesplit.materialize import check_initialised, init_weights
+from pipesplit.passes.split.generalise import generalise
 from pipesplit.passes.split.program import SplitProgram
 from pipesplit.state import zero_grads
-from pipesplit.runtime.microbatch import batch_size, merge_outputs, split_microbatches, split_target
+from pipesplit.runtime.microbatch import UnknownBatchDim, batch_size, merge_outputs, split_microbatches, split_target
 from pipesplit.runtime.collectives import Layout, StepCollectives
 from pipesplit.runtime.compiled import StageCompiler
 from pipesplit.runtime.distributed import place_rank, start_communicator
@@ -347,9 +348,15 @@ class Pipeline:
         if not data.outputs:
             return None
         per_mb = [data.outputs[m] for m in range(self.num_microbatches)]
-        merged = merge_outputs(per_mb, self.prog.output_batched, self.batch_dim)
+        try:
+            merged = merge_outputs(per_mb, self.prog.output_batch_dims)
+        except UnknownBatchDim as e:
+            if self.executor != "local" or self.prog.recapture is None:
+                raise  # under torchrun every rank's graphs must stay the same: no capture on one rank alone
+            generalise(self.prog, f"joining output {e.output} of the microbatches")  # the dynamic capture tells
+            merged = merge_outputs(per_mb, self.prog.output_batch_dims)
         if self.collectives is not None:  # on a mesh: every replica's rows, in the global batch's order
-            merged = self.collectives.gather_replicas(merged, self.prog.output_batched, self.batch_dim)
+            merged = self.collectives.gather_replicas(merged, self.prog.output_batch_dims)
         return pytree.tree_unflatten(merged, self.prog.out_spec)
 
     __call__ = forward
