@@ -349,6 +349,13 @@ def capture(
             isinstance(x, torch.Tensor) and x.dim() > d and x.shape[d] == 1 for x in flat) else ""
         notes.append(f"the model pins the batch dimension ({', '.join(pinned)}){why}; "
                      "the program accepts only that batch size")
+        free = [i.name for i in infos if i.has_batch_dim(d) and i.shape[d] is None]  # type: ignore[index]
+        if free:  # some inputs keep a free batch: the pinned ones are likely tables, not batches
+            names = [i.name for i in infos if i.has_batch_dim(d) and i.shape[d] is not None]  # type: ignore[index]
+            notes[-1] += (f". {', '.join(map(repr, names))} kept dimension {d} fixed while "
+                          f"{', '.join(map(repr, free))} took any size: if {'it has' if len(names) == 1 else 'they have'} "
+                          f"no batch dimension (a table, a mask shared by every sample), compile with "
+                          f"pipesplit.compile(..., unbatched={names!r})")
         log.warning("pipesplit: %s", notes[-1])
     return captured
 

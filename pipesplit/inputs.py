@@ -48,7 +48,14 @@ def check_input(value: Any, info: InputInfo, free_dim: int | None = None) -> Non
         )
     for dim, (got, want) in enumerate(zip(value.shape, info.shape)):
         if want is not None and got != want and not (dim == free_dim and info.batched):
-            if dim != 0:
+            if free_dim is not None and dim != free_dim:
+                hint = (
+                    " The model fixes this dimension at compile time. If it holds the batch (an RNN's (layers, batch, "
+                    "hidden) state, a (batch, seq) mask beside seq-first inputs): microbatches cut every input along "
+                    f"one dimension, batch_dim={free_dim}, so pass this input with its batch there (transpose it "
+                    "outside forward and back inside) or build it inside forward."
+                )
+            elif dim != 0:
                 hint = " The model fixes this dimension at compile time."
             elif want == 1:
                 hint = (
@@ -99,9 +106,17 @@ def batch_sizes(flat: Sequence[Any], infos: Sequence[InputInfo], batch_dim: int 
         if isinstance(value, torch.Tensor) and info.batched and value.dim() > batch_dim
     }
     if check and len(set(sizes.values())) > 1:
+        batch = next(iter(sizes.values()))  # the first batched input's
+        shapes = {info.name: tuple(value.shape) for value, info in zip(flat, infos) if info.name in sizes}
+        elsewhere = [f"{n!r} {shapes[n]} (dimension {shapes[n].index(batch)}?)" for n, size in sizes.items()
+                     if size != batch and batch in shapes[n]]
         raise InputError(
             f"inputs disagree on the batch size along dim {batch_dim}: {sizes}. Every input with a batch "
             "dimension is cut into microbatches along it; an input without one (a lookup table, a shared mask) "
             "must be marked when compiling: pipesplit.compile(..., unbatched=['<forward argument name>'])."
+            + (f" The batch of {batch} appears elsewhere in {', '.join(elsewhere)}: an input whose batch is in another "
+               f"dimension (an RNN's (layers, batch, hidden) state) is not a table; pass it with its batch in "
+               f"dimension {batch_dim} (transpose it outside forward and back inside) or build it inside forward."
+               if elsewhere else "")
         )
     return sizes

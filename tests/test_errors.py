@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import inspect
 import logging
 import os
@@ -398,6 +399,34 @@ def test_model_that_pins_the_batch():
     assert "pins the batch dimension to 4" in msg and "got 3" in msg
 
 
+class ScalesRows(nn.Module):
+    """``bias`` is a (T, D) table broadcast over the batch; with T equal to the example's batch it looks
+    batched, and the capture pins its dimension 0 while ``x``'s stays free."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x) * bias)
+
+
+def test_an_input_pinned_beside_a_free_batch_is_named_as_a_table():
+    torch.manual_seed(0)
+    model, x, bias = ScalesRows(), torch.randn(4, 4, 8), torch.randn(4, 8)
+    pipe = pipesplit.Pipeline(pipesplit.compile(model, (x, bias), num_stages=2), "1f1b", num_microbatches=2,
+                              loss_fn=lambda out, t: (out * t).sum())
+    with pytest.raises(pipesplit.InputError) as info:
+        pipe.step(x, bias, target=torch.randn(4, 4, 8))
+    msg = str(info.value)
+    assert "'bias' kept dimension 0 fixed while 'x' took any size" in msg and "unbatched=['bias']" in msg, msg
+    # the fix it names works and trains as the model does
+    prog = pipesplit.compile(model, (x, bias), num_stages=2, unbatched=["bias"])
+    assert not prog.notes, prog.notes
+    y = torch.randn(6, 4, 8)
+    assert_close(prog(y, bias), model(y, bias), name="output at another batch")
+
+
 def test_example_batch_of_one_pins_and_says_so():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
@@ -528,3 +557,106 @@ def test_calling_a_program_a_distributed_pipeline_cut_down_says_what_to_call():
     prog.eval()
     with pytest.raises(pipesplit.PipesplitError, match="pipe.eval"):
         prog(torch.randn(2, 4))
+
+
+# ------------------------------------------------------------ targets of a seq-first model
+
+
+class SeqScore(nn.Module):
+    """Seq-first: x is (T, B, F); one score per sequence, (B,)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.out = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.b(torch.tanh(self.a(x)))).mean(0)).squeeze(-1)
+
+
+def _mse(out, t):
+    return ((out - t) ** 2).mean()
+
+
+def test_a_seq_first_models_batch_targets_are_cut_where_the_batch_is_or_refused():
+    """(B,) labels have no dimension 1 (target_batch_dim follows batch_dim=1): handed whole to every
+    microbatch they broadcast against a one-sequence output and trained wrong; now refused, and with
+    target_batch_dim=0 the step equals gradient accumulation."""
+    torch.manual_seed(0)
+    x, y = torch.randn(6, 8, 8), torch.randn(8)
+    model = SeqScore()
+    ref = copy.deepcopy(model)
+    prog = pipesplit.compile(model, (x[:, :1],), num_stages=2, batch_dim=1, split_points=["b"])
+    pipe = pipesplit.Pipeline(prog, "1f1b", num_microbatches=8, loss_fn=_mse)
+    with pytest.raises(pipesplit.InputError, match=r"shape \(8,\): no dimension 1 \(target_batch_dim=1\)"):
+        pipe.step(x, target=y)
+    assert all(p.grad is None for p in pipe.parameters())
+    pipe = pipesplit.Pipeline(prog, "1f1b", num_microbatches=8, loss_fn=_mse, target_batch_dim=0)
+    loss = pipe.step(x, target=y)
+    want = sum(float(_loss_backward(ref, x[:, i:i + 1], y[i:i + 1], 8)) for i in range(8))
+    assert_close(loss, torch.tensor(want), name="loss")
+    grads = dict(ref.named_parameters())
+    for name, p in pipe.named_parameters():
+        assert_close(p.grad, grads[name].grad, name=f"gradient of {name}")
+
+
+def _loss_backward(ref, x, y, m):
+    loss = _mse(ref(x), y) / m
+    loss.backward()
+    return loss.detach()
+
+
+def test_flattened_labels_of_a_seq_first_model_are_refused():
+    """(T * B,) labels flattened from (T, B) are time-major: contiguous slices would mix samples."""
+    torch.manual_seed(0)
+    x = torch.randn(6, 8, 8)
+    prog = pipesplit.compile(SeqScore(), (x[:, :2],), num_stages=2, batch_dim=1, split_points=["b"])
+    pipe = pipesplit.Pipeline(prog, "1f1b", num_microbatches=2, target_batch_dim=0,
+                              loss_fn=lambda out, t: _mse(out, t.view(6, -1).mean(0)))
+    with pytest.raises(pipesplit.InputError, match=r"6 x the batch of 8.*target_batch_dim=1"):
+        pipe.step(x, target=torch.randn(48))
+
+
+def test_num_microbatches_is_fixed_once_the_pipeline_is_built():
+    """Set after building, the schedule still ran 4 of 8 microbatches (loss half, gradients ~50% off)."""
+    torch.manual_seed(0)
+    prog = pipesplit.compile(nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8)), torch.randn(4, 8),
+                             num_stages=2)
+    pipe = pipesplit.Pipeline(prog, "1f1b", num_microbatches=4, loss_fn=_mse)
+    with pytest.raises(pipesplit.PipesplitError, match="num_microbatches is fixed.*num_microbatches=8"):
+        pipe.num_microbatches = 8
+    assert pipe.num_microbatches == 4
+
+
+@pytest.mark.parametrize("returned, says", [
+    (lambda o, t: (((o - t) ** 2).mean(), {"mean": 0.0}), "a tuple of 2"),
+    (lambda o, t: float(((o - t) ** 2).mean()), "a float"),
+    (lambda o, t: (o - t) ** 2, r"a tensor of shape \(2, 8\)"),
+])
+def test_a_loss_fn_that_returns_no_scalar_loss_is_named(returned, says):
+    """They raised Python's or autograd's own errors from inside the runtime."""
+    prog = pipesplit.compile(nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8)), torch.randn(2, 8),
+                             num_stages=2)
+    pipe = pipesplit.Pipeline(prog, "1f1b", num_microbatches=4, loss_fn=returned)
+    with pytest.raises(pipesplit.PipesplitError, match=f"loss_fn returned {says} for microbatch 0; it must return"):
+        pipe.step(torch.randn(8, 8), target=torch.randn(8, 8))
+
+
+class StatefulLSTM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.rnn = nn.Linear(4, 8), nn.LSTM(8, 8, num_layers=2, batch_first=True)
+
+    def forward(self, x: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor) -> torch.Tensor:
+        return self.rnn(self.inp(x), (h0, c0))[0]  # h0, c0: (layers, batch, hidden)
+
+
+def test_an_input_with_its_batch_in_another_dimension_is_named_as_such():
+    """The only fix the error gave, unbatched=[...], is wrong for an RNN's (layers, batch, hidden) state."""
+    torch.manual_seed(0)
+    x, h0, c0 = torch.randn(8, 5, 4), torch.randn(2, 8, 8), torch.randn(2, 8, 8)
+    for unbatched, says in (((), r"batch of 8 appears elsewhere in 'h0' \(2, 8, 8\) \(dimension 1\?\)"),
+                            (["h0", "c0"], "If it holds the batch .* batch_dim=0, so pass this input with its batch")):
+        prog = pipesplit.compile(StatefulLSTM(), (x[:2], h0[:, :2], c0[:, :2]), num_stages=2, unbatched=unbatched)
+        pipe = pipesplit.Pipeline(prog, "1f1b", num_microbatches=4, loss_fn=lambda o, t: o.pow(2).mean())
+        with pytest.raises(pipesplit.InputError, match=says):
+            pipe.step(x, h0, c0)

@@ -15,6 +15,25 @@ from typing import Any, Iterable
 
 import torch
 
+from pipesplit.errors import PipesplitError
+
+
+def checked_loss(value: Any, microbatch: int) -> torch.Tensor:
+    """``value`` if it is what a loss function must return, a 0-dim floating-point tensor; else a
+    PipesplitError saying what it returned."""
+    if isinstance(value, torch.Tensor) and value.dim() == 0 and value.is_floating_point():
+        return value
+    if isinstance(value, torch.Tensor):
+        what = f"a tensor of shape {tuple(value.shape)}" if value.dim() else f"a {value.dtype} tensor"
+    else:
+        what = f"a {type(value).__name__}" + (f" of {len(value)}" if isinstance(value, (tuple, list)) else "")
+    raise PipesplitError(
+        f"loss_fn returned {what} for microbatch {microbatch}; it must return the microbatch's loss as a 0-dim "
+        "floating-point tensor that autograd can differentiate (e.g. F.cross_entropy(out, target)): reduce it with "
+        "a mean or a sum (Pipeline(loss_reduction=...) says which), and hand metrics out another way (a list the "
+        "loss_fn appends to)."
+    )
+
 
 def output_nodes(outputs: Iterable[Any]) -> set[Any]:
     """The autograd nodes that made ``outputs``, and the outputs that are leaves themselves (a

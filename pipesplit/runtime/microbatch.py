@@ -70,17 +70,28 @@ def split_microbatches(
     return out
 
 
-def split_target(target: Any, num_microbatches: int, batch_dim: int | None = 0, batch: int | None = None) -> list[Any]:
+def split_target(target: Any, num_microbatches: int, batch_dim: int | None = 0, batch: int | None = None,
+                 input_batch_dim: int = 0) -> list[Any]:
     """Split a loss target (a tensor or a pytree of tensors) along the batch dimension.
 
-    ``batch_dim=None`` hands the whole target to every microbatch. With ``batch`` given,
-    a tensor leaf whose size along ``batch_dim`` is not a multiple of the inputs' batch
-    size is refused (a multiple is a flattened batch, e.g. ``(batch * seq,)`` token labels).
+    ``batch_dim=None`` hands the whole target to every microbatch, and so does a 0-dim leaf. A
+    leaf with dimensions but none at ``batch_dim`` is refused (a seq-first model's ``(batch,)``
+    labels need ``target_batch_dim=0``). With ``batch`` given, a tensor leaf whose size along
+    ``batch_dim`` is not a multiple of the inputs' batch size is refused; a multiple is a
+    flattened batch, e.g. ``(batch * seq,)`` token labels, taken in contiguous slices, which is
+    right only where the inputs carry the batch first (``input_batch_dim=0``): a seq-first
+    model's flattened ``(seq, batch)`` labels interleave the samples and are refused.
     """
     leaves, spec = pytree.tree_flatten_with_path(target)
     pieces: list[list[Any]] = [[] for _ in range(num_microbatches)]
     for path, leaf in leaves:
         where = "the target" + pytree.keystr(path)
+        if batch_dim is not None and isinstance(leaf, torch.Tensor) and 0 < leaf.dim() <= batch_dim:
+            raise InputError(
+                f"{where} has shape {tuple(leaf.shape)}: no dimension {batch_dim} (target_batch_dim={batch_dim}) to cut "
+                "into microbatches. Pass Pipeline(..., target_batch_dim=d) with the dimension that holds the batch "
+                "(0 for (batch,) labels of a seq-first model), or target_batch_dim=None if every microbatch takes it whole."
+            )
         if batch_dim is not None and isinstance(leaf, torch.Tensor) and leaf.dim() > batch_dim:
             size = leaf.shape[batch_dim]
             if batch is not None and size % batch:
@@ -89,6 +100,13 @@ def split_target(target: Any, num_microbatches: int, batch_dim: int | None = 0, 
                     "each microbatch "
                     f"takes its slice of the target. If the target has no batch dimension, pass "
                     f"Pipeline(..., target_batch_dim=None) so every microbatch gets it whole."
+                )
+            if batch is not None and size != batch and input_batch_dim != 0:
+                raise InputError(
+                    f"{where} has size {size} along dim {batch_dim}, {size // batch} x the batch of {batch}: a flattened "
+                    f"batch, which microbatches take in contiguous slices. The inputs carry the batch in dimension "
+                    f"{input_batch_dim}, so flattened labels ((seq, batch) -> seq * batch) interleave the samples and "
+                    f"a slice would mix them: pass the target unflattened, with target_batch_dim={input_batch_dim}."
                 )
             if size % num_microbatches:
                 raise InputError(f"{where}'s batch of {size} does not split into {num_microbatches} microbatches.")

@@ -77,6 +77,19 @@ class Pipeline:
 
     n_microbatches = renamed_attribute("n_microbatches", "num_microbatches")
 
+    @property
+    def num_microbatches(self) -> int:
+        """Microbatches per step, per data-parallel replica (the schedule is made for this count)."""
+        return self._num_microbatches
+
+    @num_microbatches.setter
+    def num_microbatches(self, value: int) -> None:
+        raise PipesplitError(
+            f"num_microbatches is fixed when the Pipeline is built: its schedule ({self.schedule.name!r}) orders "
+            f"{self._num_microbatches} microbatches, and running {value} on it would skip or miss some. Build another: "
+            f"pipesplit.Pipeline(prog, {self.schedule.name!r}, num_microbatches={value}, ...) on the same program."
+        )
+
     @num_keywords
     def __init__(
         self,
@@ -125,7 +138,7 @@ class Pipeline:
             )
         self.target_batch_dim: int | None = (
             self.batch_dim if target_batch_dim == "same" else cast(Optional[int], target_batch_dim))
-        self.num_microbatches, self.loss_reduction, self.timeout = num_microbatches, loss_reduction, timeout
+        self._num_microbatches, self.loss_reduction, self.timeout = num_microbatches, loss_reduction, timeout
         self.executor = executor
         self.layout: Layout | None = None
         self.dp_size, self.dp_rank = 1, 0
@@ -268,7 +281,7 @@ class Pipeline:
             raise PipesplitError("step() needs a loss_fn: Pipeline(prog, ..., loss_fn=lambda out, target: ...).")
         targets = None
         if target is not None:
-            targets = split_target(target, total, self.target_batch_dim, mb * total)[first:first + m]
+            targets = split_target(target, total, self.target_batch_dim, mb * total, self.batch_dim)[first:first + m]
         scale = 1.0 / total if self.loss_reduction == "mean" else 1.0
         return StepData(inputs, targets, self.loss_fn, scale, training, mb, seed=self._step_seed(),
                         microbatch_offset=first, whole=flat, dp_size=self.dp_size)
