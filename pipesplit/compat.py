@@ -23,7 +23,7 @@ from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 __all__ = [
     "TORCH_FLOOR", "TORCH_VERSION", "HigherOrderOperator", "LazyGraphModule", "OpOverload", "OpOverloadPacket",
-    "EXPORTS_META_MODELS", "STATE_MUTATIONS", "TORCH_LOGGERS", "FAKE_TENSOR_LOGGER", "fake_mode",
+    "EXPORTS_META_MODELS", "GROUP_NORM_WEIGHT_GRAD_ALONE_CRASHES", "STATE_MUTATIONS", "TORCH_LOGGERS", "FAKE_TENSOR_LOGGER", "fake_mode",
     "has_compatible_shallow_copy_type",
     "is_concrete_int", "make_fx", "optimization_hint", "pytree", "torch_csv_send_waits",
 ]
@@ -74,6 +74,9 @@ STATE_MUTATIONS: tuple[OutputKind, ...] = tuple(
 """The export output kinds that write a parameter or buffer back (``ep.module()`` copies them)."""
 
 EXPORTS_META_MODELS = TORCH_VERSION >= (2, 13)
+# GroupNorm's CPU backward over a channels_last input crashes the process when only the weight's gradient
+# is asked for (seen on 2.10 and 2.13; 2.15 is fine): see pipesplit.runtime.weight_grads._ALSO_INPUT
+GROUP_NORM_WEIGHT_GRAD_ALONE_CRASHES = TORCH_VERSION < (2, 15)
 """Whether torch.export captures a model built on the meta device from real (CPU) example inputs:
 2.10 and 2.12 fail in fake-tensor device propagation (``found two different devices meta, cpu``),
 2.13 and 2.15 capture it (the README's meta-device recipe; tests/test_checkpoint.py)."""

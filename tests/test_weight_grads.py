@@ -314,3 +314,40 @@ def test_a_sparse_embedding_tied_to_a_head_sums_as_autograd_does(schedule, m):
         opt.zero_grad(), opt_ref.zero_grad()
         for name, p in ref.named_parameters():
             torch.testing.assert_close(held[name].detach(), p.detach(), msg=f"{name} after the step")
+
+
+_GROUP_NORM_CASE = """
+import copy, torch, torch.nn as nn, torch.nn.functional as F, pipesplit
+torch.manual_seed(0)
+model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.GroupNorm(2, 8), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1),
+                      nn.GroupNorm(4, 8), nn.Flatten(), nn.Linear(8 * 64, 5)).to(memory_format=torch.channels_last)
+x, y = torch.randn(8, 3, 8, 8).to(memory_format=torch.channels_last), torch.randint(0, 5, (8,))
+ref = copy.deepcopy(model)
+for a, b in zip(x.chunk(4), y.chunk(4)):
+    (F.cross_entropy(ref(a), b) / 4).backward()
+prog = pipesplit.compile(model, (x[:2],), num_stages=2, split_points=["3"], progress=False)
+for schedule in {schedules!r}:
+    pipe = pipesplit.Pipeline(prog, schedule, num_microbatches=4, loss_fn=F.cross_entropy)
+    pipe.step(x, target=y)
+    grads = dict(ref.named_parameters())
+    for name, p in pipe.named_parameters():
+        err = ((p.grad - grads[name].grad).norm() / grads[name].grad.norm()).item()
+        assert err < 1e-5, (schedule, name, err)
+    pipe.zero_grad()
+print("ok")
+"""
+
+
+def test_group_norm_over_channels_last_trains_under_the_split_backward():
+    """W asked GroupNorm's backward for the weights' gradients alone, over a channels_last input:
+    torch 2.10 and 2.13 then crash the process on CPU (a segmentation fault, no exception). Run in a
+    child process, so that a crash fails this test and not the whole run."""
+    import subprocess
+    import sys
+
+    from tests.launch import ROOT
+
+    code = _GROUP_NORM_CASE.format(schedules=("zb_h1", "zb_v"))
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), (run.returncode, run.stdout[-2000:],
+                                                                       run.stderr[-2000:])

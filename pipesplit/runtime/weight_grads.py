@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import functools
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence, cast
 
 import torch
 import torch.fx as fx
 
-from pipesplit.compat import pytree
+from pipesplit.compat import GROUP_NORM_WEIGHT_GRAD_ALONE_CRASHES, pytree
 from pipesplit.meta import is_sparse_lookup
 from pipesplit.passes.aliasing import StorageClasses, storage_classes
 from pipesplit.passes.annotate.rates import measured_once, quartile_seconds
@@ -55,6 +55,10 @@ class Direct:
 
 
 aten = torch.ops.aten
+# Ops whose backward W must not run for the weights alone: torch before 2.15 crashes (a segmentation
+# fault, on CPU) in GroupNorm's backward over a channels_last input when its input gradient is not
+# asked for. W asks for it too and drops it (one GroupNorm input gradient more per microbatch).
+_ALSO_INPUT = {aten.group_norm.default, aten.native_group_norm.default} if GROUP_NORM_WEIGHT_GRAD_ALONE_CRASHES else set()
 # per op: the positions that may hold a weight (the rest must be activations or constants)
 _DIRECT_WEIGHTS = {aten.linear.default: {1, 2}, aten.layer_norm.default: {2, 3}, aten.embedding.default: {0}}
 
@@ -120,6 +124,8 @@ class WeightGraph:
     direct: list[Direct | None]  # per op: how W computes its weight gradients without autograd, if it can
     weights: list[list[torch.Tensor]]  # per op: the weights behind its aliases (each once)
     rest: list[torch.Tensor]  # weights no op covers: W reaches them from the stage outputs, as before
+    # per op: activations whose gradient W asks for beside the weights' (and drops): see _ALSO_INPUT
+    also: list[list[int]] = field(default_factory=list)
 
 
 def _tensor_val(node: fx.Node) -> bool:
@@ -210,6 +216,7 @@ def weight_graph(gm: fx.GraphModule) -> WeightGraph | None:
     extra: list[fx.Node] = []
     groups: list[tuple[list[int], list[int]]] = []
     direct: list[Direct | None] = []
+    also: list[list[int]] = []
     targets: list[list[str]] = []
     position: dict[fx.Node, int] = {}  # where a tensor rides in the extras (an activation read by several ops, once)
 
@@ -228,6 +235,8 @@ def weight_graph(gm: fx.GraphModule) -> WeightGraph | None:
         groups.append((list(range(first, first + len(outs))), list(range(first + len(outs), len(extra)))))
         targets.append(sorted(used))
         direct.append(_direct(node, aliases, classes, derived, place))
+        also.append([place(node.args[0])] if node.target in _ALSO_INPUT and isinstance(node.args[0], fx.Node)
+                    and node.args[0] not in derived else [])
     if not extra:
         return None
     own = list(out) if isinstance(out, (tuple, list)) else [out]
@@ -240,7 +249,7 @@ def weight_graph(gm: fx.GraphModule) -> WeightGraph | None:
     weights = [list({id(get[t]): get[t] for t in g}.values()) for g in targets]
     covered = {id(p) for g in weights for p in g}
     rest: list[torch.Tensor] = [p for p in gm.parameters() if p.requires_grad and id(p) not in covered]
-    return WeightGraph(module, len(own), groups, direct, weights, rest)
+    return WeightGraph(module, len(own), groups, direct, weights, rest, also)
 
 
 def input_grads(weights: WeightGraph | None, outputs: list[torch.Tensor], output_grads: list[Any],
@@ -302,7 +311,8 @@ def weight_backward(weights: WeightGraph, extras: list[torch.Tensor], grads: Seq
 
     back: list[tuple[torch.Tensor, torch.Tensor]] = []  # (weight alias, its gradient through its op alone)
     wanted: dict[int, torch.Tensor] = {}
-    for (outs, aliases), d, ps in zip(weights.groups, weights.direct, weights.weights):
+    for (outs, aliases), d, ps, also in zip(weights.groups, weights.direct, weights.weights,
+                                           weights.also or [[]] * len(weights.groups)):
         pairs = [(extras[i], g) for i in outs if (g := grads[i]) is not None]
         if not pairs or not ps:
             continue
@@ -312,8 +322,9 @@ def weight_backward(weights: WeightGraph, extras: list[torch.Tensor], grads: Seq
             with torch.no_grad():
                 alias_grads = _direct_grads(d, pairs[0][1], extras)
         else:
-            alias_grads = torch.autograd.grad([t for t, _ in pairs], via, [g for _, g in pairs], retain_graph=True,
-                                              allow_unused=True)
+            extra_inputs = [extras[i] for i in also if extras[i].requires_grad]
+            alias_grads = torch.autograd.grad([t for t, _ in pairs], via + extra_inputs, [g for _, g in pairs],
+                                              retain_graph=True, allow_unused=True)[:len(via)]
         for t, g in zip(via, alias_grads):
             if g is None:
                 continue
