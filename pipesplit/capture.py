@@ -75,6 +75,8 @@ class Captured:
     training: bool
     notes: list[str] = field(default_factory=list)
     defaults: dict[str, Any] = field(default_factory=dict)  # keyword arguments pipesplit added (use_cache)
+    # modules whose Python code branches on self.training beyond what the eval twin switches (spectral norm)
+    training_branches: list[str] = field(default_factory=list)
 
     @property
     def mutated_names(self) -> set[str]:
@@ -98,6 +100,20 @@ class Captured:
         d = self.batch_dim
         tensors = [i for i in self.inputs if i.has_batch_dim(d)]
         return bool(tensors) and all(i.shape[d] is None for i in tensors if i.shape)
+
+
+def training_branches(model: nn.Module) -> list[str]:
+    """Modules of ``model`` whose Python code does something else in eval mode than what the graph
+    ops dropout and BatchNorm switch: spectral norm runs its power iteration, which writes its
+    ``_u``/``_v`` buffers, only under ``if self.training``, so a graph captured in training mode
+    runs it in eval mode too."""
+    out = []
+    for name, module in model.named_modules():
+        kind = type(module).__name__
+        hooks = module._forward_pre_hooks.values()
+        if module.training and (kind == "_SpectralNorm" or any(type(h).__name__ == "SpectralNorm" for h in hooks)):
+            out.append(f"{name or type(model).__name__} (spectral norm)")
+    return out
 
 
 def as_args(example_input: Any) -> tuple[Any, ...]:
@@ -331,10 +347,14 @@ def capture(
         export_seconds=export_seconds,
         training=model.training,
         notes=notes,
+        training_branches=training_branches(model),
         defaults={k: v for k, v in kwargs.items() if k not in given},
         batch_dim=batch_dim,
         dynamic=dynamic,
     )
+    if captured.training_branches:
+        notes.append(f"{', '.join(captured.training_branches[:3])} branch on self.training in Python: the graph "
+                     "holds training mode only, and prog.eval() / pipe.eval() are refused")
     for info in infos:
         if info.batched and info.indexed_by is not None:
             notes.append(f"input {info.name!r} is taken as batched but the model looks its rows up by the values of "

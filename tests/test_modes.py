@@ -109,3 +109,32 @@ def test_mode_arguments_come_from_each_ops_schema():
     assert args(aten._native_batch_norm_legit.no_stats, None, None, True, 0.1, 1e-5) == []
     assert args(aten.scaled_dot_product_attention.default, x, x, None, 0.1) == ["dropout_p"]
     assert args(aten.group_norm.default, 2) == [] and args(aten.layer_norm.default, [8]) == []
+
+
+@pytest.mark.parametrize("legacy", [False, True])
+def test_spectral_norm_trains_exactly_and_its_eval_mode_is_refused(legacy):
+    """Its power iteration runs under ``if self.training``: in the eval twin of a training capture it
+    still ran, wrote _u/_v and gave outputs ~2e-3 off model.eval()'s, silently."""
+    torch.manual_seed(0)
+    norm = torch.nn.utils.spectral_norm if legacy else torch.nn.utils.parametrizations.spectral_norm
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), norm(nn.Linear(8, 8)), nn.Tanh(), nn.Linear(8, 8))
+    ref = copy.deepcopy(model)
+    prog = pipesplit.compile(model, torch.randn(2, 8), num_stages=2, progress=False)
+    assert any("spectral norm" in n for n in prog.notes), prog.notes
+    pipe = pipesplit.Pipeline(prog, "1f1b", num_microbatches=2, loss_fn=dot_loss, loss_reduction="sum")
+    x, t = torch.randn(4, 8), torch.randn(4, 8)
+    pipe.step(x, target=t)
+    for xm, tm in zip(x.chunk(2), t.chunk(2)):
+        dot_loss(ref(xm), tm).backward()
+    grads = dict(ref.named_parameters())
+    for name, p in pipe.named_parameters():
+        assert_close(p.grad, grads[name].grad, name=f"gradient of {name}")
+    before = {k: v.clone() for k, v in prog.state_dict().items()}
+    with pytest.raises(pipesplit.PipesplitError, match=r"spectral norm\) branch on self.training"):
+        pipe.eval(x)
+    with pytest.raises(pipesplit.PipesplitError, match="model.load_state_dict"):
+        prog.eval()
+    assert prog.training and all(torch.equal(v, before[k]) for k, v in prog.state_dict().items())
+    ref.load_state_dict(prog.state_dict())  # the way the error names, and it is exact
+    for k, v in ref.state_dict().items():
+        assert torch.equal(v, before[k]), k

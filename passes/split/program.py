@@ -78,6 +78,7 @@ class SplitProgram(ProgramState):
         self.defaults = dict(captured.defaults)  # keyword arguments every call gets (use_cache=False)
         self.training = captured.training  # the mode the stages run in; see train() / eval()
         self.captured_training = captured.training
+        self.training_branches = list(captured.training_branches)  # why eval mode would differ (see train)
         self.export_seconds = captured.export_seconds
         self.batch_dim = captured.batch_dim  # the dimension microbatches are cut along
         # captures the model again with a dynamic batch (set by compile() for a static capture)
@@ -220,6 +221,13 @@ class SplitProgram(ProgramState):
                 "this program was compiled from a model in eval mode, so its graph holds no training behaviour "
                 "(dropout, BatchNorm batch statistics) to switch on. Compile from model.train() and call "
                 "prog.eval() when you need eval mode."
+            )
+        if not mode and self.training_branches:
+            raise PipesplitError(
+                f"eval mode would not be model.eval(): {', '.join(self.training_branches[:3])} branch on self.training "
+                "in Python, which the capture fixed in training mode (spectral norm would still run its power "
+                "iteration and write its buffers). Evaluate the model itself with the trained weights: "
+                "model.load_state_dict(prog.state_dict()); model.eval()."
             )
         for stage in self.stages:
             if stage.module is None:  # another rank's stage
