@@ -16,6 +16,7 @@ from pipesplit.materialize import check_initialised, init_weights
 from pipesplit.passes.split.generalise import generalise
 from pipesplit.passes.split.program import SplitProgram
 from pipesplit.state import zero_grads
+from pipesplit.runtime.options import checkpointed_stages, chosen_executor
 from pipesplit.runtime.microbatch import UnknownBatchDim, batch_size, merge_outputs, split_microbatches, split_target
 from pipesplit.runtime.collectives import Layout, StepCollectives
 from pipesplit.runtime.compiled import StageCompiler
@@ -111,21 +112,9 @@ class Pipeline:
         dp_group: Any = None,
         compile: bool | Mapping[str, Any] = False,  # noqa: A002  # True or torch.compile's options: compiled stages
     ):
-        import torch.distributed as dist
-
         if loss_reduction not in ("mean", "sum"):
             raise PipesplitError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}.")
-        if executor == "auto":
-            executor = "distributed" if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 else "local"
-        if executor not in ("local", "distributed"):
-            raise PipesplitError(f"executor must be 'local', 'distributed' or 'auto', got {executor!r}.")
-        if executor == "local" and (mesh is not None or pp_group is not None or dp_group is not None):
-            raise PipesplitError("mesh=, pp_group= and dp_group= need the distributed executor (torchrun).")
-        if transport not in ("auto", "rendezvous"):
-            raise PipesplitError(f"transport must be 'auto' or 'rendezvous', got {transport!r}.")
-        if transport == "rendezvous" and executor == "distributed":
-            raise PipesplitError("transport='rendezvous' imposes NCCL's semantics on the local executor; under "
-                                 "torchrun the process group's own backend moves the tensors. Leave transport='auto'.")
+        executor = chosen_executor(executor, transport, mesh is not None or pp_group is not None or dp_group is not None)
         self.prog, self.loss_fn = prog, loss_fn
         self.compiler = StageCompiler(compile) if compile else None  # see pipesplit/runtime/compiled.py
         self._threads: RankThreads | None = None  # the local executor's rank threads, started on first use
@@ -160,24 +149,7 @@ class Pipeline:
         check_state_writes(prog, self.schedule, num_microbatches)
         rank_of = self.schedule.stage_to_rank
         local = [s for s in prog.stages if self.rank is None or rank_of[s.index] == self.rank]
-        planned = checkpoint is None and bool(prog.plan.checkpoint)
-        if checkpoint is None:
-            checkpoint = planned
-        ckpt = set(range(prog.num_stages)) if checkpoint is True else set(checkpoint or ())
-        bad = sorted(i for i in ckpt if not 0 <= i < prog.num_stages)
-        if bad:
-            raise PipesplitError(f"checkpoint names stages {bad}; the program has stages 0..{prog.num_stages - 1}.")
-        for s in local:
-            if s.index in ckpt:
-                if any(t in prog.mutated_targets for t in s.attr_targets):
-                    raise PipesplitError(
-                        f"stage {s.index} updates buffers in place (e.g. BatchNorm running stats); activation "
-                        "checkpointing would update them twice. "
-                        + ("The plan was made for checkpointing (compile(memory=MemoryModel(checkpoint=True))): "
-                           "compile without it, or pass checkpoint=False (the plan's memory figures then no longer "
-                           "hold), or use eval-mode normalisation." if planned
-                           else "Disable checkpoint or use eval-mode normalisation.")
-                    )
+        ckpt = checkpointed_stages(prog, local, checkpoint)
         self._prove = executor == "distributed" or transport == "rendezvous"
         streams = {}
         if executor == "distributed":
