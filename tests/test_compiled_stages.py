@@ -18,7 +18,7 @@ import torch
 
 import pipesplit
 from pipesplit.models import GPT, GPTConfig, gpt
-from pipesplit.runtime.stage_graphs import Parts
+from pipesplit.runtime.stage_parts import Parts
 from tests.launch import torchrun
 from tests.training import check_training, dot_loss
 from tests.zoo import CASE_BY_NAME

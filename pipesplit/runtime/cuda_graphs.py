@@ -163,7 +163,7 @@ class _Slot:
 
 
 class Slots:
-    """The captured slots of one stage's F/I/W graphs (one :class:`~pipesplit.runtime.stage_graphs.Parts`)."""
+    """The captured slots of one stage's F/I/W graphs (one :class:`~pipesplit.runtime.stage_parts.Parts`)."""
 
     def __init__(self, parts: Any, run: Callable[..., Any], backend: Any, index: int,
                  exclusive: Callable[[], Any], on_failure: Callable[[str], None]):

@@ -20,7 +20,8 @@ from pipesplit.runtime.compiled import StageCompiler
 from pipesplit.runtime.exchange import RankComm
 from pipesplit.runtime.loss_leaves import checked_loss, loss_leaves, output_nodes
 from pipesplit.runtime import cuda_graphs
-from pipesplit.runtime.stage_graphs import Deferred, Parts, StageGraphs, run_forward, run_weights
+from pipesplit.runtime.stage_graphs import Deferred, StageGraphs, run_forward, run_weights
+from pipesplit.runtime.stage_parts import Parts
 from pipesplit.runtime.transport import Like
 from pipesplit.schedules import Action, ActionKind
 from pipesplit.schedules.rendezvous import Message
