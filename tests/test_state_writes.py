@@ -130,3 +130,29 @@ def test_a_frozen_parameter_a_backward_reads_is_refused_where_microbatches_overl
         pipesplit.Pipeline(prog, "gpipe", num_microbatches=2, loss_fn=dot_loss, loss_reduction="sum")
     pipe = pipesplit.Pipeline(prog, "gpipe", num_microbatches=1, loss_fn=dot_loss, loss_reduction="sum")
     check_training(model, pipe, [((torch.randn(8, 8),), {})], m=1)
+
+
+def _shuffled_forwards(num_stages, num_ranks, num_microbatches):
+    """A valid schedule that runs each stage's forwards in the order 1, 0, 3, 2, then the backwards."""
+    order = [1, 0, 3, 2]
+    return [[f"{s}F{m}" for m in order] + [f"{s}B{m}" for m in order] for s in range(num_stages)]
+
+
+def test_a_schedule_with_forwards_out_of_order_is_refused_where_a_stage_writes_its_statistics():
+    """BatchNorm's running statistics came out in the schedule's forward order, not accumulation's
+    (running_mean 0.058 off), with the loss and gradients right: silent."""
+    from pipesplit.schedules import register_schedule, unregister_schedule
+
+    register_schedule("shuffled_forwards")(_shuffled_forwards)
+    try:
+        torch.manual_seed(0)
+        with_bn = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 1))
+        prog = pipesplit.compile(with_bn, torch.randn(2, 4), num_stages=2, split_points=["2"])
+        with pytest.raises(pipesplit.ScheduleError, match=r"stage 0's forwards in the order \[1, 0, 3, 2\]"):
+            pipesplit.Pipeline(prog, "shuffled_forwards", num_microbatches=4, loss_fn=lambda o, t: (o - t).pow(2).mean())
+        plain = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))  # nothing written: the order is free
+        prog = pipesplit.compile(plain, torch.randn(2, 4), num_stages=2, split_points=["1"])
+        pipe = pipesplit.Pipeline(prog, "shuffled_forwards", num_microbatches=4, loss_fn=lambda o, t: (o - t).pow(2).mean())
+        assert torch.isfinite(pipe.step(torch.randn(8, 4), target=torch.randn(8, 1)))
+    finally:
+        unregister_schedule("shuffled_forwards")

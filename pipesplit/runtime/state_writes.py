@@ -82,6 +82,7 @@ def check_state_writes(prog: SplitProgram, schedule: Schedule, num_microbatches:
     check_input_writes(prog)
     if num_microbatches <= 1:
         return
+    check_forward_order(prog, schedule)
     shared = prog.shared_mutated_state()
     if shared:
         name, stages = next(iter(shared.items()))
@@ -110,6 +111,36 @@ def check_state_writes(prog: SplitProgram, schedule: Schedule, num_microbatches:
                 "pipeline could not equal gradient accumulation. "
                 f"{_working(prog, stage.index, num_microbatches)}Or use num_microbatches=1, or write the parameter "
                 "after the optimizer step instead (with torch.no_grad(): p.clamp_(...))."
+            )
+
+
+def forward_orders(schedule: Schedule) -> dict[int, list[int]]:
+    """Stage -> the microbatches its forwards run, in the order its rank runs them."""
+    out: dict[int, list[int]] = {}
+    for actions in schedule.actions:
+        for a in actions:
+            if a.kind is ActionKind.FORWARD:
+                out.setdefault(a.stage, []).append(a.microbatch)
+    return out
+
+
+def check_forward_order(prog: SplitProgram, schedule: Schedule) -> None:
+    """Refuse a schedule that runs a stage's forwards out of microbatch order where that stage writes
+    state in place (BatchNorm's running statistics, an EMA): gradient accumulation updates it microbatch
+    after microbatch, and another order leaves other values (every built-in schedule runs them in order;
+    a custom one may not)."""
+    for stage, order in forward_orders(schedule).items():
+        if order == sorted(order) or stage >= len(prog.stages) or prog.stages[stage].module is None:
+            continue
+        written = [t for t in prog.stages[stage].attr_targets if t in prog.mutated_targets]
+        if written:
+            idx = prog.target_to_entry.get(written[0])
+            name = prog.state_entry(idx).name if idx is not None else written[0]
+            raise ScheduleError(
+                f"schedule {schedule.name!r} runs stage {stage}'s forwards in the order {order}, and stage {stage} "
+                f"writes {name!r} in place in its forward ({len(written)} such tensor(s): BatchNorm's running "
+                "statistics?). Gradient accumulation updates it microbatch after microbatch, so another order "
+                "leaves other values. Run each stage's forwards in microbatch order (every built-in schedule does)."
             )
 
 
