@@ -56,7 +56,7 @@ def nested_cache_off(model: nn.Module, kwargs: dict[str, Any], notes: list[str])
     """While capturing, ``use_cache`` off in the configs that ask for one when ``forward`` cannot be
     told (Llava's takes it only through ``**kwargs`` and reads ``config.text_config.use_cache``);
     every flag is put back afterwards, so the user's config is unchanged once ``compile`` returns."""
-    asking = configs_asking_for_cache(getattr(model, "config", None))
+    asking = _submodule_configs(model)
     if _names_use_cache(model) is not False or "use_cache" in kwargs or not asking:
         yield
         return
@@ -68,6 +68,17 @@ def nested_cache_off(model: nn.Module, kwargs: dict[str, Any], notes: list[str])
     finally:
         for _, config in asking:
             config.use_cache = True
+
+
+def _submodule_configs(model: nn.Module) -> list[tuple[str, Any]]:
+    """The configs asking for a cache of ``model`` and of every submodule (a wrapper's ``self.lm =
+    AutoModelForCausalLM...``, whose ``forward`` the wrapper calls without ``use_cache``), each once."""
+    found: dict[int, tuple[str, Any]] = {}
+    for name, module in model.named_modules():
+        where = f"{name}.config" if name else "config"
+        for path, config in configs_asking_for_cache(getattr(module, "config", None), where):
+            found.setdefault(id(config), (path, config))
+    return list(found.values())
 
 
 def _note(notes: list[str], what: str, asking: list[tuple[str, Any]]) -> None:

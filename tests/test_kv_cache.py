@@ -80,3 +80,33 @@ def test_the_flag_is_put_back_when_the_capture_fails():
     with pytest.raises(CaptureError):
         pipesplit.compile(model, torch.randn(2, 8), num_stages=2)
     assert model.config.text_config.use_cache is True
+
+
+class Wrapper(nn.Module):
+    """The usual wrapper around a Hugging Face LM: ``self.lm(ids).logits``, no ``use_cache`` anywhere."""
+
+    def __init__(self, lm: nn.Module) -> None:
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.lm(ids).logits
+
+
+def test_a_wrapped_hugging_face_model_is_captured_without_its_cache():
+    """Its config asked for a cache the wrapper drops: the graphs held the cache's in-place ops, so
+    compile= ran every stage eager, warning about aten.detach_ and not the cache."""
+    from tests.zoo import CASE_BY_NAME
+
+    torch.manual_seed(0)
+    model = Wrapper(CASE_BY_NAME["hf_gpt2"].build())
+    model.lm.config.use_cache = True  # Hugging Face's default (the zoo builds it off)
+    ids = torch.randint(0, 128, (2, 16))
+    prog = pipesplit.compile(model, ids, num_stages=2, progress=False)
+    assert model.lm.config.use_cache is True, "compiling must not change the user's config"
+    assert any("lm.config.use_cache" in n for n in prog.notes), prog.notes
+    writes = [n for s in prog.stages for n in s.module.graph.nodes
+              if n.op == "call_function" and str(n.target).endswith("_.default")]
+    assert not writes, writes
+    x = torch.randint(0, 128, (3, 16))
+    torch.testing.assert_close(prog(x), model(x), rtol=0, atol=0)
