@@ -8,6 +8,8 @@ tensors, and a model that really pins its batch gets a clear error.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -368,3 +370,32 @@ def test_a_seq_first_output_flattened_across_the_batch_is_refused():
     pipe = pipesplit.Pipeline(prog, "gpipe", num_microbatches=4)
     with pytest.raises(pipesplit.InputError, match="carries the batch, but not in a dimension of its own"):
         pipe(x)
+
+
+def test_capturing_again_cuts_as_compiled_whatever_is_frozen_now():
+    """The second capture read requires_grad as it was then: a parameter frozen after compiling took the
+    gradient off a cut on the rank that holds it and not on the others (stale copies there), so under
+    torchrun the ranks disagreed on which cuts carry a gradient and deadlocked (fuzz, torchrun leg).
+    Cuts only grow: the one frozen still carries its gradient (zeros)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+    prog = pipesplit.compile(model, torch.randn(2, 8), num_stages=2, split_points=["1"], progress=False)
+    before = [(b.name, b.requires_grad) for b in prog.boundaries]
+    assert any(g for _, g in before), before
+    pipe = pipesplit.Pipeline(prog, "1f1b", num_microbatches=2, loss_fn=lambda o, t: (o * t).sum(),
+                              loss_reduction="sum")
+    for name, p in pipe.named_parameters():
+        if name.startswith("0."):  # the first stage's whole layer: its cut needs no gradient now
+            p.requires_grad_(False)
+    x, t = torch.randn(6, 8), torch.randn(6, 8)  # microbatches of 3: captured again
+    pipe.step(x, target=t)
+    assert prog.static_batch is None
+    assert [(b.requires_grad) for b in prog.boundaries] == [g for _, g in before], (before, prog.boundaries)
+    ref = copy.deepcopy(model)
+    ref[0].requires_grad_(False)
+    for xm, tm in zip(x.chunk(2), t.chunk(2)):
+        (ref(xm) * tm).sum().backward()
+    grads = dict(ref.named_parameters())
+    for name, p in pipe.named_parameters():
+        if p.requires_grad:
+            torch.testing.assert_close(p.grad, grads[name].grad, msg=name)

@@ -231,10 +231,19 @@ def _swap_in_dynamic_capture(prog: "SplitProgram", why: str) -> None:
         )
         prog.recapture = None
         raise InputError(f"{why}: {prog.batch_pinned}")
-    for target, idx in captured.target_to_entry.items():  # the program's tensors, never the model's
-        rebind(captured.gm, target, prog.state_entry(idx).tensor)
+    # The costs (and so which cuts carry a gradient) read each parameter's requires_grad as it was
+    # compiled, not as it is now: under torchrun every rank captures again on its own and must cut
+    # alike, and a rank sees only its own parameters' flags (cuts only grow; see runtime/grad_edges).
+    then = {str(n.target): bool(getattr(node_cost(n), "trainable", False))
+            for n in prog.captured_gm.graph.nodes if n.op == "get_attr"}
+    for target, idx in captured.target_to_entry.items():
+        t = prog.state_entry(idx).tensor
+        flag = then.get(target, t.requires_grad)
+        rebind(captured.gm, target, t.detach().requires_grad_(flag) if t.is_floating_point() or not flag else t)
     requires = [isinstance(x, torch.Tensor) and x.requires_grad for x in captured.example_flat]
     gm = annotate_costs(captured.gm, requires)
+    for target, idx in captured.target_to_entry.items():  # the program's tensors, never the model's
+        rebind(gm, target, prog.state_entry(idx).tensor)
     stages, renamed = carry_stages(prog.captured_gm, prog.plan.stages, gm)
     carry_times(prog.captured_gm, gm, renamed)
     keep = recomputable(gm, captured.mutated_targets)
