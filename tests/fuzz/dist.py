@@ -1,6 +1,6 @@
 """Run under torchrun (gloo, CPU): fuzz cases with one process per pipeline rank (``--mesh pp``,
 2 ranks) or on a 2 (dp) x 2 (pp) DeviceMesh (``--mesh mesh``, 4 ranks). Every rank draws the
-same cases from a seeded random; a case that fails on any rank stops the run."""
+same cases from a seeded random, in float64; a case that fails on any rank stops the run."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from tests.fuzz.check import ALL_OPS, FuzzFailure, Stats, run  # noqa: E402
+from tests.fuzz import harness  # noqa: E402
+from tests.fuzz.check import ALL_OPS, F64_RTOL, FuzzFailure, Stats, run  # noqa: E402
 from tests.fuzz.configs import draw_config, valid_combos  # noqa: E402
 from tests.fuzz.models import draw_model  # noqa: E402
 from tests.launch import end_rank  # noqa: E402
@@ -34,6 +35,10 @@ def main() -> int:
     args = p.parse_args()
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     torch.set_num_threads(1)
+    # Every case in float64, held to float64's tolerance: a float32 difference would send the rank that
+    # sees it into a float64 rerun (check.rounding) alone, while its peers run on: they would deadlock.
+    torch.set_default_dtype(torch.float64)
+    harness.RTOL, harness.LOSS_FLOOR = F64_RTOL, 1.0
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = None
     if args.mesh == "mesh":

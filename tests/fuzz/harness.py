@@ -222,6 +222,9 @@ def _run_case(make_model: Callable[[], torch.nn.Module], io: dict, cfg: dict, me
         (lambda o, t: dot_loss(o, t) * scale_p, lambda o, t: dot_loss(o, t) * scale_r)
     try:
         ex_args, ex_kw = make_inputs(io, cfg["example_batch"], gen)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():  # under torchrun a cut the
+            # example compiled without a gradient is refused, not grown: the example requires grad as inputs will
+            ex_args, ex_kw = fresh(ex_args, ex_kw, io["input_grad"], io.get("table_grad", False))
         prog = pipesplit.compile(model, ex_args, example_kwargs=ex_kw, num_stages=cfg["stages"], cost=cfg["cost"],
                                  order=cfg["order"], recompute=cfg["recompute"], progress=False,
                                  unbatched=["pos"] if io.get("table") else ())
