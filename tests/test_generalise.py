@@ -399,3 +399,24 @@ def test_capturing_again_cuts_as_compiled_whatever_is_frozen_now():
     for name, p in pipe.named_parameters():
         if p.requires_grad:
             torch.testing.assert_close(p.grad, grads[name].grad, msg=name)
+
+
+class TimeMajorFlat(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 6)
+
+    def forward(self, x):  # (B, T, F) in, but flattened time-major: (T * B, 6)
+        return self.a(x).transpose(0, 1).reshape(-1, 6)
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_a_batch_first_models_time_major_flattened_output_is_refused(dynamic):
+    """Its rows came back in the wrong order with the model's shape (review of this change): a flattened
+    first dimension is the batch's only where the value flattened carried the batch first."""
+    torch.manual_seed(0)
+    x = torch.randn(8, 5, 8)
+    prog = pipesplit.compile(TimeMajorFlat(), (x[:2],), num_stages=1, dynamic_batch=dynamic, progress=False)
+    pipe = pipesplit.Pipeline(prog, "gpipe", num_microbatches=4)
+    with pytest.raises(pipesplit.InputError, match="carries the batch, but not in a dimension of its own"):
+        pipe(x)

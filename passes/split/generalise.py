@@ -95,7 +95,7 @@ def output_batch_dims(captured: Captured) -> list[int | None]:
         if not isinstance(val, torch.Tensor) or val.dim() == 0:
             result.append(None)
         elif static is None:
-            result.append(_symbolic_batch_dim(val.shape, symbols, d))
+            result.append(_symbolic_batch_dim(val.shape, symbols, d, _flattened_from(v)))
         elif not _depends_on(v, batched_in):
             result.append(None)
         else:
@@ -103,7 +103,22 @@ def output_batch_dims(captured: Captured) -> list[int | None]:
     return result
 
 
-def _symbolic_batch_dim(shape: Any, symbols: set[Any], d: int) -> int | None:
+_RESHAPES = {"view", "reshape", "_unsafe_view", "flatten", "clone", "contiguous", "alias", "detach"}
+
+
+def _flattened_from(node: Any) -> Any:
+    """The value an output was reshaped from (through views, reshapes and copies), itself if none."""
+    while (isinstance(node, fx.Node) and node.op == "call_function" and node.args
+           and isinstance(node.args[0], fx.Node)
+           and getattr(node.target, "_opname", None) in _RESHAPES):
+        node = node.args[0]
+    return node.meta.get("val") if isinstance(node, fx.Node) else None
+
+
+def _symbolic_batch_dim(shape: Any, symbols: set[Any], d: int, source: Any = None) -> int | None:
+    """See :func:`output_batch_dims`; ``source`` is the value the output was reshaped from: a
+    flattened first dimension is the batch's, in batch-major order, only where that value carried
+    the batch first (``(B, T, V).reshape(-1, V)``, not ``(T, B, V).reshape(-1, V)``)."""
     exprs = [None if static_dim(s) is not None else s.node.expr for s in shape]
     at = [j for j, e in enumerate(exprs) if e is not None and e in symbols]
     if at:
@@ -111,7 +126,9 @@ def _symbolic_batch_dim(shape: Any, symbols: set[Any], d: int) -> int | None:
     uses = [j for j, e in enumerate(exprs) if e is not None and e.free_symbols & {x for s in symbols for x in s.free_symbols}]
     if not uses:
         return None
-    if d == 0 and uses == [0] and any((exprs[0] / s).is_Integer for s in symbols):
+    first = source.shape[0] if isinstance(source, torch.Tensor) and source.dim() else None
+    batch_first = first is not None and static_dim(first) is None and first.node.expr in symbols  # type: ignore[attr-defined]
+    if d == 0 and uses == [0] and batch_first and any((exprs[0] / s).is_Integer for s in symbols):
         return 0  # (batch * seq, ...): batch-first, flattened
     return UNMERGEABLE
 
