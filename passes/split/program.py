@@ -118,9 +118,9 @@ class SplitProgram(ProgramState):
             if self.capture_device.type != "meta":  # a meta model's stages move at materialize()
                 self.stages[-1].place_graphs(device)
         for idx, state in enumerate(captured.state):  # state no op reads (an unused head): stage 0 keeps it, so
-            if state.aliases and placement.owner(idx) is None and self.stages:  # state_dict and checkpoints have it
-                t, first = state.tensor, self.stages[0]
-                self.stage_entries[0][idx] = placement.take(idx, t, t.device if t.is_meta else first.device)
+            # state_dict and checkpoints have it; on meta it stays unheld (nothing could give it values)
+            if state.aliases and placement.owner(idx) is None and self.stages and not state.tensor.is_meta:
+                self.stage_entries[0][idx] = placement.take(idx, state.tensor, self.stages[0].device)
         self._owner: list[torch.Tensor | None] = [placement.owner(idx) for idx in range(len(captured.state))]
         self.uninitialised: set[int] = set()  # state entries given storage by materialize() and no values yet
         for idx, copies in enumerate(placement.copies):
