@@ -71,10 +71,13 @@ def nested_cache_off(model: nn.Module, kwargs: dict[str, Any], notes: list[str])
 
 
 def _submodule_configs(model: nn.Module) -> list[tuple[str, Any]]:
-    """The configs asking for a cache of ``model`` and of every submodule (a wrapper's ``self.lm =
-    AutoModelForCausalLM...``, whose ``forward`` the wrapper calls without ``use_cache``), each once."""
+    """The configs asking for a cache of ``model`` and of every Hugging Face model inside it (a
+    wrapper's ``self.lm = AutoModelForCausalLM...``, whose ``forward`` the wrapper calls without
+    ``use_cache``), each once."""
     found: dict[int, tuple[str, Any]] = {}
     for name, module in model.named_modules():
+        if name and not any(c.__name__ == "PreTrainedModel" for c in type(module).__mro__):
+            continue  # below the root only Hugging Face models: another config's use_cache means something else
         where = f"{name}.config" if name else "config"
         for path, config in configs_asking_for_cache(getattr(module, "config", None), where):
             found.setdefault(id(config), (path, config))
