@@ -466,3 +466,23 @@ def test_state_the_forward_does_not_read_is_saved_loaded_and_trained_as_the_mode
     for name, want in pipe.prog.state_dict().items():
         assert torch.equal(sd[name], want), f"{name} in the plain model"
         assert torch.equal(fresh.prog.state_dict()[name], want), f"{name} in a pipeline of another layout"
+
+
+def test_optimizer_groups_saved_otherwise_and_list_state_are_refused(tmp_path):
+    """Each group took its first parameter's saved settings (a 10x learning rate for the rest), and a
+    list in the state came back as a dict (review of this change)."""
+    torch.manual_seed(0)
+    pipe = _gpt_pipe(CASE_BY_NAME["gpt_tied"].build(), 2)
+    named = list(pipe.named_parameters())
+    two = torch.optim.SGD([{"params": [p for _, p in named[:3]], "lr": 0.01},
+                           {"params": [p for _, p in named[3:]], "lr": 0.001}], lr=0.1)
+    pipe.save(str(tmp_path / "ckpt"), two)
+    one = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    with pytest.raises(pipesplit.InputError, match=r"lr=0.01 for .* and lr=0.001 for .* saved with other parameter groups"):
+        pipe.load(str(tmp_path / "ckpt"), one)
+    x, y = _batches(1)[0]
+    pipe.step(x, target=y)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    opt.state[named[0][1]]["history"] = [torch.zeros(1)]
+    with pytest.raises(pipesplit.InputError, match=r"history is a list"):
+        pipe.save(str(tmp_path / "list"), opt)
