@@ -660,3 +660,13 @@ def test_an_input_with_its_batch_in_another_dimension_is_named_as_such():
         pipe = pipesplit.Pipeline(prog, "1f1b", num_microbatches=4, loss_fn=lambda o, t: o.pow(2).mean())
         with pytest.raises(pipesplit.InputError, match=says):
             pipe.step(x, h0, c0)
+
+
+def test_a_target_leaf_without_the_batch_goes_whole_and_one_with_it_is_refused():
+    from pipesplit.runtime.microbatch import split_target
+
+    labels, weights = torch.randn(6, 8), torch.randn(6)  # seq-first (T, B) labels and (T,) per-step weights
+    parts = split_target((labels, weights), 4, batch_dim=1, batch=8, input_batch_dim=1)
+    assert [tuple(p[0].shape) for p in parts] == [(6, 2)] * 4 and all(p[1] is weights for p in parts)
+    with pytest.raises(pipesplit.InputError, match=r"shape \(8,\): no dimension 1"):
+        split_target(torch.randn(8), 4, batch_dim=1, batch=8, input_batch_dim=1)

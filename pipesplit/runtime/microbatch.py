@@ -74,9 +74,10 @@ def split_target(target: Any, num_microbatches: int, batch_dim: int | None = 0, 
                  input_batch_dim: int = 0) -> list[Any]:
     """Split a loss target (a tensor or a pytree of tensors) along the batch dimension.
 
-    ``batch_dim=None`` hands the whole target to every microbatch, and so does a 0-dim leaf. A
-    leaf with dimensions but none at ``batch_dim`` is refused (a seq-first model's ``(batch,)``
-    labels need ``target_batch_dim=0``). With ``batch`` given, a tensor leaf whose size along
+    ``batch_dim=None`` hands the whole target to every microbatch, and so does a 0-dim leaf or one
+    with no dimension at ``batch_dim`` (a seq-first model's ``(seq,)`` weights); such a leaf with
+    the batch's size in some dimension is refused (a seq-first model's ``(batch,)`` labels need
+    ``target_batch_dim=0``). With ``batch`` given, a tensor leaf whose size along
     ``batch_dim`` is not a multiple of the inputs' batch size is refused; a multiple is a
     flattened batch, e.g. ``(batch * seq,)`` token labels, taken in contiguous slices, which is
     right only where the inputs carry the batch first (``input_batch_dim=0``): a seq-first
@@ -86,7 +87,8 @@ def split_target(target: Any, num_microbatches: int, batch_dim: int | None = 0, 
     pieces: list[list[Any]] = [[] for _ in range(num_microbatches)]
     for path, leaf in leaves:
         where = "the target" + pytree.keystr(path)
-        if batch_dim is not None and isinstance(leaf, torch.Tensor) and 0 < leaf.dim() <= batch_dim:
+        if (batch_dim is not None and isinstance(leaf, torch.Tensor) and 0 < leaf.dim() <= batch_dim
+                and batch is not None and batch in leaf.shape):  # (B,) labels; a (T,) weight goes whole
             raise InputError(
                 f"{where} has shape {tuple(leaf.shape)}: no dimension {batch_dim} (target_batch_dim={batch_dim}) to cut "
                 "into microbatches. Pass Pipeline(..., target_batch_dim=d) with the dimension that holds the batch "
