@@ -166,6 +166,28 @@ def _meta_gpt():
         return CASE_BY_NAME["gpt_tied"].build()
 
 
+class WithUnusedMeta(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 4)
+        with torch.device("meta"):
+            self.unused = torch.nn.Linear(8, 1000)  # never loaded, never read
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+def test_state_no_op_reads_left_on_meta_stays_out_of_the_way():
+    """Held by stage 0 it was given storage that nothing could fill, and step refused a model that
+    trained before (review of this session's change)."""
+    torch.manual_seed(0)
+    model = WithUnusedMeta()
+    prog = pipesplit.compile(model, torch.randn(2, 8), num_stages=2, progress=False)
+    pipe = pipesplit.Pipeline(prog, "1f1b", num_microbatches=2, loss_fn=lambda o, t: (o - t).pow(2).mean())
+    assert torch.isfinite(pipe.step(torch.randn(4, 8), target=torch.randn(4, 4)))
+    assert "unused.weight" not in dict(pipe.named_parameters())
+
+
 @pytest.mark.skipif(not EXPORTS_META_MODELS, reason="this torch cannot export a meta model (needs 2.13+)")
 def test_a_meta_model_gets_storage_then_values_from_its_own_init_or_a_checkpoint(tmp_path):
     torch.manual_seed(0)

@@ -110,3 +110,35 @@ def test_a_wrapped_hugging_face_model_is_captured_without_its_cache():
     assert not writes, writes
     x = torch.randint(0, 128, (3, 16))
     torch.testing.assert_close(prog(x), model(x), rtol=0, atol=0)
+
+
+class _BlockConfig:
+    use_cache = True  # this model's own flag: its blocks return their keys
+
+
+class KeepsKeys(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.config = None
+        self.blocks = nn.ModuleList([nn.Linear(8, 8) for _ in range(2)])
+        for block in self.blocks:
+            block.config = _BlockConfig()  # type: ignore[assignment]
+
+    def forward(self, x: torch.Tensor):
+        keys = []
+        for block in self.blocks:
+            x = block(x)
+            if block.config.use_cache:  # type: ignore[union-attr]
+                keys.append(x)
+        return x, keys
+
+
+def test_a_submodules_own_use_cache_is_left_alone():
+    """Turning off every submodule's config.use_cache emptied this model's key list (review of this change):
+    below the root only Hugging Face models' configs are switched."""
+    torch.manual_seed(0)
+    model = KeepsKeys()
+    prog = pipesplit.compile(model, torch.randn(2, 8), num_stages=2, progress=False)
+    x = torch.randn(3, 8)
+    got, want = prog(x), model(x)
+    assert len(got[1]) == len(want[1]) == 2 and not any("use_cache" in n for n in prog.notes), prog.notes
