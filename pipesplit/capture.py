@@ -369,8 +369,9 @@ def capture(
             isinstance(x, torch.Tensor) and x.dim() > d and x.shape[d] == 1 for x in flat) else ""
         notes.append(f"the model pins the batch dimension ({', '.join(pinned)}){why}; "
                      "the program accepts only that batch size")
-        free = [i.name for i in infos if i.has_batch_dim(d) and i.shape[d] is None]  # type: ignore[index]
-        if free:  # some inputs keep a free batch: the pinned ones are likely tables, not batches
+        read = {n.name for n in gm.graph.nodes if n.op == "placeholder" and n.users}  # an unused input stays free
+        free = [i.name for i in infos if i.has_batch_dim(d) and i.shape[d] is None and i.name in read]  # type: ignore[index]
+        if free:  # some inputs the model reads keep a free batch: the pinned ones are likely tables, not batches
             names = [i.name for i in infos if i.has_batch_dim(d) and i.shape[d] is not None]  # type: ignore[index]
             notes[-1] += (f". {', '.join(map(repr, names))} kept dimension {d} fixed while "
                           f"{', '.join(map(repr, free))} took any size: if {'it has' if len(names) == 1 else 'they have'} "
