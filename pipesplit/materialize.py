@@ -111,12 +111,14 @@ def _reset(mod: nn.Module, reset: Callable[[], None], own: dict[str, tuple[int, 
     return written
 
 
-def check_initialised(prog: "SplitProgram") -> None:
+def check_initialised(prog: "SplitProgram", why: str = "") -> None:
+    """Refuse to go on while some tensor of this process has storage but no values; ``why`` says what
+    would have used them (a step by default)."""
     if prog.uninitialised:
         names = sorted(prog.state_entry(i).name for i in prog.uninitialised)
         shown = ", ".join(names[:20]) + (f" and {len(names) - 20} more" if len(names) > 20 else "")
         raise PipesplitError(
-            f"{len(names)} tensor(s) of this process have storage but no values yet: {shown}. No module's "
+            f"{len(names)} tensor(s) of this process have storage but no values yet: {shown}{why}. No module's "
             "reset_parameters() sets them (a buffer computed in __init__, such as a causal mask, or a bare "
             "parameter), so pipesplit cannot know their values: pass pipe.init_weights(model, init_fn=fn), where "
             "fn(name, tensor) fills each of them in place, or load them from a checkpoint (pipe.load(path))."

@@ -14,6 +14,7 @@ from torch import nn
 
 from pipesplit.capture import StateEntry
 from pipesplit.errors import InputError
+from pipesplit.materialize import check_initialised
 from pipesplit.state import Tied, zero_grads
 from pipesplit.deprecation import renamed_attribute
 
@@ -141,12 +142,7 @@ class ProgramState:
         """The original model's state_dict keys (aliases of tied tensors included), for what this process
         holds: every key in one process; under torchrun a rank's own stages' (as ``named_parameters``),
         since the other ranks train the rest. ``pipe.save(path)`` writes the whole model from every rank."""
-        if self.uninitialised:
-            names = sorted(self._state[i].name for i in self.uninitialised)
-            raise InputError(
-                f"state_dict: {len(names)} tensor(s) have storage but no values yet ({', '.join(names[:10])}"
-                f"{' ...' if len(names) > 10 else ''}); give them values first: pipe.init_weights(model) or pipe.load(path)."
-            )
+        check_initialised(self, " (state_dict would hand back uninitialised memory)")  # type: ignore[arg-type]
         for tied in self._tied:
             tied.sync()
         return {key: owner.detach() for key, idx in self._state_keys.items() if (owner := self._owner[idx]) is not None}

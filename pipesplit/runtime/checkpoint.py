@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Any, Iterator
 import torch
 from torch import nn
 
-from pipesplit.errors import InputError, PipesplitError, RuntimeCommError
+from pipesplit.errors import InputError, RuntimeCommError
+from pipesplit.materialize import check_initialised
 from pipesplit.runtime import optim_state
 from pipesplit.runtime.collectives import store_barrier
 
@@ -57,13 +58,7 @@ def save(pipe: "Pipeline", path: str | os.PathLike[str], optimizer: torch.optim.
     """
     import torch.distributed.checkpoint as dcp
 
-    if pipe.prog.uninitialised:
-        names = sorted(pipe.prog.state_entry(i).name for i in pipe.prog.uninitialised)
-        raise PipesplitError(
-            f"save: {len(names)} tensor(s) of this process have storage but no values yet ({', '.join(names[:10])}"
-            f"{' ...' if len(names) > 10 else ''}): the checkpoint would hold uninitialised memory. Give them values "
-            "first: pipe.init_weights(model) or pipe.load(path)."
-        )
+    check_initialised(pipe.prog, " (the checkpoint would hold uninitialised memory)")
     names = optim_state.parameter_names(optimizer, pipe.prog.named_parameters()) if optimizer is not None else []
     final = Path(path)
     staging = final.with_name(final.name + ".partial")
