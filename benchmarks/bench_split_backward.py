@@ -54,7 +54,7 @@ def main() -> None:
     for name, (build, data) in MODELS.items():
         model = build()
         x = data()
-        prog = pipesplit.compile(model, x[:2], num_stages=1, progress=False)
+        prog = pipesplit.compile(model, x, num_stages=1, progress=False)  # the stage graph is called at x's batch
         stage = prog.stages[0].module
         wg = weight_graph(stage)
         params = [p for p in stage.parameters() if p.requires_grad]
