@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import torch
 
-from _gpu_parts import Result, ce, interleaved, sync  # noqa: E402
+from _gpu_common import Result, ce, interleaved, sync  # noqa: E402
 from common import markdown_table  # noqa: E402
 
 import pipesplit  # noqa: E402
