@@ -75,7 +75,7 @@ STATE_MUTATIONS: tuple[OutputKind, ...] = tuple(
 
 EXPORTS_META_MODELS = TORCH_VERSION >= (2, 13)
 # GroupNorm's CPU backward over a channels_last input crashes the process when only the weight's gradient
-# is asked for (seen on 2.10 and 2.13; 2.15 is fine): see pipesplit.runtime.weight_grads._ALSO_INPUT
+# is asked for (seen on 2.10 and 2.13; 2.15 is fine): see pipesplit.runtime.engine.weight_grads._ALSO_INPUT
 GROUP_NORM_WEIGHT_GRAD_ALONE_CRASHES = TORCH_VERSION < (2, 15)
 """Whether torch.export captures a model built on the meta device from real (CPU) example inputs:
 2.10 and 2.12 fail in fake-tensor device propagation (``found two different devices meta, cpu``),

@@ -17,7 +17,7 @@ import torch
 
 import pipesplit
 from pipesplit.bench.predict import predict, stage_seconds, weight_ops
-from pipesplit.runtime.weight_grads import split_overhead_s
+from pipesplit.runtime.engine.weight_grads import split_overhead_s
 from pipesplit.schedules import StageCost
 from pipesplit.schedules import schedule_info
 from tests.zoo import MLP

@@ -3,7 +3,7 @@
 The matrix runs AOT autograd's joint graph without code generation (``backend="aot_eager"``,
 seconds per stage); one test runs Inductor itself (~20-60 s on 2 cores). Under a schedule that
 splits the backward (zb_h1, zb_v, dualpipe_v) each stage runs as compiled F, I and W graphs
-(pipesplit/runtime/stage_graphs.py); a stage those or the whole-stage compile cannot take runs
+(pipesplit/runtime/graphs/stage_graphs.py); a stage those or the whole-stage compile cannot take runs
 eager and says why.
 """
 
@@ -18,7 +18,7 @@ import torch
 
 import pipesplit
 from pipesplit.models import GPT, GPTConfig, gpt
-from pipesplit.runtime.stage_parts import Parts
+from pipesplit.runtime.graphs.stage_parts import Parts
 from tests.launch import torchrun
 from tests.training import check_training, dot_loss
 from tests.zoo import CASE_BY_NAME
@@ -65,7 +65,7 @@ def test_checkpointing_and_a_new_batch_size_under_compile():
 @pytest.mark.parametrize("schedule,stages", [("zb_h1", 2), ("zb_v", 4), ("dualpipe_v", 2)])
 def test_split_backward_stages_run_compiled_forward_input_and_weight_graphs(schedule, stages):
     """A schedule that splits the backward runs each stage as three compiled graphs (F, I, W; see
-    pipesplit/runtime/stage_graphs.py), with no eager fallback, and trains like gradient accumulation:
+    pipesplit/runtime/graphs/stage_graphs.py), with no eager fallback, and trains like gradient accumulation:
     a tied GPT whose input requires grad, over two steps, then with a layer frozen (new graphs)."""
     c = CASE_BY_NAME["gpt_tied"]
     torch.manual_seed(0)
@@ -319,7 +319,7 @@ def test_a_stage_whose_compiled_code_fails_runs_eager_and_says_why(monkeypatch):
     later one eager, warned with torch's first line; the outputs are the model's. (Such a stage is now
     refused before it compiles; the check is turned off here to reach the fallback, which stays for the
     failures nobody has found yet.)"""
-    monkeypatch.setattr("pipesplit.runtime.compile_limits.noncontiguous_batchnorm", lambda node: None)
+    monkeypatch.setattr("pipesplit.runtime.graphs.compile_limits.noncontiguous_batchnorm", lambda node: None)
 
     torch.manual_seed(0)
     model = _TransposedNorm()
@@ -356,7 +356,7 @@ def test_a_stage_whose_compiled_f_graph_fails_runs_its_split_eager(monkeypatch):
     a zero-bubble stage's compiled F graph. That microbatch runs the whole stage eager, its W a second
     backward; the stage runs its split eager from then on; training equals gradient accumulation. (The
     check that now refuses such a stage before it compiles is turned off to reach the fallback.)"""
-    monkeypatch.setattr("pipesplit.runtime.compile_limits.noncontiguous_batchnorm", lambda node: None)
+    monkeypatch.setattr("pipesplit.runtime.graphs.compile_limits.noncontiguous_batchnorm", lambda node: None)
     torch.manual_seed(0)
     model = _TransposedNorm(track_running_stats=False)
     prog = pipesplit.compile(model, torch.randint(0, 16, (2, 4)), num_stages=1, progress=False)

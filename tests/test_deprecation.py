@@ -58,7 +58,7 @@ def test_plans_saved_before_the_rename_still_load_and_every_constructor_takes_th
     import torch
 
     import pipesplit
-    from pipesplit.runtime.measure import measure_stage_costs
+    from pipesplit.runtime.engine.measure import measure_stage_costs
     from pipesplit.schedules import Schedule, get_schedule
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))

@@ -663,7 +663,7 @@ def test_an_input_with_its_batch_in_another_dimension_is_named_as_such():
 
 
 def test_a_target_leaf_without_the_batch_goes_whole_and_one_with_it_is_refused():
-    from pipesplit.runtime.microbatch import split_target
+    from pipesplit.runtime.engine.microbatch import split_target
 
     labels, weights = torch.randn(6, 8), torch.randn(6)  # seq-first (T, B) labels and (T,) per-step weights
     parts = split_target((labels, weights), 4, batch_dim=1, batch=8, input_batch_dim=1)

@@ -102,7 +102,7 @@ for _name, _path in MODULES.items():
 def test_every_module_is_in_a_layer():
     for module in MODULES:
         _layer(module)
-    for must in ("pipesplit.passes.plan.planner", "pipesplit.runtime.pipeline", "pipesplit.bench.run"):
+    for must in ("pipesplit.passes.plan.planner", "pipesplit.runtime.engine.pipeline", "pipesplit.bench.run"):
         assert must in MODULES
 
 
@@ -134,7 +134,7 @@ def test_no_private_names_cross_modules():
 
 @pytest.mark.parametrize("source, expect", [
     ("from pipesplit.api import compile\n", "imports against the flow"),
-    ("def f():\n    from pipesplit.runtime.pipeline import Pipeline\n", "imports against the flow"),
+    ("def f():\n    from pipesplit.runtime.engine.pipeline import Pipeline\n", "imports against the flow"),
 ])
 def test_the_check_sees_an_upward_import(source, expect, tmp_path):
     """The check itself can fail: an import of the driver from the bottom layer, at the top of a

@@ -2,8 +2,8 @@
 
 The measuring lives here, beside the benchmark's, and both price a schedule's step the same
 way (:func:`~pipesplit.bench.predict.step_timeline`): stages are timed by
-:func:`~pipesplit.runtime.measure.measure_stage_costs` (in isolation, one microbatch; the
-benchmark reads the same figures from a traced pipeline, :meth:`~pipesplit.runtime.trace.Trace.stage_costs`),
+:func:`~pipesplit.runtime.engine.measure.measure_stage_costs` (in isolation, one microbatch; the
+benchmark reads the same figures from a traced pipeline, :meth:`~pipesplit.runtime.engine.trace.Trace.stage_costs`),
 and the times are corrected by the plan pass :func:`~pipesplit.passes.plan.refine.correct_node_times`.
 """
 
@@ -21,7 +21,7 @@ from pipesplit.passes.plan.refine import correct_node_times
 from pipesplit.passes.split import split_graph
 from pipesplit.passes.split.program import SplitProgram
 from pipesplit.plan import Plan
-from pipesplit.runtime.measure import measure_stage_costs
+from pipesplit.runtime.engine.measure import measure_stage_costs
 from pipesplit.schedules import Schedule
 
 

@@ -114,7 +114,7 @@ class RunDetail:
 
     program: Any  # SplitProgram
     prediction: Any  # pipesplit.bench.predict.Prediction
-    trace: Any  # pipesplit.runtime.trace.Trace
+    trace: Any  # pipesplit.runtime.engine.trace.Trace
     median_step: int  # index of the traced step whose time is the median
 
 

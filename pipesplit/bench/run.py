@@ -24,9 +24,9 @@ from pipesplit.devices import device_name
 from pipesplit.errors import InputError, PipesplitError, ScheduleError
 from pipesplit.passes.plan.planner import BUILTIN_COSTS, cost_function
 from pipesplit.passes.split.program import SplitProgram
-from pipesplit.runtime.microbatch import batch_size
-from pipesplit.runtime.pipeline import Pipeline
-from pipesplit.runtime.trace import Trace
+from pipesplit.runtime.engine.microbatch import batch_size
+from pipesplit.runtime.engine.pipeline import Pipeline
+from pipesplit.runtime.engine.trace import Trace
 from pipesplit.schedules import schedule_info
 from pipesplit.deprecation import num_keywords
 

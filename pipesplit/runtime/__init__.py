@@ -1,6 +1,6 @@
 """Pipeline runtime: executes split programs under schedules, in one process or under torchrun."""
 
-from pipesplit.runtime.pipeline import Pipeline
-from pipesplit.runtime.trace import ActionRecord, Trace
+from pipesplit.runtime.engine.pipeline import Pipeline
+from pipesplit.runtime.engine.trace import ActionRecord, Trace
 
 __all__ = ["ActionRecord", "Pipeline", "Trace"]

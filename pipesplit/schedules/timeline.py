@@ -65,7 +65,7 @@ class Timeline:
 
     def stage_costs(self) -> list[StageCost]:
         """Per stage, the mean span of its F, I and W actions in this timeline: what an action
-        took as simulated (or as traced, for a :meth:`~pipesplit.runtime.trace.Trace.timeline`).
+        took as simulated (or as traced, for a :meth:`~pipesplit.runtime.engine.trace.Trace.timeline`).
         Means, so that a stage's microbatches times its F + B is the time it computed."""
         spans = ((e.action, e.end - e.start) for rank in self.events for e in rank if e.action.is_compute)
         return StageCost.of_spans(self.schedule.num_stages, spans, statistics.fmean)

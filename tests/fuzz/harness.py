@@ -191,10 +191,10 @@ GRAPH_REPLAYS = 0  # emulated CUDA graph replays so far (the fuzzer counts the c
 def run_case(make_model: Callable[[], torch.nn.Module], io: dict, cfg: dict, mesh: Any = None) -> None:
     """Raises AssertionError on a difference, Refused on a PipesplitError, Invalid if the model fails.
     ``cfg["graphs"]``: compiled stages replay CUDA graph slots, emulated on CPU (a replay overwrites its
-    outputs in place, as a CUDA graph's does: pipesplit/runtime/cuda_graphs.py)."""
+    outputs in place, as a CUDA graph's does: pipesplit/runtime/graphs/cuda_graphs.py)."""
     if not cfg.get("graphs"):
         return _run_case(make_model, io, cfg, mesh)
-    from pipesplit.runtime import cuda_graphs
+    from pipesplit.runtime.graphs import cuda_graphs
 
     class Counted(cuda_graphs.EmulatedCapture):
         def replay(self, graph: Any) -> None:

@@ -10,11 +10,11 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from pipesplit.passes.split.program import SplitProgram
-from pipesplit.runtime.collectives import StepCollectives
-from pipesplit.runtime.exchange import RankComm, run_rank
-from pipesplit.runtime.threads import RankThreads, autocast_scope, autocast_state
-from pipesplit.runtime.transport import Aborted
-from pipesplit.runtime.worker import StageWorker, StepData
+from pipesplit.runtime.comm.collectives import StepCollectives
+from pipesplit.runtime.comm.exchange import RankComm, run_rank
+from pipesplit.runtime.engine.threads import RankThreads, autocast_scope, autocast_state
+from pipesplit.runtime.comm.transport import Aborted
+from pipesplit.runtime.engine.worker import StageWorker, StepData
 from pipesplit.schedules.issue import Program, Turn
 from pipesplit.state import add_back_grads, set_aside_grads
 

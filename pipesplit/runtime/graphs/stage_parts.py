@@ -10,7 +10,7 @@ need a gradient and its trainable parameters. Its nodes split three ways:
   gradient at a linear's output feeds both its input's gradient and its weight's);
 - **W**: the rest of what the weights' gradients need.
 
-:mod:`pipesplit.runtime.stage_graphs` runs them.
+:mod:`pipesplit.runtime.graphs.stage_graphs` runs them.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 import torch.fx as fx
 
 from pipesplit.compat import fake_mode, make_fx
-from pipesplit.runtime.compile_limits import ancestors
+from pipesplit.runtime.graphs.compile_limits import ancestors
 
 
 @dataclass

@@ -16,20 +16,20 @@ from pipesplit.materialize import check_initialised, init_weights
 from pipesplit.passes.split.generalise import generalise
 from pipesplit.passes.split.program import SplitProgram
 from pipesplit.state import zero_grads
-from pipesplit.runtime.options import checkpointed_stages, chosen_executor
-from pipesplit.runtime.microbatch import UnknownBatchDim, batch_size, merge_outputs, split_microbatches, split_target
-from pipesplit.runtime.collectives import Layout, StepCollectives
-from pipesplit.runtime.compiled import StageCompiler
-from pipesplit.runtime.distributed import place_rank, start_communicator
-from pipesplit.runtime.exchange import RankComm, program_edges
-from pipesplit.runtime.grad_edges import GradientEdges
-from pipesplit.runtime.state_writes import check_state_writes
-from pipesplit.runtime.rendezvous import RendezvousTransport
-from pipesplit.runtime.steps import run_distributed_step, run_local_step
-from pipesplit.runtime.threads import RankThreads
-from pipesplit.runtime.trace import Trace
-from pipesplit.runtime.transport import DistTransport, LocalTransport
-from pipesplit.runtime.worker import StageWorker, StepData
+from pipesplit.runtime.engine.options import checkpointed_stages, chosen_executor
+from pipesplit.runtime.engine.microbatch import UnknownBatchDim, batch_size, merge_outputs, split_microbatches, split_target
+from pipesplit.runtime.comm.collectives import Layout, StepCollectives
+from pipesplit.runtime.graphs.compiled import StageCompiler
+from pipesplit.runtime.comm.distributed import place_rank, start_communicator
+from pipesplit.runtime.comm.exchange import RankComm, program_edges
+from pipesplit.runtime.comm.grad_edges import GradientEdges
+from pipesplit.runtime.state.state_writes import check_state_writes
+from pipesplit.runtime.comm.rendezvous import RendezvousTransport
+from pipesplit.runtime.engine.steps import run_distributed_step, run_local_step
+from pipesplit.runtime.engine.threads import RankThreads
+from pipesplit.runtime.engine.trace import Trace
+from pipesplit.runtime.comm.transport import DistTransport, LocalTransport
+from pipesplit.runtime.engine.worker import StageWorker, StepData
 from pipesplit.schedules import ActionKind, Schedule, resolve_schedule
 from pipesplit.schedules.issue import Program, issue, proven
 from pipesplit.schedules.rendezvous import comm_plan, receiver_stage
@@ -116,7 +116,7 @@ class Pipeline:
             raise PipesplitError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}.")
         executor = chosen_executor(executor, transport, mesh is not None or pp_group is not None or dp_group is not None)
         self.prog, self.loss_fn = prog, loss_fn
-        self.compiler = StageCompiler(compile) if compile else None  # see pipesplit/runtime/compiled.py
+        self.compiler = StageCompiler(compile) if compile else None  # see pipesplit/runtime/graphs/compiled.py
         self._threads: RankThreads | None = None  # the local executor's rank threads, started on first use
         self._tracer: Trace | None = None  # set inside `with self.trace():`
         self.batch_dim = prog.batch_dim if batch_dim is None else batch_dim
@@ -201,7 +201,7 @@ class Pipeline:
 
         ``with pipe.trace() as tr: pipe.step(x, target=y)``; then ``tr.timeline()`` is the
         measured timeline of the last step and ``tr.to_chrome("trace.json")`` writes a
-        Chrome / Perfetto trace (see :mod:`pipesplit.runtime.trace`). Under ``torchrun``
+        Chrome / Perfetto trace (see :mod:`pipesplit.runtime.engine.trace`). Under ``torchrun``
         each process records its own rank's actions.
         """
         tracer = Trace(self.schedule)
@@ -291,14 +291,14 @@ class Pipeline:
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the gradients of every stage and rank to a global norm of ``max_norm``; returns the
         total norm, as ``torch.nn.utils.clip_grad_norm_`` on the unsplit model would (every rank)."""
-        from pipesplit.runtime.checkpoint import clip_grad_norm_
+        from pipesplit.runtime.state.checkpoint import clip_grad_norm_
 
         return clip_grad_norm_(self, max_norm, norm_type)
 
     def save(self, path: str, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Save this pipeline's model (and optimizer) state with ``torch.distributed.checkpoint``
-        under the original model's names; every rank calls it. See :mod:`pipesplit.runtime.checkpoint`."""
-        from pipesplit.runtime.checkpoint import save
+        under the original model's names; every rank calls it. See :mod:`pipesplit.runtime.state.checkpoint`."""
+        from pipesplit.runtime.state.checkpoint import save
 
         save(self, path, optimizer)
 
@@ -310,7 +310,7 @@ class Pipeline:
     def load(self, path: str, optimizer: torch.optim.Optimizer | None = None, strict: bool = True) -> None:
         """Load a checkpoint saved by any pipeline layout (or from the plain model's state_dict); every
         rank calls it. ``strict=False`` loads the names the checkpoint and the model both have."""
-        from pipesplit.runtime.checkpoint import load
+        from pipesplit.runtime.state.checkpoint import load
 
         load(self, path, optimizer, strict)
 

@@ -23,7 +23,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from pipesplit.errors import RuntimeCommError
-from pipesplit.runtime.transport import Aborted, InProcessTransport, Parcel, Recvs, Sends
+from pipesplit.runtime.comm.transport import Aborted, InProcessTransport, Parcel, Recvs, Sends
 from pipesplit.schedules.rendezvous import Message, Op
 
 

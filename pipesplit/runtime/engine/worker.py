@@ -15,14 +15,14 @@ from pipesplit.errors import PipesplitError
 from pipesplit.passes.aliasing import inplace_inputs
 from pipesplit.passes.split.program import SplitProgram, Stage
 from pipesplit.rng import random_stream, stream_seed
-from pipesplit.runtime.weight_grads import WeightGraph, input_grads, weight_backward, weight_graph
-from pipesplit.runtime.compiled import StageCompiler
-from pipesplit.runtime.exchange import RankComm
-from pipesplit.runtime.loss_leaves import checked_loss, loss_leaves, output_nodes
-from pipesplit.runtime import cuda_graphs
-from pipesplit.runtime.stage_graphs import Deferred, StageGraphs, run_forward, run_weights
-from pipesplit.runtime.stage_parts import Parts
-from pipesplit.runtime.transport import Like
+from pipesplit.runtime.engine.weight_grads import WeightGraph, input_grads, weight_backward, weight_graph
+from pipesplit.runtime.graphs.compiled import StageCompiler
+from pipesplit.runtime.comm.exchange import RankComm
+from pipesplit.runtime.engine.loss_leaves import checked_loss, loss_leaves, output_nodes
+from pipesplit.runtime.graphs import cuda_graphs
+from pipesplit.runtime.graphs.stage_graphs import Deferred, StageGraphs, run_forward, run_weights
+from pipesplit.runtime.graphs.stage_parts import Parts
+from pipesplit.runtime.comm.transport import Like
 from pipesplit.schedules import Action, ActionKind
 from pipesplit.schedules.rendezvous import Message
 
@@ -43,7 +43,7 @@ class StepData:
     outputs: dict[int, list[Any]] = field(default_factory=dict)  # microbatch -> flat outputs (last stage)
     losses: dict[int, torch.Tensor] = field(default_factory=dict)
     # (microbatch, stage, flat input index, gradient) for program inputs that require grad; added to
-    # the caller's tensors after the step (runtime/steps.py: route_input_grads)
+    # the caller's tensors after the step (runtime/engine/steps.py: route_input_grads)
     input_grads: list[tuple[int, int, int, torch.Tensor]] = field(default_factory=list)
     dp_size: int = 1  # data-parallel replicas of the pipeline (a mesh's dp dimension)
 
@@ -67,7 +67,7 @@ class StageWorker:
     """Runs F, B, I and W actions of one stage.
 
     An action takes its inputs from, and hands its outputs to, its rank's
-    :class:`~pipesplit.runtime.exchange.RankComm`; when they travel is the rank's
+    :class:`~pipesplit.runtime.comm.exchange.RankComm`; when they travel is the rank's
     communication plan's business (:func:`pipesplit.schedules.rendezvous.comm_plan`).
     """
 
@@ -98,14 +98,14 @@ class StageWorker:
         self.saved: dict[int, _Saved] = {}
         self._shapes: dict[tuple[str, int, int], tuple[int, ...]] = {}  # (boundary, source, microbatch size)
         self._ints: dict[tuple[str, int, int], int] = {}
-        self.tracer: Any = None  # a pipesplit.runtime.trace.Trace while Pipeline.trace() is active
+        self.tracer: Any = None  # a pipesplit.runtime.engine.trace.Trace while Pipeline.trace() is active
         self.on_gradients = on_gradients  # called once a step's last weight gradients are in
-        self.split_backward = split_backward and not checkpointing  # I then W: see runtime/weight_grads.py
+        self.split_backward = split_backward and not checkpointing  # I then W: see runtime/engine/weight_grads.py
         self.schedule_splits = split_backward  # the schedule issues I and W for this stage (checkpointed or not)
         # (id(stage module), which parameters are trainable) -> its weight graph: freezing or
         # unfreezing a parameter between steps picks (or makes) the graph for the new set
         self._weight_graphs: dict[tuple[int, tuple[bool, ...]], WeightGraph | None] = {}
-        # compile= under a split backward: the stage as compiled F/I/W graphs (runtime/stage_graphs.py)
+        # compile= under a split backward: the stage as compiled F/I/W graphs (runtime/graphs/stage_graphs.py)
         # (or under any schedule where CUDA graphs are asked for and the device can capture them)
         self.explicit = (StageGraphs(compiler, stage.index, self.split_backward, stage.device)
                          if compiler is not None and (self.split_backward or (
@@ -385,7 +385,7 @@ class StageWorker:
             grads = input_grads(None, saved.tensors, saved.grads, [*leaves, anchor], [])[0][:len(leaves)]
             if saved.loss_leaves:
                 torch.autograd.backward(saved.tensors, saved.grads, inputs=saved.loss_leaves, retain_graph=True)
-        elif split:  # also the gradients W starts from (see runtime/weight_grads.py)
+        elif split:  # also the gradients W starts from (see runtime/engine/weight_grads.py)
             weights = saved.weights if saved.inters else None
             grads, saved.inter_grads = input_grads(weights, saved.tensors, saved.grads, leaves, saved.inters)
             if saved.loss_leaves:  # the loss function's own: through its few ops only, the graph kept for W
@@ -431,7 +431,7 @@ class StageWorker:
                                    self.checkpointing, bool(self._written_inputs()))
 
     def _weights(self) -> WeightGraph | None:
-        """This stage's weight graph (see runtime/weight_grads.py), made once per module and set of
+        """This stage's weight graph (see runtime/engine/weight_grads.py), made once per module and set of
         trainable parameters."""
         module = self.stage.module
         key = (id(module), tuple(p.requires_grad for p in self._all_params()))

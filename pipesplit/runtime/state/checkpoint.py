@@ -20,11 +20,11 @@ from torch import nn
 
 from pipesplit.errors import InputError, RuntimeCommError
 from pipesplit.materialize import check_initialised
-from pipesplit.runtime import optim_state
-from pipesplit.runtime.collectives import store_barrier
+from pipesplit.runtime.state import optim_state
+from pipesplit.runtime.comm.collectives import store_barrier
 
 if TYPE_CHECKING:
-    from pipesplit.runtime.pipeline import Pipeline
+    from pipesplit.runtime.engine.pipeline import Pipeline
 
 
 def _dist() -> Any:

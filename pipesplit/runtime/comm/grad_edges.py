@@ -15,7 +15,7 @@ from pipesplit.meta import node_cost
 from pipesplit.passes.aliasing import written_operand
 from pipesplit.passes.annotate.costs import stops_grad
 from pipesplit.passes.split.program import SplitProgram
-from pipesplit.runtime.exchange import program_edges
+from pipesplit.runtime.comm.exchange import program_edges
 from pipesplit.schedules.rendezvous import Edge
 
 

@@ -4,12 +4,12 @@ NCCL wants one GPU per rank, made current (``torch.cuda.set_device``) before the
 collective; otherwise every rank of a machine lands on GPU 0. :func:`init_device` does
 that from torchrun's ``LOCAL_RANK``::
 
-    device = pipesplit.runtime.distributed.init_device()   # cuda:LOCAL_RANK, or cpu without CUDA
+    device = pipesplit.runtime.comm.distributed.init_device()   # cuda:LOCAL_RANK, or cpu without CUDA
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
 
 A distributed :class:`~pipesplit.Pipeline` calls it too (for NCCL), and moves the stages
 of its rank that were compiled for a CUDA device onto ``cuda:LOCAL_RANK``. What the ranks
-compute together (gradient sums, seeds, losses) is in :mod:`pipesplit.runtime.collectives`.
+compute together (gradient sums, seeds, losses) is in :mod:`pipesplit.runtime.comm.collectives`.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ are overwritten by the next replay of that graph, and a pipeline keeps several m
 flight, each holding its forward's saved values until its backward, and hands outputs to other
 stages' threads. So pipesplit takes Inductor's CUDA graphs out of the options (``reduce-overhead``
 compiles as the default mode, ``max-autotune`` as ``max-autotune-no-cudagraphs``) and captures the
-stage's explicit F and I graphs (:mod:`pipesplit.runtime.stage_graphs`) itself, in **slots**:
+stage's explicit F and I graphs (:mod:`pipesplit.runtime.graphs.stage_graphs`) itself, in **slots**:
 
 - a slot is one microbatch in flight: its F and I graphs, captured into one memory pool, I reading
   F's outputs (the values saved for the backward) where F's replay left them. A microbatch takes a
@@ -163,7 +163,7 @@ class _Slot:
 
 
 class Slots:
-    """The captured slots of one stage's F/I/W graphs (one :class:`~pipesplit.runtime.stage_parts.Parts`)."""
+    """The captured slots of one stage's F/I/W graphs (one :class:`~pipesplit.runtime.graphs.stage_parts.Parts`)."""
 
     def __init__(self, parts: Any, run: Callable[..., Any], backend: Any, index: int,
                  exclusive: Callable[[], Any], on_failure: Callable[[str], None]):
@@ -232,7 +232,7 @@ class Slots:
 
 class SlotRunner:
     """One microbatch's F, I and W over its slot: ``(part, *args) -> outputs``, like the compiled runner
-    it stands for (see :class:`~pipesplit.runtime.stage_graphs.Deferred`). F and I replay the slot's
+    it stands for (see :class:`~pipesplit.runtime.graphs.stage_graphs.Deferred`). F and I replay the slot's
     graphs. I's graph is captured right after the slot's first F, on the stage's thread, from output
     gradients of zeros (I writes nothing): on a GPU, I itself runs on autograd's device thread, which
     must never wait on the compile gate (a stage tracing its joint graph holds the gate and needs that

@@ -1,10 +1,10 @@
 """A stage's forward, input-gradient and weight-gradient work as three explicit graphs, each compiled:
 what ``Pipeline(..., compile=...)`` runs for the stages of a schedule that splits the backward into
 I and W actions (zb_h1, zb_v, dualpipe_v), and under every schedule when the stages replay CUDA graphs.
-:mod:`pipesplit.runtime.stage_parts` builds the three graphs (F, I, W) from one joint trace.
+:mod:`pipesplit.runtime.graphs.stage_parts` builds the three graphs (F, I, W) from one joint trace.
 
 Each part is compiled with the Pipeline's ``torch.compile`` options (through its
-:class:`~pipesplit.runtime.compiled.StageCompiler`). At run time a custom autograd function puts F
+:class:`~pipesplit.runtime.graphs.compiled.StageCompiler`). At run time a custom autograd function puts F
 under the stage's outputs: autograd's backward through the stage runs I and keeps what W needs;
 the W action runs W and adds the weights' gradients into ``.grad`` as AccumulateGrad would. A
 stage that would need more is left to the eager split (:func:`unsupported` says why): random ops
@@ -19,10 +19,10 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
-from pipesplit.runtime import cuda_graphs
-from pipesplit.runtime.compile_limits import failure, unsupported
-from pipesplit.runtime.cuda_graphs import Slots, capture_blocker, tensors_in
-from pipesplit.runtime.stage_parts import Parts, build_parts
+from pipesplit.runtime.graphs import cuda_graphs
+from pipesplit.runtime.graphs.compile_limits import failure, unsupported
+from pipesplit.runtime.graphs.cuda_graphs import Slots, capture_blocker, tensors_in
+from pipesplit.runtime.graphs.stage_parts import Parts, build_parts
 
 Run = Callable[..., Any]  # (part graph module, *args) -> its outputs, compiled
 
@@ -159,8 +159,8 @@ def _accumulate(record: Deferred) -> None:
 class StageGraphs:
     """One stage's F/I/W graphs under a Pipeline's ``compile=``: made once per module, trainable set
     and input shapes, each part compiled and run through the Pipeline's
-    :class:`~pipesplit.runtime.compiled.StageCompiler`, and replayed as CUDA graphs where asked for
-    (:mod:`pipesplit.runtime.cuda_graphs`). A stage they cannot take runs its split eager (``split``:
+    :class:`~pipesplit.runtime.graphs.compiled.StageCompiler`, and replayed as CUDA graphs where asked for
+    (:mod:`pipesplit.runtime.graphs.cuda_graphs`). A stage they cannot take runs its split eager (``split``:
     the schedule splits its backward) or compiled whole, without CUDA graphs; warned once with the reason."""
 
     def __init__(self, compiler: Any, index: int, split: bool, device: torch.device):

@@ -8,7 +8,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from pipesplit.errors import RuntimeCommError
-from pipesplit.runtime.transport import Like, Parcel, Transport
+from pipesplit.runtime.comm.transport import Like, Parcel, Transport
 from pipesplit.schedules.issue import Turn
 from pipesplit.schedules.rendezvous import Edge, Message, Op
 

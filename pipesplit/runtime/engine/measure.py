@@ -1,7 +1,7 @@
 """Measure each stage's compute time per microbatch, to feed the schedule simulator.
 
 :func:`measure_stage_costs` runs one microbatch through the stages in order and times,
-for every stage, the actions the runtime executes (see ``runtime/worker.py``):
+for every stage, the actions the runtime executes (see ``runtime/engine/worker.py``):
 
 - ``forward``: the stage's GraphModule with autograd recording (on the last stage,
   also the loss when a ``loss_fn`` is given);
@@ -13,7 +13,7 @@ for every stage, the actions the runtime executes (see ``runtime/worker.py``):
 
 The simulator charges a full backward ``B`` (a ``FULL_BACKWARD`` action) ``I + W``. I also
 keeps the gradients at the outputs of the ops that consume weights, and W turns them into
-weight gradients through those ops alone (``runtime/weight_grads.py``), so I + W is close
+weight gradients through those ops alone (``runtime/engine/weight_grads.py``), so I + W is close
 to one fused pass (1.06-1.11x on a small GPT at microbatches of 2-16; a W that walked the
 graph again from the stage's outputs cost 1.5x). Two cost models:
 
@@ -39,8 +39,8 @@ import torch
 from pipesplit.compat import pytree
 from pipesplit.errors import PipesplitError
 from pipesplit.passes.split.program import SplitProgram
-from pipesplit.runtime.microbatch import batch_size, split_microbatches, split_target
-from pipesplit.runtime.weight_grads import input_grads, weight_backward, weight_graph
+from pipesplit.runtime.engine.microbatch import batch_size, split_microbatches, split_target
+from pipesplit.runtime.engine.weight_grads import input_grads, weight_backward, weight_graph
 from pipesplit.schedules import StageCost
 from pipesplit.deprecation import num_keywords
 
@@ -114,7 +114,7 @@ def measure_stage_costs(
             CPU time adds their times up). CUDA stages are timed by events either way.
 
     >>> import torch, pipesplit
-    >>> from pipesplit.runtime.measure import measure_stage_costs
+    >>> from pipesplit.runtime.engine.measure import measure_stage_costs
     >>> model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(4)])
     >>> prog = pipesplit.compile(model, torch.randn(4, 16), num_stages=2)
     >>> costs = measure_stage_costs(prog, torch.randn(8, 16), num_microbatches=2, repeats=3)
@@ -187,7 +187,7 @@ def _measure_stage(
         for (name, kind, where), v in zip(stage.inputs, raw)
     ]
 
-    weights = weight_graph(stage.module)  # I then W as the runtime runs them (runtime/weight_grads.py)
+    weights = weight_graph(stage.module)  # I then W as the runtime runs them (runtime/engine/weight_grads.py)
     module = weights.module if weights is not None else stage.module
     extras: list[Any] = []
 

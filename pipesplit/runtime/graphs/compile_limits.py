@@ -1,6 +1,6 @@
 """What compiled stages cannot take, and why, in words for a warning: each reason a silent wrong
 result or a raw error the differential fuzzer found in compiled code, or a feature the explicit
-F/I/W graphs (:mod:`pipesplit.runtime.stage_graphs`) do not model."""
+F/I/W graphs (:mod:`pipesplit.runtime.graphs.stage_graphs`) do not model."""
 
 from __future__ import annotations
 

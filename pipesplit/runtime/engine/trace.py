@@ -126,7 +126,7 @@ class Trace:
 
     def stage_costs(self) -> list[StageCost]:
         """Per stage, the median seconds of its traced F, I and W: the stage costs as the pipeline
-        ran them (:func:`~pipesplit.runtime.measure.measure_stage_costs` times them in isolation).
+        ran them (:func:`~pipesplit.runtime.engine.measure.measure_stage_costs` times them in isolation).
 
         Over every traced step; a fused backward (``B``) counts as ``backward_input``
         (:meth:`~pipesplit.schedules.StageCost.of_spans`).

@@ -3,7 +3,7 @@ options) runs every stage's forward, and the backward AOT autograd derives from 
 ``torch.compile`` generated (Inductor by default).
 
 Each stage module (and, under a schedule that splits the backward, each stage's F, I and W
-graphs, see :mod:`pipesplit.runtime.stage_graphs`) is compiled once and the compiled callable
+graphs, see :mod:`pipesplit.runtime.graphs.stage_graphs`) is compiled once and the compiled callable
 reused across steps; torch's own guards recompile it for a new microbatch
 shape. The first call of each stage at each microbatch size is timed and logged (the compile
 time), and kept in :attr:`StageCompiler.seconds`.
@@ -30,8 +30,8 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 
 from pipesplit.errors import PipesplitError
-from pipesplit.runtime.cuda_graphs import without_inductor_graphs
-from pipesplit.runtime.compile_limits import compile_blocker, failure
+from pipesplit.runtime.graphs.cuda_graphs import without_inductor_graphs
+from pipesplit.runtime.graphs.compile_limits import compile_blocker, failure
 
 log = logging.getLogger("pipesplit")
 
@@ -48,7 +48,7 @@ class StageCompiler:
             raise PipesplitError(f"compile= options {unknown} are not torch.compile's; it takes {_ALLOWED} "
                                  "(e.g. compile={'mode': 'max-autotune'} or compile={'backend': 'aot_eager'}).")
         # CUDA graphs (mode="reduce-overhead", ...): pipesplit captures its own per microbatch in flight
-        # (runtime/cuda_graphs.py); Inductor's cudagraph trees are taken out of the options
+        # (runtime/graphs/cuda_graphs.py); Inductor's cudagraph trees are taken out of the options
         self.options, self.graphs = without_inductor_graphs(opts)
         self._compiled: weakref.WeakKeyDictionary[torch.nn.Module, Callable[..., Any]] = weakref.WeakKeyDictionary()
         self._timed: set[tuple[int, int, int, bool]] = set()
@@ -93,7 +93,7 @@ class StageCompiler:
         return out
 
     def blocked(self, module: torch.nn.Module, stage: int, live: tuple[int, ...]) -> bool:
-        """Whether ``module`` must run eager (:func:`pipesplit.runtime.compile_limits.compile_blocker`, or
+        """Whether ``module`` must run eager (:func:`pipesplit.runtime.graphs.compile_limits.compile_blocker`, or
         its compiled code failed before); ``live``: the outputs a gradient comes back for. Warned once."""
         known = self._blocked.get(module)
         if known is None or known[0] != live:

@@ -19,7 +19,7 @@ import torch
 from pipesplit.errors import PipesplitError, RuntimeCommError
 from pipesplit.meta import is_sparse_lookup
 from pipesplit.passes.split.program import SplitProgram
-from pipesplit.runtime.running_stats import RunningStats
+from pipesplit.runtime.comm.running_stats import RunningStats
 
 
 _BARRIERS = [0]  # store barriers this process has entered; every rank enters them in the same order
