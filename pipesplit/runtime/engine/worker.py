@@ -12,17 +12,16 @@ from torch.utils.checkpoint import checkpoint
 
 from pipesplit.compat import pytree
 from pipesplit.errors import PipesplitError
-from pipesplit.passes.aliasing import inplace_inputs
 from pipesplit.passes.split.program import SplitProgram, Stage
 from pipesplit.rng import random_stream, stream_seed
 from pipesplit.runtime.engine.weight_grads import WeightGraph, input_grads, weight_backward, weight_graph
 from pipesplit.runtime.graphs.compiled import StageCompiler
 from pipesplit.runtime.comm.exchange import RankComm
 from pipesplit.runtime.engine.loss_leaves import checked_loss, loss_leaves, output_nodes
+from pipesplit.runtime.engine.stage_inputs import StageInputs
 from pipesplit.runtime.graphs import cuda_graphs
 from pipesplit.runtime.graphs.stage_graphs import Deferred, StageGraphs, run_forward, run_weights
 from pipesplit.runtime.graphs.stage_parts import Parts
-from pipesplit.runtime.comm.transport import Like
 from pipesplit.schedules import Action, ActionKind
 from pipesplit.schedules.rendezvous import Message
 
@@ -63,8 +62,8 @@ class _Saved:
     deferred: Deferred | None = None  # compiled F/I/W: the graphs and what passes between them
 
 
-class StageWorker:
-    """Runs F, B, I and W actions of one stage.
+class StageWorker(StageInputs):
+    """Runs F, B, I and W actions of one stage (its boundaries and inputs: :class:`StageInputs`).
 
     An action takes its inputs from, and hands its outputs to, its rank's
     :class:`~pipesplit.runtime.comm.exchange.RankComm`; when they travel is the rank's
@@ -83,21 +82,11 @@ class StageWorker:
         split_backward: bool = False,
         compiler: StageCompiler | None = None,
     ):
-        self.prog, self.stage, self.rank_of = prog, stage, rank_of
+        self.rank_of = rank_of
         self.compiler = compiler  # Pipeline(..., compile=...): the stage runs as torch.compile'd code
-        self.checkpointing, self.stream = checkpointing, stream
-        self.is_last = stage.index == prog.num_stages - 1
-        self.index = stage.index
-        self.in_bounds = {(b.name, b.src): b for b in prog.boundaries if b.dst == stage.index}
-        self.bounds = {(b.name, b.src, b.dst): b for b in prog.boundaries if stage.index in (b.src, b.dst)}
-        self.consumers: dict[str, list[int]] = {}
-        for b in prog.boundaries:
-            if b.src == stage.index:
-                self.consumers.setdefault(b.name, []).append(b.dst)
-        self.out_bounds = {(b.name, b.dst): b for b in prog.boundaries if b.src == stage.index}
+        self.stream = stream
+        StageInputs.__init__(self, prog, stage, checkpointing)
         self.saved: dict[int, _Saved] = {}
-        self._shapes: dict[tuple[str, int, int], tuple[int, ...]] = {}  # (boundary, source, microbatch size)
-        self._ints: dict[tuple[str, int, int], int] = {}
         self.tracer: Any = None  # a pipesplit.runtime.engine.trace.Trace while Pipeline.trace() is active
         self.on_gradients = on_gradients  # called once a step's last weight gradients are in
         self.split_backward = split_backward and not checkpointing  # I then W: see runtime/engine/weight_grads.py
@@ -112,9 +101,6 @@ class StageWorker:
                              compiler.graphs and cuda_graphs.backend_for(stage.device) is not None)) else None)
         self.backwards_done = 0
         self._slots: tuple[torch.nn.Module, list[tuple[dict[str, Any], str]]] | None = None
-        self._written: tuple[torch.nn.Module, frozenset[str]] | None = None
-        self.written_inputs = {where for s in prog.stages for name, kind, where in s.inputs  # flat input indices
-                               if kind == "input" and name in s.mutated_inputs}
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -133,23 +119,8 @@ class StageWorker:
         found = [slots.get(name) for slots, name in self._slots[1]]
         return list({id(p): p for p in found if p is not None}.values())  # tied ones once, in order
 
-    def _written_inputs(self) -> frozenset[str]:
-        """The inputs the stage's graph in its current mode writes in place: the split's
-        ``mutated_inputs`` (for both modes) less those only eval mode writes (a dropout returns
-        its input itself in eval mode, a new tensor in training), found once per module."""
-        module = self.stage.module
-        if self._written is None or self._written[0] is not module:
-            graph = getattr(module, "graph", None)
-            now = inplace_inputs(graph, precise=True) if isinstance(graph, torch.fx.Graph) else self.stage.mutated_inputs
-            self._written = (module, frozenset(self.stage.mutated_inputs & set(now)))
-        return self._written[1]
-
     def _ctx(self) -> Any:
         return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
-
-    def like(self, msg: Message, data: StepData) -> Like:
-        """Shape, dtype and device of ``msg`` as this stage receives it (an activation or its gradient)."""
-        return self._like(self.bounds[(msg.name, msg.src, msg.dst)], data)
 
     def _event(self) -> Any:
         """An event marking the work queued so far on this stage's stream (None without one)."""
@@ -158,25 +129,6 @@ class StageWorker:
         event = torch.cuda.Event()
         event.record(self.stream)
         return event
-
-    def _like(self, b: Any, data: StepData) -> Like:
-        key = (b.name, b.src, data.microbatch_size)
-        shape = self._shapes.get(key)
-        if shape is None:  # sympy resolves the sizes in ~0.3 ms: once per microbatch size
-            shape = self._shapes[key] = self.prog.resolve_shape(b, data.microbatch_size)
-        return shape, b.dtype, self.stage.device
-
-    def _scalar(self, b: Any, data: StepData) -> Any:
-        key = (b.name, b.src, data.microbatch_size)
-        value = self._ints.get(key)
-        if value is None:
-            value = self._ints[key] = self.prog.resolve_value(b, data.microbatch_size)
-        return value
-
-    def _to_device(self, v: Any) -> Any:
-        if isinstance(v, torch.Tensor) and v.device != self.stage.device:
-            return v.to(self.stage.device, non_blocking=True)
-        return v
 
     # ------------------------------------------------------------------ actions
     def run(self, action: Action, data: StepData, comm: RankComm, begin: float | None = None) -> None:
@@ -208,52 +160,7 @@ class StageWorker:
 
     def forward(self, m: int, data: StepData, comm: RankComm) -> None:
         saved = _Saved([])
-        received: dict[tuple[str, int], Any] = {}
-        for name, kind, where in self.stage.inputs:
-            if kind != "stage":
-                continue
-            b = self.in_bounds[(name, where)]
-            if b.kind != "tensor":  # sizes are known from the microbatch size on every rank
-                received[(name, where)] = self._scalar(b, data)
-                continue
-            value = self._to_device(comm.take(Message("F", name, where, self.index, m)))
-            if data.training and b.requires_grad:
-                value = value.detach().requires_grad_(True)
-            received[(name, where)] = value
-        args: list[Any] = []
-        written_now = self._written_inputs()
-        own: set[int] = set()  # positions of the inputs the stage writes in place (relu_, +=): cloned inside
-        write_back: list[tuple[int, torch.Tensor]] = []  # (position, the caller's rows) a write goes back to
-        for name, kind, where in self.stage.inputs:
-            value = data.inputs[m][where] if kind == "input" else received[(name, where)]
-            if isinstance(value, torch.Tensor) and name in written_now:
-                # Written in place: autograd forbids that on the leaf we take its gradient at, the sender
-                # may still hold the storage, and checkpointing replays the stage from its inputs as given.
-                # A clone made inside the (replayed) stage costs what the out-of-place op would have.
-                own.add(len(args))
-            if kind == "input":
-                given, value = value, self._to_device(value)
-                if data.training and isinstance(value, torch.Tensor) and value.requires_grad:
-                    # the caller's tensor (or its microbatch, a view of it): its gradient is taken at a
-                    # leaf of this stage's own and added to the caller's after the step, in order
-                    value = value.detach().requires_grad_(True)
-                    saved.user_inputs.append((where, value))
-                elif len(args) in own:  # the write goes back to the caller's rows, as the model's would
-                    write_back.append((len(args), given))
-                    if self.checkpointing and data.training:  # what checkpointing saves to replay from
-                        value = value.clone()
-                elif isinstance(value, torch.Tensor) and where in self.written_inputs:
-                    # another stage writes this input in place, into the caller's rows: this stage reads
-                    # its own copy, taken at its forward. Else a later write reaches what this stage
-                    # still reads: what microbatch k - 1 saved for its backward (microbatches are views
-                    # of one batch sharing its version counter), or the input a deferred W computes its
-                    # weight gradient from (zb_v, one microbatch: an MHA's in_proj gradient 115% off)
-                    value = value.clone()
-                args.append(value)
-                continue
-            if isinstance(value, torch.Tensor) and value.requires_grad and value.is_leaf:
-                saved.inputs.append((name, where, value))
-            args.append(value)
+        args, own, write_back = self.stage_args(m, data, comm, saved.inputs, saved.user_inputs)
         grad_mode = torch.enable_grad() if data.training else torch.no_grad()
         module, device = self.stage.module, self.stage.device
         explicit = self._explicit(args, data.microbatch_size) if data.training else None
@@ -358,24 +265,9 @@ class StageWorker:
             saved.outputs = outs
             self.saved[m] = saved
 
-    def _output_grads(self, m: int, saved: _Saved, comm: RankComm) -> None:
-        if self.is_last:
-            return
-        for name, value in zip(self.stage.outputs, saved.outputs):
-            total = None
-            for dst in self.consumers.get(name, ()):
-                b = self.out_bounds[(name, dst)]
-                if b.kind != "tensor" or not b.requires_grad:
-                    continue
-                g = self._to_device(comm.take(Message("B", name, self.index, dst, m)))
-                total = g if total is None else total + g
-            if total is not None and isinstance(value, torch.Tensor) and value.requires_grad:
-                saved.tensors.append(value)
-                saved.grads.append(total)
-
     def backward_input(self, m: int, data: StepData, comm: RankComm, split: bool = False) -> None:
         saved = self.saved[m]
-        self._output_grads(m, saved, comm)
+        self.output_grads(m, saved.outputs, comm, saved.tensors, saved.grads)
         leaves = [x for _, _, x in saved.inputs] + [x for _, x in saved.user_inputs]
         grads: Sequence[torch.Tensor | None]
         if not saved.tensors:
@@ -418,11 +310,6 @@ class StageWorker:
             torch.autograd.backward(saved.tensors, saved.grads, inputs=saved.params)
             return
         weight_backward(weights, saved.inters, saved.inter_grads, saved.tensors, saved.grads)
-
-    def _live_outputs(self) -> tuple[int, ...]:
-        """The outputs a gradient comes back for: the last stage's all, another's those whose cut carries one."""
-        return tuple(i for i, name in enumerate(self.stage.outputs) if self.is_last or any(
-            self.out_bounds[(name, dst)].requires_grad for dst in self.consumers.get(name, ())))
 
     def _explicit(self, args: Sequence[Any], microbatch_size: int) -> Parts | None:
         if self.explicit is None:
