@@ -18,11 +18,11 @@ from pipesplit.passes.split.generalise import output_batch_dims
 from pipesplit.inputs import Shown, shown, describe_structure, batch_sizes, check_input, check_range
 from pipesplit.passes.split.devices import capture_device, retarget
 from pipesplit.passes.split.modes import eval_module
-from pipesplit.passes.split import Boundary, SplitGraph, StagePiece
+from pipesplit.passes.split import Boundary, SplitGraph
 from pipesplit.plan import Plan
 from pipesplit.rng import seeded
-from pipesplit.passes.split.program_state import ProgramState
-from pipesplit.state import Placement, Tied, attach
+from pipesplit.passes.split.placing import StatePlacing
+from pipesplit.state import Placement, Tied
 
 
 @dataclass
@@ -64,7 +64,7 @@ class Stage:
         return out
 
 
-class SplitProgram(ProgramState):
+class SplitProgram(StatePlacing):
     """Stage modules with explicit send/recv boundaries, exact against the original model.
 
     Calling it runs the stages in order on their devices (the reference semantics
@@ -100,15 +100,7 @@ class SplitProgram(ProgramState):
         self.stage_entries: list[dict[int, torch.Tensor]] = []  # per stage: state index -> its tensor
         for piece, device_name in zip(split.stages, devices):
             device = concrete_device(device_name)
-            entries: dict[int, torch.Tensor] = {}
-            self.stage_entries.append(entries)
-
-            def take(idx: int, device: torch.device = device, entries: dict[int, torch.Tensor] = entries) -> Any:
-                if idx not in entries:  # a model built on "meta" stays there until materialize()
-                    t = captured.state[idx].tensor
-                    entries[idx] = placement.take(idx, t, t.device if t.is_meta else device)
-                return entries[idx]
-
+            take = self._taker(captured, placement, device)
             module = fx.GraphModule(self._holder(piece, take), piece.graph, class_name=f"Stage{piece.index}")
             cost = plan.stage_costs[piece.index] if plan.stage_costs else 0.0
             self.stages.append(
@@ -117,19 +109,7 @@ class SplitProgram(ProgramState):
             )
             if self.capture_device.type != "meta":  # a meta model's stages move at materialize()
                 self.stages[-1].place_graphs(device)
-        for idx, state in enumerate(captured.state):  # state no op reads (an unused head): stage 0 keeps it, so
-            # state_dict and checkpoints have it; on meta it stays unheld (nothing could give it values)
-            if state.aliases and placement.owner(idx) is None and self.stages and not state.tensor.is_meta:
-                self.stage_entries[0][idx] = placement.take(idx, state.tensor, self.stages[0].device)
-        self._owner: list[torch.Tensor | None] = [placement.owner(idx) for idx in range(len(captured.state))]
-        self.uninitialised: set[int] = set()  # state entries given storage by materialize() and no values yet
-        for idx, copies in enumerate(placement.copies):
-            if len(copies) > 1 and captured.state[idx].name in captured.mutated_names:
-                raise PlanError(
-                    f"buffer {captured.state[idx].name!r} is updated in place by stages on different devices "
-                    f"({', '.join(map(str, copies))}); put those stages on one device."
-                )
-        self._tie(placement.ties())
+        self._hold_the_rest(captured, placement)
         self._build_root(split)
 
     def _set_graph(self, captured: Captured, split: SplitGraph, plan: Plan) -> None:
@@ -158,23 +138,6 @@ class SplitProgram(ProgramState):
         }
         self.output_batch_dims = output_batch_dims(captured)  # where microbatches' outputs join (None: no batch)
         self.random_ops = sum(n.target is seeded for p in split.stages for n in p.graph.nodes)  # dropout & co.
-
-    def _holder(self, piece: StagePiece, take: Callable[[int], torch.Tensor]) -> nn.Module:
-        """A module holding what stage ``piece``'s graph reads: state tensors (``take(idx)``) under
-        their targets, and submodules (the bodies of higher-order ops)."""
-        holder = nn.Module()
-        for target, obj in piece.attrs.items():
-            idx = self.target_to_entry.get(target)
-            if idx is None:  # a submodule, e.g. the body of a higher-order op
-                attach(holder, target, obj)
-            else:
-                attach(holder, target, take(idx), self._state[idx].persistent)
-        if piece.index == 0:
-            used = set(self.target_to_entry.values())
-            for idx, entry in enumerate(self._state):
-                if idx not in used and entry.aliases:  # unused state stays with stage 0
-                    attach(holder, entry.name, take(idx), entry.persistent)
-        return holder
 
     def _build_root(self, split: SplitGraph) -> None:
         root = nn.Module()
