@@ -11,7 +11,7 @@ from torch import nn
 import pipesplit
 from pipesplit.distinct import distinct_inputs
 from tests.close import assert_close, assert_grads_close, assert_tree_close
-from tests.training import accumulate, chunk_tree, dot_loss, make_target
+from tests.training import accumulate, accumulate_tree, dot_loss, make_target
 
 
 class Pair(nn.Module):
@@ -98,16 +98,6 @@ def test_the_same_tensor_as_two_example_inputs_is_read_from_each_argument(form, 
     assert all(n.users for n in placeholders), "every input is read"
 
 
-def _accumulate(model: nn.Module, args: tuple, kwargs: dict, target, m: int) -> torch.Tensor:
-    """Gradient accumulation over ``m`` microbatches, inputs nested in pytrees cut too."""
-    total = torch.zeros(())
-    for (a, k), t in zip(chunk_tree((args, kwargs), m), chunk_tree(target, m)):
-        loss = dot_loss(model(*a, **k), t)
-        loss.backward(retain_graph=True)  # inputs computed before the cut share their graph
-        total = total + loss.detach()
-    return total
-
-
 @pytest.mark.parametrize("form", FORMS)
 def test_a_pipeline_over_aliased_example_inputs_trains_on_each_input(form):
     """``Pipeline.step`` on distinct inputs gives the plain model's loss, parameter gradients and input
@@ -122,7 +112,7 @@ def test_a_pipeline_over_aliased_example_inputs_trains_on_each_input(form):
         args_ref, kwargs_ref = _args(form, a_ref, b_ref)
         with torch.no_grad():
             target = make_target(ref(*args_ref, **kwargs_ref))
-        want = _accumulate(ref, args_ref, kwargs_ref, target, 2)
+        want = accumulate_tree(ref, args_ref, kwargs_ref, target, 2)
         assert_close(pipe.step(*args, target=target, **kwargs), want, name=f"loss at step {step}")
         assert_grads_close(pipe.named_parameters(), ref)
         for name, got, expected in [("a", a, a_ref), ("b", b, b_ref)]:
