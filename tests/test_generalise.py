@@ -420,3 +420,52 @@ def test_a_batch_first_models_time_major_flattened_output_is_refused(dynamic):
     pipe = pipesplit.Pipeline(prog, "gpipe", num_microbatches=4)
     with pytest.raises(pipesplit.InputError, match="carries the batch, but not in a dimension of its own"):
         pipe(x)
+
+
+class SelectRows(nn.Module):
+    """Keeps the rows whose first feature is positive: ``h[torch.nonzero(x[:, 0] > 0).squeeze(1)]``."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        h = h[torch.nonzero(x[:, 0] > 0).squeeze(1)]
+        return self.c(torch.tanh(self.b(h)))
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_a_model_that_selects_rows_by_value_compiles_and_trains_exactly(dynamic):
+    """Issue 33 defect 4: compile crashed in ``output_batch_dims`` with torch's GuardOnDataDependentSymNode.
+    ``prog(x)`` is the model at any batch, a step is accumulation's, and ``pipe(x)``, which has no rule to
+    join outputs whose row count the values chose, refuses unless there is one microbatch."""
+    from tests.close import assert_close, assert_grads_close
+
+    torch.manual_seed(0)
+    model = SelectRows()
+    ref = copy.deepcopy(model)
+    prog = pipesplit.compile(model, torch.randn(8, 4), num_stages=2, dynamic_batch=dynamic, progress=False)
+    for batch in (8, 6):
+        x = torch.randn(batch, 4)
+        assert_close(prog(x), model(x), name=f"prog(x) at a batch of {batch}")
+    pipe = pipesplit.Pipeline(prog, "1f1b", num_microbatches=2, loss_fn=lambda out, t: (out ** 2).sum(),
+                              loss_reduction="sum", target_batch_dim=None)
+    x = torch.randn(8, 4)
+    want = sum((ref(c) ** 2).sum() for c in x.chunk(2))
+    want.backward()
+    assert_close(pipe.step(x, target=torch.zeros(())), want.detach())
+    assert_grads_close(pipe.named_parameters(), ref)
+    pipe.eval()
+    with pytest.raises(InputError, match=r"output 0 .* size computed from the inputs' values .*prog\(x\)"):
+        pipe(x)
+    one = pipesplit.Pipeline(prog, "1f1b", num_microbatches=1).eval()
+    assert_close(one(x), model(x), name="pipe(x) in one microbatch")
+
+
+def test_a_cut_through_rows_selected_by_value_is_refused_naming_the_op():
+    """A receiver sizes its buffer from the batch size alone: a cut that a value sized by ``nonzero`` crosses
+    is refused at compile, naming the op; the planner places its cuts elsewhere."""
+    with pytest.raises(pipesplit.PlanError, match=r"'index' \(stage 0\) .*size depends on the inputs' values "
+                                                  r"\(made by 'nonzero', aten.nonzero.default\).*keep them in one stage"):
+        pipesplit.compile(SelectRows(), torch.randn(8, 4), split_points=["b"], progress=False)

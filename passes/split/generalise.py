@@ -25,6 +25,7 @@ import torch.fx as fx
 from torch import nn
 
 from pipesplit.capture import Captured, capture, rebind, static_dim
+from pipesplit.compat import data_dependent
 from pipesplit.errors import InputError, PlanError
 from pipesplit.export import paused_gc
 from pipesplit.meta import COMPUTE_OPS, META_KEY, node_cost, set_node_cost
@@ -68,6 +69,7 @@ def recapture_fn(
 
 UNMERGEABLE = -1  # an output that carries the batch where microbatches cannot be joined (seq * batch, flattened)
 UNKNOWN = -2  # static capture: an output computed from the batch, not with the batch's size at batch_dim
+DATA_DEPENDENT = -3  # a size computed from the inputs' values (torch.nonzero, a boolean mask): joined by no rule
 
 
 def output_batch_dims(captured: Captured) -> list[int | None]:
@@ -81,7 +83,9 @@ def output_batch_dims(captured: Captured) -> list[int | None]:
     capture: the inputs' batch dimension where the output depends on a batched input and has the
     example's batch size there; ``UNKNOWN`` for another output that depends on one (sizes alone
     cannot tell a (seq, batch) output or flattened rows from a count that happens to have the
-    batch's size): the dynamic capture decides, if the microbatches' values need joining.
+    batch's size): the dynamic capture decides, if the microbatches' values need joining. Either
+    capture: ``DATA_DEPENDENT`` for an output with a size computed from the inputs' values
+    (``h[torch.nonzero(mask)]``), which no rule joins.
     """
     d, static = captured.batch_dim, captured.static_batch
     placeholders = [n for n in captured.gm.graph.nodes if n.op == "placeholder"]
@@ -94,6 +98,8 @@ def output_batch_dims(captured: Captured) -> list[int | None]:
         val = v.meta.get("val") if isinstance(v, fx.Node) else None
         if not isinstance(val, torch.Tensor) or val.dim() == 0:
             result.append(None)
+        elif data_dependent(val):
+            result.append(DATA_DEPENDENT)
         elif static is None:
             result.append(_symbolic_batch_dim(val.shape, symbols, d, _flattened_from(v)))
         elif not _depends_on(v, batched_in):
