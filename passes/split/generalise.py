@@ -26,12 +26,13 @@ from torch import nn
 
 from pipesplit.capture import Captured, capture, rebind, static_dim
 from pipesplit.compat import data_dependent
-from pipesplit.errors import InputError, PlanError
+from pipesplit.errors import CaptureError, InputError, PlanError
 from pipesplit.export import paused_gc
 from pipesplit.meta import COMPUTE_OPS, META_KEY, node_cost, set_node_cost
 from pipesplit.passes.annotate.costs import annotate_costs
 from pipesplit.passes.plan.recompute import recomputable
 from pipesplit.passes.split import split_graph
+from pipesplit.structure import Structure
 
 if TYPE_CHECKING:
     from pipesplit.passes.split.program import SplitProgram
@@ -47,8 +48,18 @@ def recapture_fn(
     autocast or inference mode the call that needs it runs in, without copying the model's state."""
     grad_enabled = torch.is_grad_enabled()
     compiled = [(m, m.training) for m in model.modules()]
+    structure = Structure.of(model)
 
     def recapture() -> Captured:
+        changed = structure.changes(Structure.of(model))
+        if changed:
+            raise CaptureError(
+                f"{type(model).__name__} changed since it was compiled: {'; '.join(changed)}. The program captures "
+                "the model again for a new batch size and would capture the changed model, not the one it holds. "
+                "Put the model back as it was, or compile it again (pipesplit.compile) to run the changed model; "
+                "compile(..., dynamic_batch=True) never captures again. (Changed weight values are fine: the "
+                "program holds its own.)"
+            )
         modes = [(m, m.training) for m in model.modules()]
         for m, mode in compiled:
             m.training = mode
