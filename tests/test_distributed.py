@@ -74,6 +74,16 @@ def test_torch_pipelining_runs_pipesplit_stages_exactly():
         assert matched == {"0", "1"}, result.stdout
 
 
+def test_torch_pipelining_trains_a_weight_tied_across_stages_on_its_whole_gradient():
+    """Issue 38: the built-in GPT (head tied to the token embedding) under torch's Schedule1F1B gave rank 0's
+    tok.weight only its own share (0.998 off) and the head's copy on rank 1 no gradient at all. With
+    tied_grads='sum' and sum_tied_grads after the step, both ranks hold the whole gradient."""
+    result = launch.torchrun("interop_check.py", 2, "gpt_tied")
+    for schedule in ("ScheduleGPipe", "Schedule1F1B"):
+        matched = set(re.findall(rf"rank (\d+): \d+ gradients match under torch {schedule} \(tied\)", result.stdout))
+        assert matched == {"0", "1"}, result.stdout
+
+
 @pytest.mark.parametrize("schedule", ["1f1b", "zb_v"])  # zb_v: two stages per rank
 def test_example_training_script_lowers_the_loss(schedule):
     result = launch.torchrun("examples/train_gpt.py", 2, "--steps", "16", "--schedule", schedule, as_user=True)
