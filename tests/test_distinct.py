@@ -145,3 +145,19 @@ def test_distinct_inputs_copies_only_the_later_aliases_and_leaves_the_users_obje
     assert example["pair"][0] is x and example["pair"][1]._base is x, "the user's containers are unchanged"
     args = (torch.randn(2), torch.randn(2))
     assert distinct_inputs(args, {})[0] is args, "nothing shared: the same objects back"
+
+
+def test_the_hugging_face_idiom_labels_equal_to_ids_reads_the_labels_given():
+    """``compile(model, ids, example_kwargs={"labels": ids})`` then ``prog(a, labels=b)`` returned
+    ``model(b, labels=b)``'s loss (issue 38: 4.169848 where the model gives 4.173154)."""
+    pytest.importorskip("transformers")
+    from tests.zoo import hf_gpt2
+
+    torch.manual_seed(0)
+    model = hf_gpt2().eval()
+    ids = torch.randint(0, 128, (2, 16))
+    prog = pipesplit.compile(model, ids, example_kwargs={"labels": ids}, num_stages=2, progress=False)
+    a, b = torch.randint(0, 128, (2, 16)), torch.randint(0, 128, (2, 16))
+    got, want = prog(a, labels=b), model(a, labels=b)
+    assert_close(got["loss"], want.loss, name="loss")
+    assert_close(got["logits"], want.logits, name="logits")
