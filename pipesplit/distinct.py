@@ -9,15 +9,18 @@ import torch
 from pipesplit.compat import pytree
 
 
-def _storage_key(t: torch.Tensor) -> tuple[str, int] | None:
-    """What identifies ``t``'s memory (its device and storage address); None where it has none to share."""
-    if t.is_meta or t.layout is not torch.strided:
-        return None
-    try:
-        ptr = t.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):  # a tensor subclass without storage
-        return None
-    return (str(t.device), ptr) if ptr else None
+def _storage_key(t: torch.Tensor) -> tuple[str, int]:
+    """What identifies ``t``'s memory: its device and storage address, or, where it has no storage to
+    read (meta, sparse, empty), the tensor object itself."""
+    ptr = 0
+    if not t.is_meta and t.layout is torch.strided:
+        try:
+            ptr = t.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError):  # a tensor subclass without storage
+            ptr = 0
+    if ptr:
+        return (str(t.device), ptr)
+    return ("object", id(t))
 
 
 def _copy(t: torch.Tensor) -> torch.Tensor:

@@ -161,3 +161,9 @@ def test_the_hugging_face_idiom_labels_equal_to_ids_reads_the_labels_given():
     got, want = prog(a, labels=b), model(a, labels=b)
     assert_close(got["loss"], want.loss, name="loss")
     assert_close(got["logits"], want.logits, name="logits")
+
+
+def test_inputs_without_storage_to_compare_are_told_apart_by_identity():
+    meta = torch.empty(2, 3, device="meta")
+    (a, b, c), _, copied = distinct_inputs((meta, meta, torch.empty(2, 3, device="meta")), {})
+    assert a is meta and b is not meta and b.is_meta and c.is_meta and copied == ["args[1]"]
