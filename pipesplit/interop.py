@@ -154,6 +154,8 @@ def to_pipeline_stage(prog: SplitProgram, stage_index: int, device: Any = None, 
     """
     from torch.distributed.pipelining import PipelineStage
 
+    if tied_grads not in ("refuse", "sum"):
+        raise PipesplitError(f"to_pipeline_stage(tied_grads={tied_grads!r}): pass 'refuse' (the default) or 'sum'.")
     tied = tied_across_stages(prog)
     if tied and tied_grads != "sum":
         names = "; ".join(f"{'/'.join(prog.state_entry(i).aliases) or prog.state_entry(i).name} (stages "
@@ -174,10 +176,11 @@ def sum_tied_grads(prog: SplitProgram, stages: Sequence[Any], group: Any = None)
     """Give each weight that several stages read its whole gradient: the sum of every stage's share, on the
     first of this rank's ``stages`` (``PipelineStage`` objects or stage indices) that reads it.
 
-    Call it on every rank of ``group`` (the pipeline's ranks; default: every rank) after each
-    schedule step, once per optimizer step, before ``optimizer.step()``: each rank then applies
-    the same update to its own copy. Without ``torch.distributed`` initialised, ``stages`` are
-    every stage that ran, in this process.
+    Call it on every rank of ``group`` (the pipeline's ranks; default: every rank) once per
+    optimizer step, after the schedule steps whose gradients it takes (with ``zero_grad`` between
+    optimizer steps, as usual) and before ``optimizer.step()``: each rank then applies the same
+    update to its own copy. Without ``torch.distributed`` initialised, ``stages`` are every stage
+    that ran, in this process.
     """
     import torch.distributed as dist
 
@@ -186,7 +189,7 @@ def sum_tied_grads(prog: SplitProgram, stages: Sequence[Any], group: Any = None)
     for idx, readers in tied_across_stages(prog).items():
         holders = list({id(t): t for t in (e[idx] for e in prog.stage_entries if idx in e)}.values())
         first = next((prog.stage_entries[s][idx] for s in local if s in readers), None)
-        device = first.device if first is not None else holders[0].device
+        device = first.device if first is not None else getattr(stages[0], "device", holders[0].device)
         total = torch.zeros(holders[0].shape, dtype=holders[0].dtype, device=device)
         for t in holders:  # this process's shares: on its own stages, or moved to another holder by its hook
             if t.grad is not None:

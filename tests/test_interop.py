@@ -63,6 +63,8 @@ def test_a_weight_tied_across_stages_is_refused_without_a_way_to_sum_its_gradien
     with pytest.raises(pipesplit.PipesplitError, match=r"ties weights across stages: tok.weight/head.weight \(stages 0, "
                                                        r"1\).*tied_grads='sum'.*sum_tied_grads"):
         to_pipeline_stage(prog, 1, device="cpu")
+    with pytest.raises(pipesplit.PipesplitError, match=r"tied_grads='yes'\): pass 'refuse' \(the default\) or 'sum'"):
+        to_pipeline_stage(prog, 1, device="cpu", tied_grads="yes")
 
 
 def test_sum_tied_grads_in_one_process_puts_the_whole_gradient_on_the_first_holder():
