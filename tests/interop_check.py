@@ -1,6 +1,6 @@
 """Run under torchrun (2 ranks): PyTorch's own schedules run pipesplit's split, exactly.
 
-The first argument names the zoo model (default long_skip); a model with a weight tied across stages
+The arguments name zoo models (default long_skip), run one after the other; a model with a weight tied across stages
 (gpt_tied: the head is the token embedding) sums its shares with pipesplit.interop.sum_tied_grads."""
 
 from __future__ import annotations
@@ -24,9 +24,17 @@ from tests.launch import end_rank  # noqa: E402
 
 def main() -> int:
     dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    for name in sys.argv[1:] or [os.environ.get("MODEL", "long_skip")]:
+        check(name, dist.get_rank(), dist.get_world_size())
+    dist.barrier()  # no rank closes its connections while a peer still reads from them
+    dist.destroy_process_group()
+    return 0
+
+
+def check(name: str, rank: int, world: int) -> None:
+    """Both torch schedules on zoo model ``name``: the loss and every gradient of this rank's stage."""
     torch.manual_seed(0)
-    case = CASE_BY_NAME[sys.argv[1] if len(sys.argv) > 1 else os.environ.get("MODEL", "long_skip")]
+    case = CASE_BY_NAME[name]
     model = case.build()
     prog = pipesplit.compile(model, case.inputs(2)[0], example_kwargs=case.inputs(2)[1], num_stages=world)
     tied = bool(tied_across_stages(prog))
@@ -63,9 +71,6 @@ def main() -> int:
             checked += 1
         print(f"rank {rank}: {checked} gradients match under torch {schedule_cls.__name__}"
               + (" (tied)" if tied else ""), flush=True)
-    dist.barrier()  # no rank closes its connections while a peer still reads from them
-    dist.destroy_process_group()
-    return 0
 
 
 if __name__ == "__main__":
