@@ -23,7 +23,7 @@ from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 __all__ = [
     "TORCH_FLOOR", "TORCH_VERSION", "HigherOrderOperator", "LazyGraphModule", "OpOverload", "OpOverloadPacket",
-    "EXPORTS_META_MODELS", "GROUP_NORM_WEIGHT_GRAD_ALONE_CRASHES", "data_dependent", "forward_hooks", "STATE_MUTATIONS", "TORCH_LOGGERS", "FAKE_TENSOR_LOGGER", "fake_mode",
+    "EXPORTS_META_MODELS", "GROUP_NORM_WEIGHT_GRAD_ALONE_CRASHES", "data_dependent", "forward_hooks", "set_forward_hooks", "STATE_MUTATIONS", "TORCH_LOGGERS", "FAKE_TENSOR_LOGGER", "fake_mode",
     "has_compatible_shallow_copy_type",
     "is_concrete_int", "make_fx", "optimization_hint", "pytree", "torch_csv_send_waits",
 ]
@@ -85,12 +85,24 @@ def data_dependent(x: Any) -> bool:
     return bool(symbolic_shapes.free_unbacked_symbols(x))
 
 
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs",
+               "_forward_hooks_always_called")
+
+
 def forward_hooks(module: torch.nn.Module) -> tuple[Any, ...]:
     """The forward hooks and pre-hooks on ``module`` (handle id, hook) and their flags, comparable with ``==``:
     ``nn.Module``'s private dicts, the same in every release tested."""
-    names = ("_forward_pre_hooks", "_forward_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs",
-             "_forward_hooks_always_called")
-    return tuple(tuple(getattr(module, name, {}).items()) for name in names)
+    return tuple(tuple(getattr(module, name, {}).items()) for name in _HOOK_DICTS)
+
+
+def set_forward_hooks(module: torch.nn.Module, hooks: tuple[Any, ...]) -> None:
+    """Make ``module``'s forward hooks and pre-hooks those :func:`forward_hooks` returned, in the same dicts
+    (a hook's handle holds its dict, so ``handle.remove()`` keeps working)."""
+    for name, items in zip(_HOOK_DICTS, hooks):
+        held = getattr(module, name, None)
+        if held is not None:
+            held.clear()
+            held.update(items)
 
 
 # OutputKind.PARAMETER_MUTATION: present in 2.10 (not in 2.6); the getattr keeps an older

@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 from torch import nn
 
-from pipesplit.compat import forward_hooks
+from pipesplit.compat import forward_hooks, set_forward_hooks
 
 
 @dataclass(frozen=True)
 class Structure:
-    """A model's submodules by name (the objects themselves), the forward hooks and pre-hooks on each,
-    a ``forward`` set on an instance, and its parameter and buffer names with their shapes and dtypes.
+    """A model's submodules by name (the objects themselves), the forward hooks and pre-hooks on each
+    (:func:`hooks_as_compiled` puts them back for a capture), a ``forward`` set on an instance, and its
+    parameter and buffer names with their shapes and dtypes.
 
     Parametrizations (``torch.nn.utils.parametrize``) change a module's class and add submodules, so
     they show as a module changed. Weight *values* are not part of it: a program holds its own.
@@ -52,8 +54,6 @@ class Structure:
             if other is not module or was != is_:
                 out.append(f"{_shown(name)} is another module ({is_}, was {was})" if was != is_ else
                            f"{_shown(name)} is another {is_} object")
-            elif self.hooks[name] != now.hooks[name]:
-                out.append(f"{_shown(name)}'s forward hooks or pre-hooks changed")
             elif self.forwards[name] is not now.forwards[name]:
                 out.append(f"{_shown(name)}'s forward was replaced")
         out += [f"{_shown(name)} was added ({type(m).__name__})" for name, m in now.modules.items()
@@ -62,6 +62,20 @@ class Structure:
             moved = [n for n in self.state.keys() | now.state.keys() if self.state.get(n) != now.state.get(n)]
             out.append(f"its parameters or buffers changed in name, shape, dtype or tying ({', '.join(sorted(moved)[:3])})")
         return out[:limit] + ([f"{len(out) - limit} more"] if len(out) > limit else [])
+
+
+@contextlib.contextmanager
+def hooks_as_compiled(structure: Structure) -> Iterator[None]:
+    """Every module of ``structure`` with the forward hooks and pre-hooks it had when compiled, for the
+    block (those added since are left out, those removed put back); the model's own after it."""
+    now = {name: forward_hooks(m) for name, m in structure.modules.items()}
+    try:
+        for name, m in structure.modules.items():
+            set_forward_hooks(m, structure.hooks[name])
+        yield
+    finally:
+        for name, m in structure.modules.items():
+            set_forward_hooks(m, now[name])
 
 
 def _shown(name: str) -> str:

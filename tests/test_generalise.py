@@ -481,9 +481,6 @@ def _swap(model: nn.Sequential):
     return r"'1' is another module \(GELU, was Tanh\)", lambda: model.__setitem__(1, was)
 
 
-def _hook(model: nn.Sequential):
-    handle = model[2].register_forward_hook(lambda module, args, out: out * 2)
-    return r"'2''s forward hooks or pre-hooks changed", handle.remove
 
 
 def _parametrize(model: nn.Sequential):
@@ -499,11 +496,11 @@ def _parametrize(model: nn.Sequential):
 
 
 @pytest.mark.parametrize("how", ["prog", "pipe"])
-@pytest.mark.parametrize("change", [_swap, _hook, _parametrize])
+@pytest.mark.parametrize("change", [_swap, _parametrize])
 def test_a_model_changed_after_compile_is_not_captured_again_silently(change, how):
     """Issue 38 silent #2: the re-capture at a new batch size traced the model as it is now (a submodule
-    swapped, a forward hook added: outputs 0.011 and 0.029 off). It refuses, naming what changed; put
-    back, the model captures again and the program is the compiled model's, new weight values or not."""
+    swapped: outputs 0.011 off). It refuses, naming what changed; put back, the model captures again and
+    the program is the compiled model's, new weight values or not."""
     model = _mlp()
     compiled = copy.deepcopy(model)
     prog = pipesplit.compile(model, torch.randn(8, 4), num_stages=2, progress=False)
@@ -517,3 +514,22 @@ def test_a_model_changed_after_compile_is_not_captured_again_silently(change, ho
     with torch.no_grad():
         model[0].weight.add_(1.0)  # a value: the program holds its own tensors
     torch.testing.assert_close(run(x), compiled(x))
+
+
+@pytest.mark.parametrize("how", ["prog", "pipe"])
+def test_hooks_changed_after_compile_are_not_captured_again(how):
+    """Issue 38 silent #2: a forward hook added after compile was traced by the re-capture (0.029 off). The
+    re-capture sees the hooks the model had when compiled (a hook added since left out, one removed put
+    back) and leaves the model's own as they are now: transformers adds output-recording hooks on a call
+    with output_hidden_states=True, which must not stop a new batch size."""
+    model = _mlp()
+    doubled = model[0].register_forward_pre_hook(lambda module, args: (args[0] * 2,))
+    compiled = copy.deepcopy(model)
+    prog = pipesplit.compile(model, torch.randn(8, 4), num_stages=2, progress=False)
+    run = prog if how == "prog" else pipesplit.Pipeline(prog, "1f1b", num_microbatches=2).eval()
+    added = model[2].register_forward_hook(lambda module, args, out: out * 3)
+    doubled.remove()
+    x = torch.randn(6, 4)
+    torch.testing.assert_close(run(x), compiled(x))
+    assert prog.static_batch is None, "captured again"
+    assert list(model[2]._forward_hooks) == [added.id] and not model[0]._forward_pre_hooks, "the model's hooks as now"

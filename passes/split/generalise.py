@@ -32,7 +32,7 @@ from pipesplit.meta import COMPUTE_OPS, META_KEY, node_cost, set_node_cost
 from pipesplit.passes.annotate.costs import annotate_costs
 from pipesplit.passes.plan.recompute import recomputable
 from pipesplit.passes.split import split_graph
-from pipesplit.structure import Structure
+from pipesplit.structure import Structure, hooks_as_compiled
 
 if TYPE_CHECKING:
     from pipesplit.passes.split.program import SplitProgram
@@ -43,9 +43,11 @@ log = logging.getLogger(__name__)
 def recapture_fn(
     model: nn.Module, args: Any, kwargs: dict[str, Any] | None, batch_dim: int, unbatched: Collection[str],
 ) -> Callable[[], Captured]:
-    """Captures ``model`` again with a dynamic batch, as it is compiled now: every submodule in the
-    training mode it has now (their flags are put back after), the same grad mode, outside any
-    autocast or inference mode the call that needs it runs in, without copying the model's state."""
+    """Captures ``model`` again with a dynamic batch, as it was compiled: every submodule in the
+    training mode and with the forward hooks it had then (its own put back after), the same grad
+    mode, outside any autocast or inference mode the call that needs it runs in, without copying
+    the model's state. A model whose modules, parametrizations or state names changed since is
+    refused, naming the change."""
     grad_enabled = torch.is_grad_enabled()
     compiled = [(m, m.training) for m in model.modules()]
     structure = Structure.of(model)
@@ -70,6 +72,7 @@ def recapture_fn(
                 for device_type in ("cpu", "cuda"):
                     if torch.is_autocast_enabled(device_type):
                         scope.enter_context(torch.autocast(device_type, enabled=False))
+                scope.enter_context(hooks_as_compiled(structure))  # not one added since (transformers' recorders)
                 return capture(model, args, kwargs, batch_dim=batch_dim, unbatched=unbatched, copy_state=False)
         finally:
             for m, mode in modes:
