@@ -14,6 +14,7 @@ from torch import nn
 from torch.export import Dim
 
 from pipesplit.compat import EXPORTS_META_MODELS, is_concrete_int, pytree
+from pipesplit.distinct import distinct_inputs
 from pipesplit.errors import CaptureError
 from pipesplit.export import export_quietly, unlift
 from pipesplit.kv_cache import nested_cache_off, no_cache_kwargs
@@ -306,6 +307,9 @@ def capture(
             f"{sorted(set(owners))}."
         )
     _check_meta_export(model, args, kwargs)
+    args, kwargs, copied = distinct_inputs(args, kwargs)  # export would fold inputs that share memory into one
+    if copied:
+        log.debug("pipesplit: example inputs %s share memory with an earlier one: captured from copies", copied)
     with nested_cache_off(model, kwargs, notes):
         ep, export_seconds = export_quietly(model, args, kwargs, dyn if dynamic else None)
     gm, in_spec, out_spec = unlift(ep)  # flat in, flat out; the specs are kept here

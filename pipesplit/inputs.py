@@ -26,6 +26,23 @@ def describe_structure(tree: tuple[Any, Any]) -> str:
     return f"args={args!r}, kwargs={kwargs!r}"
 
 
+def ordered_like(tree: Any, template: Any) -> Any:
+    """``tree`` with every dict that has the same keys as ``template``'s dict at that place in the
+    template's key order (a pytree's structure includes the order of a dict's keys; a call names its
+    keyword arguments in any order). Other values come back as they are.
+
+    >>> ordered_like(((1,), {"labels": 2, "mask": 3}), ((None,), {"mask": None, "labels": None}))
+    ((1,), {'mask': 3, 'labels': 2})
+    """
+    if type(tree) is dict and type(template) is dict:
+        if tree.keys() != template.keys():
+            return tree
+        return {k: ordered_like(tree[k], template[k]) for k in template}
+    if type(tree) in (tuple, list) and type(tree) is type(template) and len(tree) == len(template):
+        return type(tree)(ordered_like(a, b) for a, b in zip(tree, template))
+    return tree
+
+
 def check_input(value: Any, info: InputInfo, free_dim: int | None = None) -> None:
     """``value`` fits the captured input ``info``; a batched input's ``free_dim`` may take any size."""
     if not info.is_tensor:

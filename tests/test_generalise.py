@@ -420,3 +420,116 @@ def test_a_batch_first_models_time_major_flattened_output_is_refused(dynamic):
     pipe = pipesplit.Pipeline(prog, "gpipe", num_microbatches=4)
     with pytest.raises(pipesplit.InputError, match="carries the batch, but not in a dimension of its own"):
         pipe(x)
+
+
+class SelectRows(nn.Module):
+    """Keeps the rows whose first feature is positive: ``h[torch.nonzero(x[:, 0] > 0).squeeze(1)]``."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        h = h[torch.nonzero(x[:, 0] > 0).squeeze(1)]
+        return self.c(torch.tanh(self.b(h)))
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_a_model_that_selects_rows_by_value_compiles_and_trains_exactly(dynamic):
+    """Issue 33 defect 4: compile crashed in ``output_batch_dims`` with torch's GuardOnDataDependentSymNode.
+    ``prog(x)`` is the model at any batch, a step is accumulation's, and ``pipe(x)``, which has no rule to
+    join outputs whose row count the values chose, refuses unless there is one microbatch."""
+    from tests.close import assert_close, assert_grads_close
+
+    torch.manual_seed(0)
+    model = SelectRows()
+    ref = copy.deepcopy(model)
+    prog = pipesplit.compile(model, torch.randn(8, 4), num_stages=2, dynamic_batch=dynamic, progress=False)
+    for batch in (8, 6):
+        x = torch.randn(batch, 4)
+        assert_close(prog(x), model(x), name=f"prog(x) at a batch of {batch}")
+    pipe = pipesplit.Pipeline(prog, "1f1b", num_microbatches=2, loss_fn=lambda out, t: (out ** 2).sum(),
+                              loss_reduction="sum", target_batch_dim=None)
+    x = torch.randn(8, 4)
+    want = sum((ref(c) ** 2).sum() for c in x.chunk(2))
+    want.backward()
+    assert_close(pipe.step(x, target=torch.zeros(())), want.detach())
+    assert_grads_close(pipe.named_parameters(), ref)
+    pipe.eval()
+    with pytest.raises(InputError, match=r"output 0 .* size computed from the inputs' values .*prog\(x\)"):
+        pipe(x)
+    one = pipesplit.Pipeline(prog, "1f1b", num_microbatches=1).eval()
+    assert_close(one(x), model(x), name="pipe(x) in one microbatch")
+
+
+def test_a_cut_through_rows_selected_by_value_is_refused_naming_the_op():
+    """A receiver sizes its buffer from the batch size alone: a cut that a value sized by ``nonzero`` crosses
+    is refused at compile, naming the op; the planner places its cuts elsewhere."""
+    with pytest.raises(pipesplit.PlanError, match=r"'index' \(stage 0\) .*size depends on the inputs' values "
+                                                  r"\(made by 'nonzero', aten.nonzero.default\).*keep them in one stage"):
+        pipesplit.compile(SelectRows(), torch.randn(8, 4), split_points=["b"], progress=False)
+
+
+def _mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def _swap(model: nn.Sequential):
+    was, model[1] = model[1], nn.GELU()
+    return r"'1' is another module \(GELU, was Tanh\)", lambda: model.__setitem__(1, was)
+
+
+
+
+def _parametrize(model: nn.Sequential):
+    from torch.nn.utils import parametrize
+
+    class Double(nn.Module):
+        def forward(self, w):
+            return 2 * w
+
+    parametrize.register_parametrization(model[4], "bias", Double())
+    return (r"'4' is another module \(ParametrizedLinear, was Linear\)",
+            lambda: parametrize.remove_parametrizations(model[4], "bias", leave_parametrized=False))
+
+
+@pytest.mark.parametrize("how", ["prog", "pipe"])
+@pytest.mark.parametrize("change", [_swap, _parametrize])
+def test_a_model_changed_after_compile_is_not_captured_again_silently(change, how):
+    """Issue 38 silent #2: the re-capture at a new batch size traced the model as it is now (a submodule
+    swapped: outputs 0.011 off). It refuses, naming what changed; put back, the model captures again and
+    the program is the compiled model's, new weight values or not."""
+    model = _mlp()
+    compiled = copy.deepcopy(model)
+    prog = pipesplit.compile(model, torch.randn(8, 4), num_stages=2, progress=False)
+    run = prog if how == "prog" else pipesplit.Pipeline(prog, "1f1b", num_microbatches=2).eval()
+    what, undo = change(model)
+    x = torch.randn(6, 4)
+    with pytest.raises(pipesplit.CaptureError, match=f"Sequential changed since it was compiled: {what}.*compile it "
+                                                     r"again.*dynamic_batch=True"):
+        run(x)
+    undo()
+    with torch.no_grad():
+        model[0].weight.add_(1.0)  # a value: the program holds its own tensors
+    torch.testing.assert_close(run(x), compiled(x))
+
+
+@pytest.mark.parametrize("how", ["prog", "pipe"])
+def test_hooks_changed_after_compile_are_not_captured_again(how):
+    """Issue 38 silent #2: a forward hook added after compile was traced by the re-capture (0.029 off). The
+    re-capture sees the hooks the model had when compiled (a hook added since left out, one removed put
+    back) and leaves the model's own as they are now: transformers adds output-recording hooks on a call
+    with output_hidden_states=True, which must not stop a new batch size."""
+    model = _mlp()
+    doubled = model[0].register_forward_pre_hook(lambda module, args: (args[0] * 2,))
+    compiled = copy.deepcopy(model)
+    prog = pipesplit.compile(model, torch.randn(8, 4), num_stages=2, progress=False)
+    run = prog if how == "prog" else pipesplit.Pipeline(prog, "1f1b", num_microbatches=2).eval()
+    added = model[2].register_forward_hook(lambda module, args, out: out * 3)
+    doubled.remove()
+    x = torch.randn(6, 4)
+    torch.testing.assert_close(run(x), compiled(x))
+    assert prog.static_batch is None, "captured again"
+    assert list(model[2]._forward_hooks) == [added.id] and not model[0]._forward_pre_hooks, "the model's hooks as now"

@@ -9,6 +9,7 @@ from typing import Any, Callable, Mapping, Sequence, Union
 
 import torch.fx as fx
 
+from pipesplit.compat import data_dependent
 from pipesplit.errors import CostError, PlanError, did_you_mean
 from pipesplit.meta import NodeCost, node_cost, node_module_paths
 from pipesplit.passes.plan.chain import Chain, build_chain, compute_nodes
@@ -321,10 +322,24 @@ def check_plan(gm: fx.GraphModule, plan: Plan) -> None:
                     "values may only flow to the same or a later stage."
                 )
             if a < b and not node_cost(arg).sendable:
+                what = f"a {type(arg.meta.get('val')).__name__}, not a tensor,"
+                if data_dependent(arg.meta.get("val")):
+                    source = _size_source(arg)
+                    what = (f"a value whose size depends on the inputs' values (made by {source.name!r}, "
+                            f"{source.target}) and")
                 raise PlanError(
-                    f"{arg.name!r} (stage {a}) is a {type(arg.meta.get('val')).__name__}, not a tensor, and cannot "
-                    f"be sent to {node.name!r} in stage {b}; keep them in one stage."
+                    f"{arg.name!r} (stage {a}) is {what} cannot be sent to {node.name!r} in stage {b}; keep them in "
+                    "one stage (a cut before it, or after the value is reduced to a fixed size)."
                 )
+
+
+def _size_source(node: fx.Node) -> fx.Node:
+    """The op that made ``node``'s data-dependent size: the first one up its inputs whose own inputs have none."""
+    while True:
+        up = next((a for a in node.all_input_nodes if data_dependent(a.meta.get("val"))), None)
+        if up is None:
+            return node
+        node = up
 
 
 __all__ = [

@@ -25,12 +25,14 @@ import torch.fx as fx
 from torch import nn
 
 from pipesplit.capture import Captured, capture, rebind, static_dim
-from pipesplit.errors import InputError, PlanError
+from pipesplit.compat import data_dependent
+from pipesplit.errors import CaptureError, InputError, PlanError
 from pipesplit.export import paused_gc
 from pipesplit.meta import COMPUTE_OPS, META_KEY, node_cost, set_node_cost
 from pipesplit.passes.annotate.costs import annotate_costs
 from pipesplit.passes.plan.recompute import recomputable
 from pipesplit.passes.split import split_graph
+from pipesplit.structure import Structure, hooks_as_compiled
 
 if TYPE_CHECKING:
     from pipesplit.passes.split.program import SplitProgram
@@ -41,13 +43,25 @@ log = logging.getLogger(__name__)
 def recapture_fn(
     model: nn.Module, args: Any, kwargs: dict[str, Any] | None, batch_dim: int, unbatched: Collection[str],
 ) -> Callable[[], Captured]:
-    """Captures ``model`` again with a dynamic batch, as it is compiled now: every submodule in the
-    training mode it has now (their flags are put back after), the same grad mode, outside any
-    autocast or inference mode the call that needs it runs in, without copying the model's state."""
+    """Captures ``model`` again with a dynamic batch, as it was compiled: every submodule in the
+    training mode and with the forward hooks it had then (its own put back after), the same grad
+    mode, outside any autocast or inference mode the call that needs it runs in, without copying
+    the model's state. A model whose modules, parametrizations or state names changed since is
+    refused, naming the change."""
     grad_enabled = torch.is_grad_enabled()
     compiled = [(m, m.training) for m in model.modules()]
+    structure = Structure.of(model)
 
     def recapture() -> Captured:
+        changed = structure.changes(Structure.of(model))
+        if changed:
+            raise CaptureError(
+                f"{type(model).__name__} changed since it was compiled: {'; '.join(changed)}. The program captures "
+                "the model again for a new batch size and would capture the changed model, not the one it holds. "
+                "Put the model back as it was, or compile it again (pipesplit.compile) to run the changed model; "
+                "compile(..., dynamic_batch=True) never captures again. (Changed weight values are fine: the "
+                "program holds its own.)"
+            )
         modes = [(m, m.training) for m in model.modules()]
         for m, mode in compiled:
             m.training = mode
@@ -58,6 +72,7 @@ def recapture_fn(
                 for device_type in ("cpu", "cuda"):
                     if torch.is_autocast_enabled(device_type):
                         scope.enter_context(torch.autocast(device_type, enabled=False))
+                scope.enter_context(hooks_as_compiled(structure))  # not one added since (transformers' recorders)
                 return capture(model, args, kwargs, batch_dim=batch_dim, unbatched=unbatched, copy_state=False)
         finally:
             for m, mode in modes:
@@ -68,6 +83,7 @@ def recapture_fn(
 
 UNMERGEABLE = -1  # an output that carries the batch where microbatches cannot be joined (seq * batch, flattened)
 UNKNOWN = -2  # static capture: an output computed from the batch, not with the batch's size at batch_dim
+DATA_DEPENDENT = -3  # a size computed from the inputs' values (torch.nonzero, a boolean mask): joined by no rule
 
 
 def output_batch_dims(captured: Captured) -> list[int | None]:
@@ -81,7 +97,9 @@ def output_batch_dims(captured: Captured) -> list[int | None]:
     capture: the inputs' batch dimension where the output depends on a batched input and has the
     example's batch size there; ``UNKNOWN`` for another output that depends on one (sizes alone
     cannot tell a (seq, batch) output or flattened rows from a count that happens to have the
-    batch's size): the dynamic capture decides, if the microbatches' values need joining.
+    batch's size): the dynamic capture decides, if the microbatches' values need joining. Either
+    capture: ``DATA_DEPENDENT`` for an output with a size computed from the inputs' values
+    (``h[torch.nonzero(mask)]``), which no rule joins.
     """
     d, static = captured.batch_dim, captured.static_batch
     placeholders = [n for n in captured.gm.graph.nodes if n.op == "placeholder"]
@@ -94,6 +112,8 @@ def output_batch_dims(captured: Captured) -> list[int | None]:
         val = v.meta.get("val") if isinstance(v, fx.Node) else None
         if not isinstance(val, torch.Tensor) or val.dim() == 0:
             result.append(None)
+        elif data_dependent(val):
+            result.append(DATA_DEPENDENT)
         elif static is None:
             result.append(_symbolic_batch_dim(val.shape, symbols, d, _flattened_from(v)))
         elif not _depends_on(v, batched_in):

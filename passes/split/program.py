@@ -15,7 +15,7 @@ from pipesplit.compat import pytree
 from pipesplit.devices import concrete_device
 from pipesplit.errors import InputError, PipesplitError, PlanError, partial_program
 from pipesplit.passes.split.generalise import output_batch_dims
-from pipesplit.inputs import Shown, shown, describe_structure, batch_sizes, check_input, check_range
+from pipesplit.inputs import Shown, shown, describe_structure, batch_sizes, check_input, check_range, ordered_like
 from pipesplit.passes.split.devices import capture_device, retarget
 from pipesplit.passes.split.modes import eval_module
 from pipesplit.passes.split import Boundary, SplitGraph
@@ -241,7 +241,9 @@ class SplitProgram(StatePlacing):
         calls :meth:`ensure_batch` with the microbatch size itself.
         """
         kwargs = {**kwargs, **{k: v for k, v in self.defaults.items() if k not in kwargs}}
-        flat, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
+        template = pytree.tree_unflatten([None] * self.in_spec.num_leaves, self.in_spec)
+        call = ordered_like((tuple(args), dict(kwargs)), template)  # keywords match by name, in any order
+        flat, spec = pytree.tree_flatten(call)
         if spec != self.in_spec:
             got = describe_structure(pytree.tree_map(shown, (tuple(args), dict(kwargs))))
             raise InputError(

@@ -9,7 +9,7 @@ import torch
 from pipesplit.capture import InputInfo
 from pipesplit.compat import pytree
 from pipesplit.errors import InputError
-from pipesplit.passes.split.generalise import UNKNOWN, UNMERGEABLE
+from pipesplit.passes.split.generalise import DATA_DEPENDENT, UNKNOWN, UNMERGEABLE
 from pipesplit.inputs import batch_sizes, check_range
 
 
@@ -148,6 +148,15 @@ def merge_outputs(per_microbatch: Sequence[Sequence[Any]], batch_dims: Sequence[
     for i, (values, dim) in enumerate(zip(zip(*per_microbatch), batch_dims)):
         first = values[0]
         if not isinstance(first, torch.Tensor):
+            merged.append(first)
+        elif dim == DATA_DEPENDENT and len(values) > 1:
+            raise InputError(
+                f"output {i} (shape {tuple(first.shape)} in the first microbatch) has a size computed from the inputs' "
+                "values (rows picked by torch.nonzero or a boolean mask), so no rule says how the microbatches' outputs "
+                "make the whole batch's. Run the model on the whole batch (prog(x)), or pipe(x) with "
+                "num_microbatches=1; training is not affected (loss_fn sees each microbatch's output)."
+            )
+        elif dim == DATA_DEPENDENT:
             merged.append(first)
         elif dim == UNMERGEABLE:
             raise InputError(

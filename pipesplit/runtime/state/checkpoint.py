@@ -9,6 +9,7 @@ model: every rank asks for the names it holds now, wherever they were written fr
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import shutil
@@ -199,4 +200,5 @@ def clip_grad_norm_(pipe: "Pipeline", max_norm: float, norm_type: float = 2.0) -
     for p in params:
         if p.grad is not None:
             p.grad.mul_(coef.to(p.grad.device, p.grad.dtype))
-    return total.float()
+    dtypes = [p.grad.dtype for p in params if p.grad is not None] or [p.dtype for p in params if p.is_floating_point()]
+    return total.to(functools.reduce(torch.promote_types, dtypes, dtypes[0]) if dtypes else torch.float32)  # as torch's
