@@ -68,13 +68,14 @@ class MemoryModel:
         return self.held_bytes(param_bytes * self.state_factor, act_bytes, input_bytes, in_flight, units)
 
     def held_bytes(self, state_bytes: float, act_bytes: float, input_bytes: float, in_flight: int,
-                   units: int | None = None) -> float:
+                   units: int | None = None, checkpointed: bool | None = None) -> float:
         """Like :meth:`stage_bytes` with ``state_bytes`` already counting gradients and optimizer state.
 
         ``units``: one microbatch's activations' worth of memory the stage holds at its peak
-        (:func:`activation_units_per_stage`); ``in_flight`` when not given.
+        (:func:`activation_units_per_stage`); ``in_flight`` when not given. ``checkpointed``:
+        whether this stage recomputes its forward (default ``self.checkpoint``).
         """
-        if self.checkpoint:
+        if self.checkpoint if checkpointed is None else checkpointed:
             return state_bytes + input_bytes * in_flight + act_bytes
         return state_bytes + act_bytes * (in_flight if units is None else units)
 
