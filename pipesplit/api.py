@@ -23,7 +23,7 @@ from pipesplit.passes.annotate.costs import annotate_costs
 from pipesplit.passes.annotate.calibrate import calibrate
 from pipesplit.passes.plan.advice import plan_warnings
 from pipesplit.passes.plan.checkpointing import Checkpoint
-from pipesplit.passes.plan.pricing import memory_warnings, price_given
+from pipesplit.passes.plan.pricing import device_memory_cap, memory_warnings, price_given
 from pipesplit.passes.plan.chain import compute_nodes
 from pipesplit.passes.plan.objective import CommModel, MemoryModel
 from pipesplit.passes.plan.planner import (
@@ -168,7 +168,9 @@ def compile(
         plan: a :class:`Plan` or the path of a saved one, reused instead of planning; the model is
             captured as the plan's was (``plan.capture``: ``"static"`` or ``"dynamic"``).
         max_stage_memory: bytes a stage may hold (parameters, gradients, activations; with
-            ``schedule``, optimizer state and every microbatch in flight too).
+            ``schedule``, optimizer state and every microbatch in flight too). On CUDA with a
+            ``schedule`` it defaults to the device's memory less 10%; a plan (or a given split)
+            predicted over the cap warns, naming the stage, its bytes and the fix.
         slack: fraction above the optimal bottleneck the planner may spend to send fewer bytes
             (without ``schedule``; with one, the simulated step time decides).
         schedule: plan for this schedule's step time (``"1f1b"``, ``"zb_h1"``, ...): stage
@@ -265,13 +267,24 @@ def compile(
             sched = None
             if schedule is not None:
                 sched = resolve_schedule(schedule, k, num_ranks, num_microbatches or 4 * k)
-            def replan() -> Plan:
-                return plan_partition(
-                    gm, k, cost, max_stage_memory=max_stage_memory, slack=slack, module_paths=captured.module_paths,
-                    pins=pins, no_split=no_split, schedule=sched, comm=comm or CommModel(),
-                    memory=memory or MemoryModel(), recompute=recompute, mutated_targets=captured.mutated_targets,
-                    device_kind=torch.device(device0).type, order=order, checkpoint=checkpoint,
-                )
+            # on CUDA a schedule's plan fits the device's memory less a margin unless a cap is given
+            cap = max_stage_memory if max_stage_memory is not None or sched is None else device_memory_cap(
+                list(devices) if devices is not None else [device0])
+
+            def replan(cap: int | None = cap) -> Plan:
+                try:
+                    return plan_partition(
+                        gm, k, cost, max_stage_memory=cap, slack=slack, module_paths=captured.module_paths,
+                        pins=pins, no_split=no_split, schedule=sched, comm=comm or CommModel(),
+                        memory=memory or MemoryModel(), recompute=recompute, mutated_targets=captured.mutated_targets,
+                        device_kind=torch.device(device0).type, order=order, checkpoint=checkpoint,
+                    )
+                except PlanError:
+                    if cap is None or max_stage_memory is not None:
+                        raise
+                    unfit = replan(None)  # nothing fits the device: plan without, and warn stage by stage below
+                    unfit.max_stage_memory = cap
+                    return unfit
 
             chosen = replan()
             if refine:

@@ -139,3 +139,31 @@ def test_bad_checkpoint_choices_are_refused_with_the_fix():
         pipesplit.compile(model, x, num_stages=2, checkpoint="some")
     with pytest.raises(PlanError, match=r"checkpoint names stages \[5\]; a plan of 2 stages has stages 0..1"):
         pipesplit.compile(model, x, num_stages=2, schedule="1f1b", checkpoint=[5], progress=False)
+
+
+def test_mixed_precision_adamw_holds_16_bytes_a_parameter_and_the_optimizer_its_own_state():
+    from pipesplit.passes.plan.objective import MemoryModel
+    from pipesplit.passes.plan.chain import build_chain
+    from pipesplit.passes.annotate.costs import annotate_costs
+    from pipesplit.capture import capture
+
+    model = Deep(d=32, depth=2).to(torch.bfloat16)
+    gm = annotate_costs(capture(model, torch.randn(4, 32, dtype=torch.bfloat16)).gm)
+    n = sum(p.numel() for p in model.parameters())
+    act = lambda chain: int(chain.act.sum())  # noqa: E731
+    for memory, per_param in [(MemoryModel(optimizer="adamw", master_weights=True), 16), (MemoryModel(), 8),
+                              (MemoryModel(optimizer="sgd"), 4), (MemoryModel(optimizer="momentum"), 6),
+                              (MemoryModel(optimizer="adafactor", master_weights=True), 8)]:
+        chain = build_chain(gm, lambda node: 1.0, state_factor=memory.state_factor_for)
+        assert chain.total_memory() - act(chain) == n * per_param, memory
+    with pytest.raises(PlanError, match="optimizer=.lion.. is not one it knows"):
+        MemoryModel(optimizer="lion")
+
+
+def test_on_cuda_the_cap_defaults_to_the_device_memory_less_the_margin(monkeypatch):
+    from types import SimpleNamespace
+    from pipesplit.passes.plan import pricing
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=80 * 2**30))
+    assert pricing.device_memory_cap(["cuda:0", "cuda:1"]) == int(80 * 2**30 * (1 - pricing.DEVICE_MEMORY_MARGIN))
+    assert pricing.device_memory_cap(["cpu"]) is None

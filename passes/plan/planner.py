@@ -214,7 +214,7 @@ def _solve_order(
     no_split: Sequence[str], schedule: Schedule | None, comm: CommModel, memory: MemoryModel, device_kind: str,
     rates: DeviceRates | None = None, checkpoint: Checkpoint = None,
 ) -> _Solved:
-    state_factor = 1.0 + memory.grad_factor + (memory.optimizer_factor if schedule is not None else 0.0)
+    state_factor = memory.training_state_factor(with_optimizer=schedule is not None)
     chain = build_chain(gm, fn, state_factor=state_factor, recompute=rebuild, order=nodes)
     if no_split:
         chain.allowed = forbid_cuts_inside(chain.nodes, chain.allowed, no_split, known)

@@ -7,7 +7,10 @@ communication, memory model and schedule simulator the planner uses
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import numpy as np
+import torch
 import torch.fx as fx
 
 from pipesplit.passes.annotate.rates import device_rates, largest_matmul
@@ -37,7 +40,7 @@ def price_plan(
     rates = device_rates(device_kind, largest_matmul(gm.graph.nodes)) if name == "flops" else None
     by_name = {n.name: n for n in compute_nodes(gm)}
     order = [by_name[x] for stage in plan.stages for x in stage]  # a valid plan's stages: a topological order
-    chain = build_chain(gm, fn, state_factor=memory.state_factor, recompute=set(plan.recompute), order=order)
+    chain = build_chain(gm, fn, state_factor=memory.state_factor_for, recompute=set(plan.recompute), order=order)
     starts = [int(x) for x in np.cumsum([0] + [len(s) for s in plan.stages[:-1]])]
     seconds = node_seconds(chain.nodes, name, fn, rate, rates)
     in_flight, units = in_flight_per_stage(schedule), activation_units_per_stage(schedule)
@@ -70,6 +73,19 @@ def price_given(
     check_checkpoint(checkpoint)
     plan.checkpoint = sorted(fixed_set(checkpoint, plan.num_stages, memory.checkpoint) or ())
     plan.max_stage_memory = max_stage_memory
+
+
+# What a CUDA device's default cap leaves free of its memory: the CUDA context, cuBLAS/cuDNN
+# workspaces, NCCL buffers and the caching allocator's fragmentation.
+DEVICE_MEMORY_MARGIN = 0.10
+
+
+def device_memory_cap(devices: Sequence[str]) -> int | None:
+    """The default ``max_stage_memory`` on CUDA: the smallest device's memory less ``DEVICE_MEMORY_MARGIN``
+    (None when no device is a GPU: host memory is shared and not planned against)."""
+    sizes = [torch.cuda.get_device_properties(torch.device(d)).total_memory
+             for d in devices if torch.device(d).type == "cuda"]
+    return int(min(sizes) * (1 - DEVICE_MEMORY_MARGIN)) if sizes else None
 
 
 def memory_warnings(plan: Plan, cap: int | None = None, what: str = "max_stage_memory") -> list[str]:
