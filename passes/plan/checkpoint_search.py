@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
+import logging
+
 from pipesplit.errors import PlanError
 from pipesplit.passes.plan.chain import Chain
 from pipesplit.passes.plan.checkpointing import candidate_sets, needed
@@ -12,6 +14,8 @@ from pipesplit.passes.plan.objective import CommModel, MemoryModel, activation_u
 from pipesplit.passes.plan.partition import StageLimits
 from pipesplit.passes.plan.step_planner import Candidate, best_for_schedule, figures_for
 from pipesplit.schedules import Schedule
+
+log = logging.getLogger(__name__)
 
 
 def best_with_checkpointing(
@@ -37,21 +41,44 @@ def best_with_checkpointing(
         return free, ideal, frozenset()
     found: list[tuple[float, int, Candidate, float, frozenset[int]]] = []
     error: PlanError | None = None
-    for tried in candidate_sets(units):
+
+    def solve(tried: frozenset[int], quick: bool) -> None:
+        nonlocal error
         try:
-            cand, ideal = best_for_schedule(chain, seconds, schedule, checkpoint=tried, **kw)  # type: ignore[arg-type]
+            cand, ideal = best_for_schedule(chain, seconds, schedule, checkpoint=tried, quick=quick, **kw)  # type: ignore[arg-type]
         except PlanError as e:
             error = e  # the last (every stage checkpointed) says best why nothing fits
-            continue
+            return
         plain = figures_for(chain, cand.starts, seconds, in_flight, memory, comm, device_kind, units, ())
         keep = needed(plain.memory, mem_cap)
         if keep != tried:  # a stage of the set that fits without: it need not pay the second forward
             fig = figures_for(chain, cand.starts, seconds, in_flight, memory, comm, device_kind, units, keep)
             cand = Candidate(cand.starts, fig, step_time(schedule, fig), cand.cut_bytes)
         found.append((cand.step_s, len(keep), cand, ideal, keep))
+        log.debug("checkpointing %s (of %s tried%s): step %.6g", sorted(keep), sorted(tried), ", quick" if quick else "",
+                  cand.step_s)
+
+    worse = 0
+    for tried in candidate_sets(units):  # the sets quickly, in order, then the best few with the full search
+        before, count = min((f[0] for f in found), default=float("inf")), len(found)
+        solve(tried, quick=True)
+        if len(found) > count and found[-1][0] >= before:
+            worse += 1
+            if worse == PATIENCE:  # the recompute now costs more than the balance it buys
+                break
+        elif len(found) > count:
+            worse = 0
+    for tried in [f[4] for f in sorted(found, key=lambda f: f[0])[:THOROUGH]]:
+        solve(tried, quick=False)
     if not found:
         assert error is not None
         raise error
     best_s = min(f[0] for f in found)
     step, _, cand, ideal, keep = min((f for f in found if f[0] <= best_s * (1 + 1e-9)), key=lambda f: (f[1], f[0]))
     return cand, min(f[3] for f in found), keep
+
+
+# The quick pass stops after this many sets in a row that price no better than the best before them.
+PATIENCE = 2
+# How many of the sets that priced best quickly are solved again with every slack and the sides re-split.
+THOROUGH = 1

@@ -302,11 +302,12 @@ def solve_candidates(
     *,
     limits: StageLimits = StageLimits(),
     mem_cap: int | None = None,
+    precision: int = 20,
 ) -> list[ChainSplit]:
     """Splits to choose from: for each slack, the fewest cut bytes within that much of the best bottleneck.
 
     With per-stage limits the best bottleneck is found by bisection on the exact DP
-    (to a relative precision of 1e-6); without them, exactly (see :func:`solve_chain`).
+    (to a relative precision of ``2**-precision``, 1e-6); without them, exactly (see :func:`solve_chain`).
     """
     solver = _checked_solver(chain, num_stages, mem_cap)
     if not any(x is not None for x in (limits.mem_lo, limits.start_lo, limits.end_hi, limits.cost_scale)):
@@ -333,7 +334,7 @@ def solve_candidates(
         while feasible(hi) is None:  # gallop up, then bisect
             lo, hi = hi + 1, min(total, hi + step)
             step *= 2
-        while hi - lo > (hi >> 20):  # exact for small integers, to 1e-6 for large ones
+        while hi - lo > (hi >> precision):  # exact for small integers, to 1e-6 for large ones
             mid = (lo + hi) // 2
             if feasible(mid) is None:
                 lo = mid + 1

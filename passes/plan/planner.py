@@ -159,11 +159,13 @@ def plan_partition(
     orders = candidate_orders(program) if order == "auto" else [("program", program)]
     solved: list[_Solved] = []
     for i, (label, nodes) in enumerate(orders):
+        # the other orders take the checkpointed stages the program's order chose (the search is the slow part)
+        chosen = solved[0].extra.get("checkpoint", checkpoint) if solved and checkpoint == "auto" else checkpoint
         try:
             solved.append(_solve_order(
                 gm, nodes, label, fn, name, rate, num_stages, rebuild, max_stage_memory=max_stage_memory,
                 slack=slack, known=module_paths or set(), pins=pins or {}, no_split=no_split, schedule=schedule,
-                comm=comm, memory=memory, device_kind=device_kind, rates=rates, checkpoint=checkpoint,
+                comm=comm, memory=memory, device_kind=device_kind, rates=rates, checkpoint=chosen,
             ))
         except PlanError:
             if i == 0:  # the program's order: the user's error

@@ -32,6 +32,7 @@ from pipesplit.passes.annotate.rates import DeviceRates, priced
 from pipesplit.schedules import Schedule, StageCost
 
 SLACKS = (0.0, 0.01, 0.02, 0.05, 0.1, 0.2, 0.35)
+QUICK_SLACKS = (0.0, 0.05, 0.2)
 
 
 def node_seconds(
@@ -116,12 +117,14 @@ def best_for_schedule(
     limits: StageLimits,
     device_kind: str,
     checkpoint: frozenset[int] | None = None,
+    quick: bool = False,
 ) -> tuple[Candidate, float]:
     """The candidate split with the lowest simulated step time, and a lower bound on any split's.
 
     ``checkpoint``: the stages that recompute their forward (default: all under
     ``MemoryModel(checkpoint=True)``, else none); their memory counts their inputs per microbatch
     in flight, and their cost their second forward (see :mod:`pipesplit.passes.plan.checkpointing`).
+    ``quick``: fewer slacks and no re-split of the sides (:func:`rebalance`), to compare sets quickly.
     """
     k = schedule.num_stages
     in_flight = in_flight_per_stage(schedule)
@@ -132,14 +135,15 @@ def best_for_schedule(
     scale = recompute_scale(seconds)
     limits = checkpoint_limits(chain, mem_cap, in_flight, units, ckpt, limits.start_lo, limits.start_hi, scale)
     try:
-        splits = solve_candidates(chain, k, SLACKS, limits=limits)
+        splits = solve_candidates(chain, k, QUICK_SLACKS if quick else SLACKS, limits=limits,
+                                  precision=10 if quick else 20)
     except PlanError as e:
         if mem_cap is None:
             raise
         raise PlanError(_memory_message(chain, schedule, in_flight, mem_cap, limits, len(ckpt) == k, held)) from e
     base = list(dict.fromkeys(split.starts for split in splits))
     starts = list(base)
-    for side_slack in REBALANCE_SLACKS:
+    for side_slack in () if quick else REBALANCE_SLACKS:
         solve = _side_solver(chain, limits, mem_cap, in_flight, units, ckpt, scale, side_slack)
         for split in base:
             try:
