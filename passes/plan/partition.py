@@ -131,7 +131,8 @@ class _Solver:
         ``limits.cost_scale[s]``: a checkpointed stage runs its forward twice) and fits ``mem_cap``."""
         scale = 1.0 if limits.cost_scale is None else limits.cost_scale[s]
         room = cap if scale == 1.0 else int(cap / scale)
-        return np.maximum(np.searchsorted(self.P, self.P - room, side="left"), self.mem_lo)
+        lo: np.ndarray = np.maximum(np.searchsorted(self.P, self.P - room, side="left"), self.mem_lo)
+        return lo
 
 
 def _memory_starts(chain: Chain, cap: int, mem: np.ndarray | None = None) -> np.ndarray:

@@ -80,7 +80,7 @@ def price_given(
 DEVICE_MEMORY_MARGIN = 0.10
 
 
-def device_memory_cap(devices: Sequence[str]) -> int | None:
+def device_memory_cap(devices: Sequence[str | torch.device]) -> int | None:
     """The default ``max_stage_memory`` on CUDA: the smallest device's memory less ``DEVICE_MEMORY_MARGIN``
     (None when no device is a GPU: host memory is shared and not planned against)."""
     sizes = [torch.cuda.get_device_properties(torch.device(d)).total_memory
