@@ -161,8 +161,7 @@ def activation_units_per_stage(schedule: Schedule) -> list[int]:
     at the weight-consuming operations from a microbatch's I until its W (at most one more
     per such microbatch). Measured against a real step in ``tests/memory_check.py``.
 
-    >>> from pipesplit.errors import PlanError
-from pipesplit.schedules import get_schedule
+    >>> from pipesplit.schedules import get_schedule
     >>> one_f_one_b = get_schedule("1f1b", num_stages=4, num_microbatches=8)
     >>> in_flight_per_stage(one_f_one_b), activation_units_per_stage(one_f_one_b)
     ([4, 3, 2, 1], [5, 4, 3, 2])
