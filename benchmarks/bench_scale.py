@@ -101,7 +101,7 @@ def full_shapes() -> list[Shape]:
               8, MIXED),
         Shape("Llama-3-70B bf16 mixed AdamW", *llama(80, 8192, 28672, 64, 8, 128256, 4096, torch.bfloat16), LLAMA, 80,
               16, MIXED, timed=True),
-        Shape("ViT-H/14 fp32, 64 images", *vit(32, 1280, 5120, 16, 224, 14, 64), "vit.encoder.layer.{i}", 32, 8),
+        Shape("ViT-H/14 fp32, 64 images", *vit(32, 1280, 5120, 16, 224, 14, 64), "vit.layers.{i}", 32, 8),
     ]
 
 
@@ -220,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         ours, experts = got["ours"], got["experts"]
         if shape.timed:
             timing.append(got["timing"])
+            print("timing:", " | ".join(map(str, timing[-1])), flush=True)
         fitting = [e for e in experts if e["memory"] is not None]
         best = min(fitting, key=lambda e: e["step"]) if fitting else None
         even = experts[0]
@@ -241,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
                          f"{e['memory'] / unit:.1f} / {cap / unit:.1f} {mem}" if fits else "-", ""])
         rows.append([shape.name, shape.stages, f"({len(experts)} expert layouts; pipesplit re-priced as a saved plan: "
                      f"{got['ours']['repriced']:.4g})", "", "", "", "", "", ""])
+        print("row:", " | ".join(map(str, rows[-4])), flush=True)  # as each shape completes (a long run)
+        print("row:", " | ".join(map(str, rows[-3])), flush=True)
     print()
     print(markdown_table(["shape", "stages", "plan", "layout", "checkpointed stages", "predicted step (s)",
                           "pipesplit / this", "peak stage memory / cap", "compile (s, wall)"], rows, "lrllrrrrr"))
@@ -251,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
                                      num_microbatches=shape.microbatches, memory=shape.memory,
                                      max_stage_memory=shape.cap, checkpoint="auto", progress=False)
             timing.append(timing_row(shape, prog, time.perf_counter() - start, time.process_time() - cpu))
+            print("timing:", " | ".join(map(str, timing[-1])), flush=True)
         print()
         print(markdown_table(["model", "layers", "stages", "cap GiB", "capture (s, wall)", "plan (s, wall)",
                               "compile (s, wall)", "compile (s, CPU)", "checkpointed", "peak stage GiB"], timing,
