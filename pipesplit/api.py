@@ -22,6 +22,8 @@ from pipesplit.passes.split.generalise import recapture_fn
 from pipesplit.passes.annotate.costs import annotate_costs
 from pipesplit.passes.annotate.calibrate import calibrate
 from pipesplit.passes.plan.advice import plan_warnings
+from pipesplit.passes.plan.checkpointing import Checkpoint
+from pipesplit.passes.plan.pricing import device_memory_cap, memory_warnings, price_given
 from pipesplit.passes.plan.chain import compute_nodes
 from pipesplit.passes.plan.objective import CommModel, MemoryModel
 from pipesplit.passes.plan.planner import (
@@ -135,6 +137,7 @@ def compile(
     recompute: Recompute = "auto",
     order: Order = "auto",
     refine: int = 0,
+    checkpoint: Checkpoint = None,
     batch_dim: int = 0,
     unbatched: Sequence[str] = (),
     dynamic_batch: bool = False,
@@ -165,7 +168,9 @@ def compile(
         plan: a :class:`Plan` or the path of a saved one, reused instead of planning; the model is
             captured as the plan's was (``plan.capture``: ``"static"`` or ``"dynamic"``).
         max_stage_memory: bytes a stage may hold (parameters, gradients, activations; with
-            ``schedule``, optimizer state and every microbatch in flight too).
+            ``schedule``, optimizer state and every microbatch in flight too). On CUDA with a
+            ``schedule`` it defaults to the device's memory less 10%; a plan (or a given split)
+            predicted over the cap warns, naming the stage, its bytes and the fix.
         slack: fraction above the optimal bottleneck the planner may spend to send fewer bytes
             (without ``schedule``; with one, the simulated step time decides).
         schedule: plan for this schedule's step time (``"1f1b"``, ``"zb_h1"``, ...): stage
@@ -176,10 +181,14 @@ def compile(
         pins: ``{"module.path": stage}`` keeps that module whole in that stage.
         no_split: module paths (wildcards allowed, ``"blocks.*"``) that no cut may enter.
         comm: link latency and bandwidth for pricing boundaries (defaults per device kind).
-        memory: optimizer/gradient factors and checkpointing for the memory estimate.
-            ``MemoryModel(checkpoint=True)`` plans for activation checkpointing: a stage
-            holds its inputs per microbatch in flight plus one microbatch's activations,
-            its backward pays a second forward, and ``Pipeline`` checkpoints every stage.
+        memory: optimizer/gradient factors and checkpointing for the memory estimate
+            (``MemoryModel(checkpoint=True)`` is ``checkpoint=True``).
+        checkpoint: activation checkpointing, per stage: a checkpointed stage holds its inputs
+            per microbatch in flight plus one microbatch's activations, and its backward pays
+            a second forward. ``"auto"`` (with ``schedule``) chooses the stages with the cuts,
+            for the lowest simulated step under ``max_stage_memory``; True every stage, False
+            none, or a list of stage indices. ``prog.plan.checkpoint`` lists the stages, and
+            ``Pipeline`` checkpoints exactly those.
         recompute: ``"auto"`` rebuilds cheap input-derived values (masks, rotary tables) in
             each stage that needs them instead of sending them; ``"never"`` sends everything.
         order: ``"auto"`` also solves the order that computes each node as late as its
@@ -210,22 +219,20 @@ def compile(
     opts = planner_options(  # checks every option before the (slow) export
         planner, num_stages=num_stages, cost=cost, max_stage_memory=max_stage_memory, slack=slack, schedule=schedule,
         num_microbatches=num_microbatches, num_ranks=num_ranks, pins=pins, no_split=no_split, comm=comm, memory=memory,
-        recompute=recompute, order=order, refine=refine)
+        recompute=recompute, order=order, refine=refine, checkpoint=checkpoint)
     num_stages, cost, max_stage_memory, slack, schedule = (
         opts.num_stages, opts.cost, opts.max_stage_memory, opts.slack, opts.schedule)
     num_microbatches, num_ranks, pins, no_split, comm, memory = (
         opts.num_microbatches, opts.num_ranks, opts.pins, opts.no_split, opts.comm, opts.memory)
-    recompute, order, refine = opts.recompute, opts.order, opts.refine
+    recompute, order, refine, checkpoint = opts.recompute, opts.order, opts.refine, opts.checkpoint
     _check_devices_exist(devices, num_stages)
     devices = None if devices is None else [device_name(d) for d in devices]  # "cuda" is the current GPU from here on
     if refine and (plan is not None or split_points is not None):
         raise PlanError("refine= re-plans from measured stage times; it cannot change a given plan= or split_points=.")
     if plan is not None or split_points is not None:
-        _refuse_planner_options(
+        _refuse_planner_options(  # schedule=, max_stage_memory=, memory=, checkpoint=... price the split instead
             "plan=" if plan is not None else "split_points=",
-            max_stage_memory=(max_stage_memory, None), pins=(pins, None), no_split=(tuple(no_split), ()),
-            schedule=(schedule, None), slack=(slack, 0.05), order=(order, "auto"), num_microbatches=(num_microbatches, None),
-            num_ranks=(num_ranks, None), **({"memory": (memory, None), "comm": (comm, None)} if plan is not None else {}),
+            pins=(pins, None), no_split=(tuple(no_split), ()), slack=(slack, 0.05), order=(order, "auto"),
         )
     timings: dict[str, float] = {}
     if plan is not None and not isinstance(plan, Plan):
@@ -250,19 +257,34 @@ def compile(
                 if recompute == "auto":
                     kind = torch.device(device0).type
                     chosen.recompute = sorted(cheap_to_recompute(gm, captured.mutated_targets, comm or CommModel(), kind))
-                chosen.checkpoint = bool(memory and memory.checkpoint)
+            sched = None if schedule is None else resolve_schedule(
+                schedule, chosen.num_stages, num_ranks, num_microbatches or 4 * chosen.num_stages)
+            price_given(gm, chosen, sched, cost=cost, comm=comm or CommModel(), memory=memory or MemoryModel(),
+                        max_stage_memory=max_stage_memory, checkpoint=checkpoint, device_kind=torch.device(device0).type,
+                        keep_saved=plan is not None)
         else:
             k = 1 if num_stages is None else num_stages
             sched = None
             if schedule is not None:
                 sched = resolve_schedule(schedule, k, num_ranks, num_microbatches or 4 * k)
-            def replan() -> Plan:
-                return plan_partition(
-                    gm, k, cost, max_stage_memory=max_stage_memory, slack=slack, module_paths=captured.module_paths,
-                    pins=pins, no_split=no_split, schedule=sched, comm=comm or CommModel(),
-                    memory=memory or MemoryModel(), recompute=recompute, mutated_targets=captured.mutated_targets,
-                    device_kind=torch.device(device0).type, order=order,
-                )
+            # on CUDA a schedule's plan fits the device's memory less a margin unless a cap is given
+            cap = max_stage_memory if max_stage_memory is not None or sched is None else device_memory_cap(
+                list(devices) if devices is not None else [device0])
+
+            def replan(cap: int | None = cap) -> Plan:
+                try:
+                    return plan_partition(
+                        gm, k, cost, max_stage_memory=cap, slack=slack, module_paths=captured.module_paths,
+                        pins=pins, no_split=no_split, schedule=sched, comm=comm or CommModel(),
+                        memory=memory or MemoryModel(), recompute=recompute, mutated_targets=captured.mutated_targets,
+                        device_kind=torch.device(device0).type, order=order, checkpoint=checkpoint,
+                    )
+                except PlanError:
+                    if cap is None or max_stage_memory is not None:
+                        raise
+                    unfit = replan(None)  # nothing fits the device: plan without, and warn stage by stage below
+                    unfit.max_stage_memory = cap
+                    return unfit
 
             chosen = replan()
             if refine:
@@ -284,7 +306,7 @@ def compile(
     timings["export"] = captured.export_seconds
     program.timings = timings
     fn = cost_function(cost)[1]
-    for warning in plan_warnings(gm, chosen, {n.name: fn(n) for n in compute_nodes(gm)}):
+    for warning in plan_warnings(gm, chosen, {n.name: fn(n) for n in compute_nodes(gm)}) + memory_warnings(chosen):
         program.notes.append(warning)
         log.warning("pipesplit: %s", warning)
     return program

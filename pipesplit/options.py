@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Literal, Mapping
 
 from pipesplit.errors import PipesplitError, PlanError
+from pipesplit.passes.plan.checkpointing import Checkpoint, check_checkpoint
 from pipesplit.passes.plan.objective import CommModel, MemoryModel
 from pipesplit.passes.plan.planner import ORDER_CHOICES, RECOMPUTE_CHOICES, CostSpec, check_choice, cost_function
 from pipesplit.schedules import Schedule, schedule_info
@@ -80,6 +81,9 @@ class PlannerOptions:
     """``"auto"`` also tries the as-late-as-possible order of the nodes; ``"program"`` does not."""
     refine: int = 0
     """Rounds of re-planning from measured stage times (``cost="profile"`` or ``"hybrid"``)."""
+    checkpoint: Checkpoint = None
+    """Activation checkpointing: ``"auto"`` (chosen per stage with the cuts, to fit ``max_stage_memory``
+    at the lowest simulated step), True (every stage), False, or stage indices; None: as ``memory``."""
 
     def __post_init__(self) -> None:
         check_num_stages(self.num_stages)
@@ -93,6 +97,9 @@ class PlannerOptions:
                 f"refine={self.refine!r}: refining corrects profiled times with measured ones, so it needs a number "
                 f"of rounds >= 0 and cost='profile' or 'hybrid' (got cost={self.cost!r})."
             )
+        check_checkpoint(self.checkpoint)
+        if isinstance(self.checkpoint, list):
+            object.__setattr__(self, "checkpoint", tuple(self.checkpoint))  # frozen: the caller's list may change
         check_choice("recompute", self.recompute, RECOMPUTE_CHOICES)
         check_choice("order", self.order, ORDER_CHOICES)
         cost_function(self.cost)  # an unknown cost name fails here, not after the capture

@@ -37,7 +37,11 @@ class Plan:
     num_microbatches: int | None = None
     predicted_step_s: float | None = None  # simulated step time of this plan under the schedule
     ideal_step_s: float | None = None  # a lower bound on the step time of any split
-    checkpoint: bool = False  # planned for activation checkpointing: Pipeline checkpoints every stage by default
+    # the stages that recompute their forward in the backward (activation checkpointing), chosen by
+    # compile(checkpoint=...): Pipeline checkpoints exactly these by default. A plan saved before
+    # per-stage checkpointing says true (every stage) or false (none)
+    checkpoint: list[int] = field(default_factory=list)
+    max_stage_memory: int | None = None  # the cap the plan was made (or priced) under, bytes per stage
     order: str = "program"  # the node order the chain was solved in: "program" or "late" (passes/plan/orders.py)
     measured_s: float | None = None  # compile(refine=...): measured bottleneck (or step with a schedule), seconds
     # the capture whose node names ``stages`` lists: "static" (at the example's batch, compile's default) or
@@ -50,6 +54,12 @@ class Plan:
     @property
     def num_stages(self) -> int:
         return len(self.stages)
+
+    @property
+    def stage_memory_bytes(self) -> list[int]:
+        """The predicted peak bytes of each stage (with a schedule: parameters, gradients, optimizer
+        state and the activations or, checkpointed, the inputs of every microbatch in flight)."""
+        return list(self.stage_memory)
 
     @property
     def bottleneck_stage(self) -> int:
@@ -77,6 +87,8 @@ class Plan:
         if self.schedule is not None:
             step = "" if self.predicted_step_s is None else f", step {self.predicted_step_s * 1e3:.3g} ms"
             parts.append(f"schedule {self.schedule!r} x{self.num_microbatches}{step}")
+        if self.checkpoint:
+            parts.append(f"checkpoint {self.checkpoint}")
         parts.append(f"order {self.order!r}")
         parts.append(f"source {self.source!r}")
         return f"Plan({', '.join(parts)})"
@@ -108,6 +120,8 @@ class Plan:
         if unknown:
             raise PlanError(f"unknown plan fields {unknown}; known fields are {sorted(known)}.")
         data.setdefault("capture", "dynamic")
+        if isinstance(data.get("checkpoint"), bool):  # saved before per-stage checkpointing: all or none
+            data["checkpoint"] = list(range(len(data["stages"]))) if data["checkpoint"] else []
         if data["capture"] not in ("static", "dynamic"):
             raise PlanError(f"plan capture must be 'static' or 'dynamic', got {data['capture']!r}.")
         plan = cls(**data)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Collection
 
 import numpy as np
+import torch
 import torch.fx as fx
 
 from pipesplit.meta import COMPUTE_OPS, node_cost
@@ -52,11 +53,15 @@ class Chain:
         return int(self.mem.sum()) + sum(nbytes for nbytes, _ in self.shared)
 
 
+def _itemsize(value: object) -> int:
+    return value.element_size() if isinstance(value, torch.Tensor) else 4
+
+
 def build_chain(
     gm: fx.GraphModule,
     cost_fn: Callable[[fx.Node], float],
     *,
-    state_factor: float = 2.0,
+    state_factor: float | Callable[[int], float] = 2.0,
     recompute: Collection[str] = (),
     order: list[fx.Node] | None = None,
 ) -> Chain:
@@ -65,7 +70,8 @@ def build_chain(
     ``order`` is a topological order of the compute nodes (default: the program's).
 
     ``state_factor`` multiplies the bytes of trainable parameters (weights + gradients
-    by default; add optimizer state for training memory). Values named in
+    by default; add optimizer state for training memory), or gives that factor per element
+    size (``MemoryModel.state_factor_for``: bf16 weights with fp32 master weights and moments). Values named in
     ``recompute`` are rebuilt by each stage that needs them, so they never cross a cut.
     """
     nodes = compute_nodes(gm) if order is None else list(order)
@@ -80,8 +86,10 @@ def build_chain(
         uses = {pos[u] for u in node.users if u in pos}
         if node.op == "get_attr" and uses:
             c = node_cost(node)
-            key = id(operator.attrgetter(str(node.target))(gm))  # tied names share one tensor
-            nbytes = int(c.param_bytes * (state_factor if c.trainable else 1))
+            tensor = operator.attrgetter(str(node.target))(gm)
+            key = id(tensor)  # tied names share one tensor
+            factor = state_factor if not callable(state_factor) else state_factor(_itemsize(tensor))
+            nbytes = int(c.param_bytes * (factor if c.trainable else 1))
             readers.setdefault(key, (nbytes, set()))[1].update(uses)
     shared = []
     for nbytes, positions in readers.values():

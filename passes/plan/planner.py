@@ -21,7 +21,9 @@ from pipesplit.passes.plan.orders import candidate_orders
 from pipesplit.passes.plan.balance import rebalance
 from pipesplit.passes.plan.partition import StageLimits, largest_stage, solve_candidates, solve_chain
 from pipesplit.passes.plan.recompute import recomputable
-from pipesplit.passes.plan.step_planner import TIE, best_for_schedule, node_seconds
+from pipesplit.passes.plan.checkpoint_search import best_with_checkpointing
+from pipesplit.passes.plan.checkpointing import Checkpoint, check_checkpoint, fixed_set
+from pipesplit.passes.plan.step_planner import TIE, node_seconds
 from pipesplit.plan import Plan
 from pipesplit.schedules import Schedule
 
@@ -124,6 +126,7 @@ def plan_partition(
     device_kind: str = "cpu",
     flops_per_s: float | None = None,
     order: str = "auto",
+    checkpoint: Checkpoint = None,
 ) -> Plan:
     """The balanced plan.
 
@@ -136,7 +139,12 @@ def plan_partition(
     ``order="auto"`` solves the chain for the program's order of the nodes and for the
     order that runs every node as late as possible (see :mod:`pipesplit.passes.plan.orders`),
     and keeps the better; ``"program"`` solves the program's order only.
+
+    ``checkpoint`` (with ``schedule``): ``"auto"`` chooses the stages that recompute their forward
+    together with the cuts (:mod:`pipesplit.passes.plan.checkpoint_search`); True, False or stage
+    indices fix them (None: as ``memory.checkpoint``).
     """
+    check_checkpoint(checkpoint)
     name, fn = cost_function(cost)
     rate = flops_per_s or DEFAULT_FLOPS_PER_S.get(device_kind, DEFAULT_FLOPS_PER_S["cpu"])
     # a schedule's step time prices the default cost at this device's measured rates (unless a FLOP
@@ -152,11 +160,13 @@ def plan_partition(
     orders = candidate_orders(program) if order == "auto" else [("program", program)]
     solved: list[_Solved] = []
     for i, (label, nodes) in enumerate(orders):
+        # the other orders take the checkpointed stages the program's order chose (the search is the slow part)
+        chosen = solved[0].extra.get("checkpoint", checkpoint) if solved and checkpoint == "auto" else checkpoint
         try:
             solved.append(_solve_order(
                 gm, nodes, label, fn, name, rate, num_stages, rebuild, max_stage_memory=max_stage_memory,
                 slack=slack, known=module_paths or set(), pins=pins or {}, no_split=no_split, schedule=schedule,
-                comm=comm, memory=memory, device_kind=device_kind, rates=rates,
+                comm=comm, memory=memory, device_kind=device_kind, rates=rates, checkpoint=chosen,
             ))
         except PlanError:
             if i == 0:  # the program's order: the user's error
@@ -166,7 +176,9 @@ def plan_partition(
     stages = [[n.name for n in best.chain.nodes[a:b]] for a, b in zip(bounds, bounds[1:])]
     plan = evaluate(gm, stages, name, fn, "planner")
     plan.recompute = sorted(rebuild)
-    plan.checkpoint = memory.checkpoint
+    fixed = fixed_set(checkpoint, num_stages, memory.checkpoint)
+    plan.checkpoint = sorted(fixed or ())  # with a schedule, the choice made (in best.extra)
+    plan.max_stage_memory = max_stage_memory
     plan.order = best.label
     for key, value in best.extra.items():
         setattr(plan, key, value)
@@ -203,9 +215,9 @@ def _solve_order(
     gm: fx.GraphModule, nodes: list[fx.Node], label: str, fn: CostFn, name: str, rate: float, num_stages: int,
     rebuild: set[str], *, max_stage_memory: int | None, slack: float, known: set[str], pins: Mapping[str, int],
     no_split: Sequence[str], schedule: Schedule | None, comm: CommModel, memory: MemoryModel, device_kind: str,
-    rates: DeviceRates | None = None,
+    rates: DeviceRates | None = None, checkpoint: Checkpoint = None,
 ) -> _Solved:
-    state_factor = 1.0 + memory.grad_factor + (memory.optimizer_factor if schedule is not None else 0.0)
+    state_factor = memory.training_state_factor(with_optimizer=schedule is not None)
     chain = build_chain(gm, fn, state_factor=state_factor, recompute=rebuild, order=nodes)
     if no_split:
         chain.allowed = forbid_cuts_inside(chain.nodes, chain.allowed, no_split, known)
@@ -213,12 +225,12 @@ def _solve_order(
     limits = StageLimits(None, ranges.start_lo, ranges.start_hi) if ranges else StageLimits()
     if schedule is not None:
         seconds = node_seconds(chain.nodes, name, fn, rate, rates)
-        best, ideal = best_for_schedule(
+        best, ideal, ckpt = best_with_checkpointing(
             chain, seconds, schedule, comm=comm, memory=memory, mem_cap=max_stage_memory,
-            limits=limits, device_kind=device_kind,
+            limits=limits, device_kind=device_kind, checkpoint=fixed_set(checkpoint, num_stages, memory.checkpoint),
         )
         extra = dict(schedule=schedule.name, num_microbatches=schedule.num_microbatches,
-                     predicted_step_s=best.step_s, ideal_step_s=ideal)
+                     predicted_step_s=best.step_s, ideal_step_s=ideal, checkpoint=sorted(ckpt))
         return _Solved(label, chain, best.starts, largest_stage(chain, best.starts), best.cut_bytes, best.step_s,
                        [int(m) for m in best.figures.memory], extra)
     if ranges is not None:

@@ -74,6 +74,9 @@ def draw_config(pick: Callable[[Any], Any], integer: Callable[[int, int], int], 
         "compile": local and integer(1, COMPILE_SHARE) == COMPILE_SHARE,
         "graphs": integer(0, 1) == 1,  # with compile: CUDA graph slots, emulated (mode="reduce-overhead")
         "reduction": pick(("sum", "mean")),  # loss_reduction: "mean" scales each microbatch's loss by 1/m
+        # with checkpoint: half the time the plan names the stages (compile(checkpoint=[...]), drawn as a
+        # bit mask) and the Pipeline checkpoints what was planned, exactly those
+        "checkpoint_plan": integer(0, 1) == 1, "checkpoint_mask": integer(1, 2**stages - 1),
     }
 
 
@@ -83,6 +86,7 @@ def features(spec: ModelSpec, cfg: dict[str, Any], dist: str | None = None) -> s
             f"cost={cfg['cost']}", f"order={cfg['order']}", f"recompute={cfg['recompute']}",
             f"reduction={cfg.get('reduction', 'sum')}"}
     flags = {"rendezvous": cfg["transport"] == "rendezvous", "checkpoint": cfg["checkpoint"],
+             "checkpoint_planned": cfg["checkpoint"] and cfg.get("checkpoint_plan", False),
              "recapture": cfg["example_batch"] != cfg["mb"], "batch_change": cfg["mb2"] != cfg["mb"],
              "no_zero_grad": cfg["no_zero_grad"], "eval_pipe": cfg["eval_pipe"] and cfg["eval"] == "pipe",
              "freeze_mid": cfg["freeze_mid"], "loss_param": cfg.get("loss_param", False),

@@ -225,12 +225,15 @@ def _run_case(make_model: Callable[[], torch.nn.Module], io: dict, cfg: dict, me
         if torch.distributed.is_available() and torch.distributed.is_initialized():  # under torchrun a cut the
             # example compiled without a gradient is refused, not grown: the example requires grad as inputs will
             ex_args, ex_kw = fresh(ex_args, ex_kw, io["input_grad"], io.get("table_grad", False))
+        planned = cfg["checkpoint"] and cfg.get("checkpoint_plan", False)  # the plan names the stages
+        ckpt = [s for s in range(cfg["stages"]) if cfg.get("checkpoint_mask", 0) >> s & 1] if planned else None
         prog = pipesplit.compile(model, ex_args, example_kwargs=ex_kw, num_stages=cfg["stages"], cost=cfg["cost"],
                                  order=cfg["order"], recompute=cfg["recompute"], progress=False,
-                                 unbatched=["pos"] if io.get("table") else ())
+                                 unbatched=["pos"] if io.get("table") else (), checkpoint=ckpt)
         pipe = pipesplit.Pipeline(prog, cfg["schedule"], num_microbatches=m, loss_fn=loss_p,
                                   loss_reduction=cfg.get("reduction", "sum"),
-                                  checkpoint=cfg["checkpoint"], transport=cfg["transport"], timeout=60, mesh=mesh,
+                                  checkpoint=None if planned else cfg["checkpoint"], transport=cfg["transport"],
+                                  timeout=60, mesh=mesh,
                                   compile=({"backend": "aot_eager", "mode": "reduce-overhead"} if cfg.get("graphs")
                                            else {"backend": "aot_eager"}) if cfg.get("compile") else False)
         eval_pipe = pipesplit.Pipeline(prog, "gpipe", num_microbatches=1, timeout=60, mesh=mesh) \

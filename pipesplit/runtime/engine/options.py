@@ -35,8 +35,8 @@ def checkpointed_stages(prog: "SplitProgram", local: "Sequence[Stage]", checkpoi
     list: those), or as the plan was made (None). A stage this process runs that updates buffers in
     place is refused: recomputing it would update them twice."""
     planned = checkpoint is None and bool(prog.plan.checkpoint)
-    if checkpoint is None:
-        checkpoint = planned
+    if checkpoint is None:  # the stages the plan chose (compile(checkpoint=...)): exactly those
+        checkpoint = list(prog.plan.checkpoint)
     ckpt = set(range(prog.num_stages)) if checkpoint is True else set(checkpoint or ())
     bad = sorted(i for i in ckpt if not 0 <= i < prog.num_stages)
     if bad:
@@ -46,9 +46,9 @@ def checkpointed_stages(prog: "SplitProgram", local: "Sequence[Stage]", checkpoi
             raise PipesplitError(
                 f"stage {s.index} updates buffers in place (e.g. BatchNorm running stats); activation "
                 "checkpointing would update them twice. "
-                + ("The plan was made for checkpointing (compile(memory=MemoryModel(checkpoint=True))): "
-                   "compile without it, or pass checkpoint=False (the plan's memory figures then no longer "
-                   "hold), or use eval-mode normalisation." if planned
+                + (f"The plan checkpoints it (plan.checkpoint={list(prog.plan.checkpoint)}): compile with "
+                   "checkpoint= leaving it out, or pass Pipeline(checkpoint=False) (the plan's memory figures then "
+                   "no longer hold), or use eval-mode normalisation." if planned
                    else "Disable checkpoint or use eval-mode normalisation.")
             )
     return ckpt

@@ -54,9 +54,9 @@ class Pipeline:
 
     ``checkpoint`` recomputes stages' activations in the backward instead of keeping
     them: ``True`` (every stage), a list of stage indices, or ``False``. Left as None it
-    follows the plan: a program compiled with ``memory=MemoryModel(checkpoint=True)``
-    was planned for checkpointing (its memory limits count only the stage inputs of the
-    microbatches in flight), so every stage is checkpointed.
+    follows the plan: exactly the stages ``prog.plan.checkpoint`` lists (chosen by
+    ``compile(checkpoint=...)``; its memory figures count only those stages' inputs of the
+    microbatches in flight).
 
     Communication follows a plan proven free of deadlock under NCCL's semantics (see
     :func:`pipesplit.schedules.rendezvous.comm_plan` and :mod:`pipesplit.schedules.issue`):
@@ -102,7 +102,7 @@ class Pipeline:
         num_ranks: int | None = None,
         batch_dim: int | None = None,  # default: the program's (compile(..., batch_dim=...))
         loss_reduction: str = "mean",  # "mean": loss_fn averages over the batch; "sum": it sums
-        checkpoint: bool | Sequence[int] | None = None,  # default: as planned (compile(memory=MemoryModel(checkpoint=True)))
+        checkpoint: bool | Sequence[int] | None = None,  # default: as planned (prog.plan.checkpoint)
         timeout: float = 300.0,
         executor: str = "auto",
         target_batch_dim: int | None | str = "same",  # default: batch_dim; None: every microbatch gets it whole
