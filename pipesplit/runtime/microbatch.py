@@ -1,4 +1,4 @@
-"""Splitting flat program inputs into microbatches and merging outputs back."""
+"""Splitting flat program inputs and loss targets into microbatches (outputs join in runtime/merge.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import torch
 from pipesplit.capture import InputInfo
 from pipesplit.compat import pytree
 from pipesplit.errors import InputError
-from pipesplit.passes.split.generalise import UNKNOWN, UNMERGEABLE
 from pipesplit.inputs import batch_sizes, check_range
 
 
@@ -118,57 +117,3 @@ def split_target(target: Any, num_microbatches: int, batch_dim: int | None = 0, 
             for m in range(num_microbatches):
                 pieces[m].append(leaf)
     return [pytree.tree_unflatten(p, spec) for p in pieces]
-
-
-class UnknownBatchDim(InputError):
-    """An output of a program captured at the example's batch differs between microbatches and its
-    batch dimension is not known: a capture with a dynamic batch can tell (``output`` is its index)."""
-
-    def __init__(self, output: int, shape: tuple[int, ...]):
-        self.output = output
-        super().__init__(
-            f"output {output} (shape {shape} per microbatch) is computed from the batch but does not have the batch's "
-            "size in the inputs' batch dimension, and the program was captured at the example's batch size, so "
-            "pipesplit cannot tell where its batch is (a (seq, batch) output, flattened rows, or no batch at all). "
-            "Compile with pipesplit.compile(..., dynamic_batch=True): that capture tells."
-        )
-
-
-def merge_outputs(per_microbatch: Sequence[Sequence[Any]], batch_dims: Sequence[int | None]) -> list[Any]:
-    """Join each flat output of the microbatches back into the whole batch's.
-
-    An output with a batch dimension (``batch_dims[i]``, found where the capture saw the batch go)
-    is concatenated along it. One without: values all microbatches agree on (a table) are taken
-    once; floating-point values that differ (a loss, a mean over the batch) are averaged, which is
-    the whole batch's value for a mean over equal microbatches; other values that differ (counts)
-    and outputs that carry the batch where microbatches cannot be joined are refused, by name.
-    An output whose batch dimension is ``UNKNOWN`` and whose values differ raises ``UnknownBatchDim``.
-    """
-    merged = []
-    for i, (values, dim) in enumerate(zip(zip(*per_microbatch), batch_dims)):
-        first = values[0]
-        if not isinstance(first, torch.Tensor):
-            merged.append(first)
-        elif dim == UNMERGEABLE:
-            raise InputError(
-                f"output {i} (shape {tuple(first.shape)} per microbatch) carries the batch, but not in a dimension of "
-                "its own (e.g. seq-first rows flattened to seq * batch): the microbatches' outputs cannot be joined "
-                "into the whole batch's. Return it with the batch in a dimension of its own, or run the model on "
-                "the whole batch (prog(x)); training is not affected (loss_fn sees each microbatch's output)."
-            )
-        elif dim is not None and dim >= 0:
-            merged.append(torch.cat(list(values), dim=dim))
-        elif all(v.shape == first.shape and torch.equal(v, first) for v in values[1:]):
-            merged.append(first)
-        elif dim == UNKNOWN:
-            raise UnknownBatchDim(i, tuple(first.shape))
-        elif first.is_floating_point() or first.is_complex():
-            merged.append(torch.stack(list(values)).mean(dim=0))
-        else:
-            raise InputError(
-                f"output {i} ({first.dtype}, shape {tuple(first.shape)}) has no batch dimension and differs between "
-                "the microbatches (a count over the batch?), so pipe(x) cannot tell the whole batch's value: a sum, a "
-                "maximum or another reduction. Return it per sample (with a batch dimension) or as a float mean; "
-                "training is not affected (loss_fn sees each microbatch's output)."
-            )
-    return merged

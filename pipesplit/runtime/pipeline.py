@@ -17,7 +17,8 @@ from pipesplit.passes.split.generalise import generalise
 from pipesplit.passes.split.program import SplitProgram
 from pipesplit.state import zero_grads
 from pipesplit.runtime.options import checkpointed_stages, chosen_executor
-from pipesplit.runtime.microbatch import UnknownBatchDim, batch_size, merge_outputs, split_microbatches, split_target
+from pipesplit.runtime.microbatch import batch_size, split_microbatches, split_target
+from pipesplit.runtime.merge import UnknownBatchDim, merge_outputs, output_names
 from pipesplit.runtime.collectives import Layout, StepCollectives
 from pipesplit.runtime.compiled import StageCompiler
 from pipesplit.runtime.distributed import place_rank, start_communicator
@@ -333,15 +334,16 @@ class Pipeline:
         if not data.outputs:
             return None
         per_mb = [data.outputs[m] for m in range(self.num_microbatches)]
+        where = (data.inputs, self.prog.inputs, self.batch_dim, output_names(self.prog.out_spec))
         try:
-            merged = merge_outputs(per_mb, self.prog.output_batch_dims)
+            merged, weights = merge_outputs(per_mb, self.prog.output_merges, *where)
         except UnknownBatchDim as e:
             if self.executor != "local" or self.prog.recapture is None:
                 raise  # under torchrun every rank's graphs must stay the same: no capture on one rank alone
             generalise(self.prog, f"joining output {e.output} of the microbatches")  # the dynamic capture tells
-            merged = merge_outputs(per_mb, self.prog.output_batch_dims)
+            merged, weights = merge_outputs(per_mb, self.prog.output_merges, *where)
         if self.collectives is not None:  # on a mesh: every replica's rows, in the global batch's order
-            merged = self.collectives.gather_replicas(merged, self.prog.output_batch_dims)
+            merged = self.collectives.gather_replicas(merged, self.prog.output_merges, weights)
         return pytree.tree_unflatten(merged, self.prog.out_spec)
 
     __call__ = forward
