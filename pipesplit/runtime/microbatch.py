@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Collection, Sequence
 
 import torch
 
 from pipesplit.capture import InputInfo
 from pipesplit.compat import pytree
-from pipesplit.errors import InputError
+from pipesplit.errors import InputError, did_you_mean
 from pipesplit.inputs import batch_sizes, check_range
 
 
@@ -69,8 +69,26 @@ def split_microbatches(
     return out
 
 
+def leaf_name(path: Sequence[Any]) -> str:
+    """A target leaf's name as ``target_unbatched`` takes it: ``"w"`` for ``{"w": w}``, ``"1"`` for
+    ``(y, w)``, ``"a.0"`` for ``{"a": (x, y)}``; ``""`` for a target that is one tensor."""
+    return ".".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
+
+
+def check_leaf_names(target: Any, whole: Collection[str]) -> None:
+    """Every name in ``whole`` (``Pipeline(..., target_unbatched=...)``) is a leaf of ``target``."""
+    names = [leaf_name(path) for path, _ in pytree.tree_flatten_with_path(target)[0]]
+    unknown = [n for n in whole if n not in names]
+    if unknown:
+        raise InputError(
+            f"target_unbatched names {unknown}, which the target does not hold; its leaves are {names} (a dict's "
+            "keys, a tuple's positions, joined with '.' when nested)"
+            + did_you_mean(unknown[0], names) + ". For a target that is one tensor, pass target_batch_dim=None."
+        )
+
+
 def split_target(target: Any, num_microbatches: int, batch_dim: int | None = 0, batch: int | None = None,
-                 input_batch_dim: int = 0) -> list[Any]:
+                 input_batch_dim: int = 0, whole: Collection[str] = ()) -> list[Any]:
     """Split a loss target (a tensor or a pytree of tensors) along the batch dimension.
 
     ``batch_dim=None`` hands the whole target to every microbatch, and so does a 0-dim leaf or one
@@ -80,12 +98,18 @@ def split_target(target: Any, num_microbatches: int, batch_dim: int | None = 0, 
     ``batch_dim`` is not a multiple of the inputs' batch size is refused; a multiple is a
     flattened batch, e.g. ``(batch * seq,)`` token labels, taken in contiguous slices, which is
     right only where the inputs carry the batch first (``input_batch_dim=0``): a seq-first
-    model's flattened ``(seq, batch)`` labels interleave the samples and are refused.
+    model's flattened ``(seq, batch)`` labels interleave the samples and are refused. The leaves
+    named in ``whole`` (see :func:`leaf_name`) go whole to every microbatch.
     """
     leaves, spec = pytree.tree_flatten_with_path(target)
+    check_leaf_names(target, whole)
     pieces: list[list[Any]] = [[] for _ in range(num_microbatches)]
     for path, leaf in leaves:
         where = "the target" + pytree.keystr(path)
+        if leaf_name(path) in whole:
+            for m in range(num_microbatches):
+                pieces[m].append(leaf)
+            continue
         if (batch_dim is not None and isinstance(leaf, torch.Tensor) and 0 < leaf.dim() <= batch_dim
                 and batch is not None and batch in leaf.shape):  # (B,) labels; a (T,) weight goes whole
             raise InputError(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, cast
+from typing import Any, Callable, Collection, Iterator, Mapping, Optional, Sequence, cast
 
 import torch
 from torch import nn
@@ -19,6 +19,7 @@ from pipesplit.state import zero_grads
 from pipesplit.runtime.options import checkpointed_stages, chosen_executor
 from pipesplit.runtime.microbatch import batch_size, split_microbatches, split_target
 from pipesplit.runtime.merge import UnknownBatchDim, merge_outputs, output_names
+from pipesplit.runtime.target_probe import target_probe
 from pipesplit.runtime.collectives import Layout, StepCollectives
 from pipesplit.runtime.compiled import StageCompiler
 from pipesplit.runtime.distributed import place_rank, start_communicator
@@ -107,6 +108,7 @@ class Pipeline:
         timeout: float = 300.0,
         executor: str = "auto",
         target_batch_dim: int | None | str = "same",  # default: batch_dim; None: every microbatch gets it whole
+        target_unbatched: Collection[str] = (),  # target leaves every microbatch gets whole ("w" of {"y": y, "w": w})
         transport: str = "auto",  # local executor: "auto" (mailboxes) or "rendezvous" (NCCL's semantics imposed)
         mesh: Any = None,  # a DeviceMesh with a "pp" (and a "dp") dimension
         pp_group: Any = None,  # or the process groups themselves
@@ -128,6 +130,9 @@ class Pipeline:
             )
         self.target_batch_dim: int | None = (
             self.batch_dim if target_batch_dim == "same" else cast(Optional[int], target_batch_dim))
+        # a default target_batch_dim cuts 1-D leaves of the batch's length only once the loss confirms it
+        self._target_unbatched, self._probed = frozenset(target_unbatched), target_batch_dim == "same"
+        self._target_confirmed: set[tuple[str, tuple[int, ...], int]] = set()
         self._num_microbatches, self.loss_reduction, self.timeout = num_microbatches, loss_reduction, timeout
         self.executor = executor
         self.layout: Layout | None = None
@@ -252,12 +257,16 @@ class Pipeline:
             self._build()
         if training and self.loss_fn is None:
             raise PipesplitError("step() needs a loss_fn: Pipeline(prog, ..., loss_fn=lambda out, target: ...).")
-        targets = None
+        targets = probe = None
         if target is not None:
-            targets = split_target(target, total, self.target_batch_dim, mb * total, self.batch_dim)[first:first + m]
+            targets = split_target(target, total, self.target_batch_dim, mb * total, self.batch_dim,
+                                   self._target_unbatched)[first:first + m]
+            if self._probed:
+                probe = target_probe(target, self.target_batch_dim, mb * total, total, self._target_unbatched,
+                                     self._target_confirmed)
         scale = 1.0 / total if self.loss_reduction == "mean" else 1.0
         return StepData(inputs, targets, self.loss_fn, scale, training, mb, seed=self._step_seed(),
-                        microbatch_offset=first, whole=flat, dp_size=self.dp_size)
+                        microbatch_offset=first, whole=flat, dp_size=self.dp_size, target_probe=probe)
 
     def _step_seed(self) -> int:
         """One draw from torch's default generator per step, rank 0's on every rank (reproducible by seeding).

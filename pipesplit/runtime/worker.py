@@ -22,6 +22,7 @@ from pipesplit.runtime.loss_leaves import checked_loss, loss_leaves, output_node
 from pipesplit.runtime import cuda_graphs
 from pipesplit.runtime.stage_graphs import Deferred, StageGraphs, run_forward, run_weights
 from pipesplit.runtime.stage_parts import Parts
+from pipesplit.runtime.target_probe import TargetProbe
 from pipesplit.runtime.transport import Like
 from pipesplit.schedules import Action, ActionKind
 from pipesplit.schedules.rendezvous import Message
@@ -46,6 +47,7 @@ class StepData:
     # the caller's tensors after the step (runtime/steps.py: route_input_grads)
     input_grads: list[tuple[int, int, int, torch.Tensor]] = field(default_factory=list)
     dp_size: int = 1  # data-parallel replicas of the pipeline (a mesh's dp dimension)
+    target_probe: TargetProbe | None = None  # target leaves the loss must confirm were right to cut (target_probe.py)
 
 
 @dataclass
@@ -318,7 +320,9 @@ class StageWorker:
                     out_tree = pytree.tree_unflatten(flat, self.prog.out_spec)
                     target = data.targets[m] if data.targets is not None else None
                     stop = output_nodes([*outs, *flat])  # before the loss: it may write an output in place
-                    loss = checked_loss(data.loss_fn(out_tree, target), m)
+                    probe = data.target_probe if data.target_probe is not None and not data.target_probe.done else None
+                    raw = probe.loss(data.loss_fn, out_tree, target) if probe else data.loss_fn(out_tree, target)
+                    loss = checked_loss(raw, m)
                     if data.loss_scale != 1.0:  # a multiply by 1 changes no bit; skipped, it cost a kernel each way
                         loss = loss * data.loss_scale
                     data.losses[m] = loss.detach()
