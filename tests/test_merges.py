@@ -76,7 +76,9 @@ def test_an_in_batch_similarity_is_refused(dynamic):
     prog, pipe = _pipe(model, x[:2], dynamic=dynamic)
     with pytest.raises(InputError, match=r"output 1 \[1\].*dimensions \[0, 1\].*h @ h.T.*prog\(x\)"):
         pipe(x)
-    torch.testing.assert_close(prog(x)[1], model(x)[1])  # the whole batch at once is exact
+    torch.testing.assert_close(prog(x)[1], model(x)[1])  # the whole batch at once is exact, and so is
+    one = pipesplit.Pipeline(prog, "gpipe", num_microbatches=1)  # one microbatch, as the message says
+    torch.testing.assert_close(one(x)[1], model(x)[1])
 
 
 @pytest.mark.parametrize("kind,op", [("norm", "sqrt"), ("sum_plus", "add")])
@@ -119,7 +121,7 @@ def _hf_gpt2():
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    cfg = GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=50, n_positions=16, bos_token_id=0, eos_token_id=0)
+    cfg = GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50, n_positions=16, bos_token_id=0, eos_token_id=0)
     return GPT2LMHeadModel(cfg).eval()
 
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Sequence
 
-import sympy
 import torch
 import torch.fx as fx
 
@@ -73,7 +72,7 @@ def output_merges(captured: Captured, batch_dims: Sequence[int | None]) -> list[
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     batched = {n for n, info in zip(placeholders, captured.inputs) if info.batched}
     d = captured.batch_dim
-    symbols = {n.meta["val"].shape[d].node.expr for n in batched
+    symbols = {_expr(n.meta["val"].shape[d]) for n in batched
                if isinstance(n.meta.get("val"), torch.Tensor) and static_dim(n.meta["val"].shape[d]) is None}
     rules = _Rules(gm, placeholders, batched, symbols)
     out_node = next(n for n in gm.graph.nodes if n.op == "output")
@@ -119,7 +118,7 @@ class _Rules:
     def batch_dims(self, val: torch.Tensor) -> list[int]:
         """The dimensions of ``val`` whose size involves the batch symbol."""
         return [j for j, s in enumerate(val.shape)
-                if static_dim(s) is None and s.node.expr.free_symbols & self.free]
+                if static_dim(s) is None and _expr(s).free_symbols & self.free]
 
     def per_sample_dim(self, node: Any) -> int | None:
         """The one dimension that carries the batch, as ``k * batch`` for a constant k, else None."""
@@ -129,8 +128,8 @@ class _Rules:
         dims = self.batch_dims(val)
         if len(dims) != 1:
             return None
-        expr = val.shape[dims[0]].node.expr
-        return dims[0] if any(sympy.simplify(expr / s).is_Integer for s in self.symbols) else None
+        expr = _expr(val.shape[dims[0]])
+        return dims[0] if any((expr / s).is_Integer for s in self.symbols) else None
 
     def of(self, node: fx.Node) -> OutputMerge:
         if not self.depends(node):
@@ -190,7 +189,8 @@ class _Rules:
 
     def _loss(self, node: fx.Node) -> OutputMerge:
         """A classification loss: ``reduction="sum"`` sums; a mean divides by the labels other than ignore_index."""
-        args = dict(zip(("input", "target", "weight", "reduction", "ignore_index", "label_smoothing"), node.args))
+        args: dict[str, Any] = dict(zip(("input", "target", "weight", "reduction", "ignore_index", "label_smoothing"),
+                                        node.args))
         args.update(node.kwargs)
         target, weight = args.get("target"), args.get("weight")
         reduction, ignore = int(args.get("reduction", 1)), int(args.get("ignore_index", -100))
@@ -246,7 +246,7 @@ class _Rules:
     def _shifted(self, node: fx.Node, name: str) -> OutputMerge:
         """``a + alpha * b`` (``a - alpha * b``): linear in two sums or two means, a shift of one mean, max or min."""
         a, b = node.args[0], node.args[1] if len(node.args) > 1 else None
-        alpha = node.kwargs.get("alpha", 1) * (-1 if name == "sub" else 1)
+        alpha: Any = node.kwargs.get("alpha", 1)
         if not isinstance(alpha, (int, float)) or set(node.kwargs) - {"alpha"}:
             return _refuse(f"{node.name} ({name}) scales by a value pipesplit cannot read")
         if self.depends(a) and self.depends(b):
@@ -257,13 +257,19 @@ class _Rules:
             if left.kind == right.kind and left.kind in (SUM, MEAN) and left.counts is None and right.counts is None:
                 return left
             return _refuse(f"{node.name} ({name}) combines a {left.kind} and a {right.kind} over the batch")
-        inner, sign = (self.of(a), 1) if self.depends(a) else (self.of(b), alpha)  # type: ignore[arg-type]
+        sign = alpha * (-1 if name == "sub" else 1)
+        inner, sign = (self.of(a), 1) if self.depends(a) else (self.of(b), sign)  # type: ignore[arg-type]
         if inner.kind == SUM:
             return _refuse(f"{node.name} ({name}) adds a value to a sum over the batch, which each microbatch "
                            "would add once")
         if inner.kind in (MAX, MIN) and sign < 0:
             return dataclasses.replace(inner, kind=_SWAP[inner.kind])
         return inner if sign != 0 else OutputMerge(SAME)
+
+
+def _expr(size: Any) -> Any:
+    """The sympy expression of a symbolic size."""
+    return size.node.expr
 
 
 def _op(node: fx.Node) -> str:

@@ -35,23 +35,24 @@ def output_names(out_spec: Any) -> list[str]:
 
 def merge_outputs(
     per_microbatch: Sequence[Sequence[Any]], merges: Sequence[OutputMerge], inputs: Sequence[Sequence[Any]],
-    infos: Sequence[InputInfo], batch_dim: int, names: Sequence[str] | None = None,
+    infos: Sequence[InputInfo], batch_dim: int, names: Sequence[str] | None = None, replicas: int = 1,
 ) -> tuple[list[Any], list[torch.Tensor | None]]:
     """Join each flat output of the microbatches (``per_microbatch[m][i]``) by its rule ``merges[i]``
     (:mod:`pipesplit.passes.split.merges`); ``inputs[m]`` are microbatch m's flat inputs.
 
     Returns the joined outputs and, per output, the total weight of a weighted mean (the samples,
-    or the labels counted), which a mesh's replicas combine; None for the others. An output whose
-    rule is ``"unknown"`` raises :class:`UnknownBatchDim`; ``"refuse"``, an InputError naming it.
+    or the labels counted), which a mesh's ``replicas`` combine; None for the others. An output whose
+    rule is ``"unknown"`` raises :class:`UnknownBatchDim`; ``"refuse"``, an InputError naming it. One
+    microbatch in all is the whole batch: its values are taken as they are.
     """
     merged: list[Any] = []
     weights: list[torch.Tensor | None] = []
-    one = len(per_microbatch) == 1
+    one = len(per_microbatch) * replicas == 1
     for i, (values, rule) in enumerate(zip(zip(*per_microbatch), merges)):
         first = values[0]
         name = f" {names[i]}" if names and names[i] else ""
         weight = None
-        if not isinstance(first, torch.Tensor) or rule.kind == SAME or (one and rule.kind != REFUSE):
+        if not isinstance(first, torch.Tensor) or rule.kind == SAME or one:
             out = first
         elif rule.kind == CAT:
             out = torch.cat(list(values), dim=rule.dim)  # type: ignore[arg-type]

@@ -14,11 +14,12 @@ from pipesplit.compat import pytree
 from pipesplit.errors import PipesplitError, ScheduleError
 from pipesplit.materialize import check_initialised, init_weights
 from pipesplit.passes.split.generalise import generalise
+from pipesplit.passes.split.merges import UNKNOWN
 from pipesplit.passes.split.program import SplitProgram
 from pipesplit.state import zero_grads
 from pipesplit.runtime.options import checkpointed_stages, chosen_executor
 from pipesplit.runtime.microbatch import batch_size, split_microbatches, split_target
-from pipesplit.runtime.merge import UnknownBatchDim, merge_outputs, output_names
+from pipesplit.runtime.merge import merge_outputs, output_names
 from pipesplit.runtime.target_probe import target_probe
 from pipesplit.runtime.collectives import Layout, StepCollectives
 from pipesplit.runtime.compiled import StageCompiler
@@ -338,19 +339,16 @@ class Pipeline:
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """A forward-only pipeline pass in the current mode; outputs merged back to the full batch, on
         a mesh the whole global batch's from every replica (on the last rank; ``None`` on the others)."""
+        if (self.num_microbatches * self.dp_size > 1 and self.prog.recapture is not None
+                and any(r.kind == UNKNOWN for r in self.prog.output_merges)):  # every rank alike, before running
+            generalise(self.prog, "joining the microbatches' outputs")  # the dynamic capture tells how
         data = self._prepare(args, kwargs, None, training=False)
         self._run("forward", data)
         if not data.outputs:
             return None
         per_mb = [data.outputs[m] for m in range(self.num_microbatches)]
-        where = (data.inputs, self.prog.inputs, self.batch_dim, output_names(self.prog.out_spec))
-        try:
-            merged, weights = merge_outputs(per_mb, self.prog.output_merges, *where)
-        except UnknownBatchDim as e:
-            if self.executor != "local" or self.prog.recapture is None:
-                raise  # under torchrun every rank's graphs must stay the same: no capture on one rank alone
-            generalise(self.prog, f"joining output {e.output} of the microbatches")  # the dynamic capture tells
-            merged, weights = merge_outputs(per_mb, self.prog.output_merges, *where)
+        merged, weights = merge_outputs(per_mb, self.prog.output_merges, data.inputs, self.prog.inputs, self.batch_dim,
+                                        output_names(self.prog.out_spec), self.dp_size)
         if self.collectives is not None:  # on a mesh: every replica's rows, in the global batch's order
             merged = self.collectives.gather_replicas(merged, self.prog.output_merges, weights)
         return pytree.tree_unflatten(merged, self.prog.out_spec)
