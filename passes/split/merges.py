@@ -182,7 +182,7 @@ class _Rules:
         if isinstance(dims, int):
             dims = [dims]
         if dims is not None and not isinstance(dims, (list, tuple)):
-            return _refuse(f"{_op(node)} ({node.name}) returns indices, not only the reduced values")
+            return _refuse(f"{_op(node)} ({node.name}) is not a reduction over dimensions pipesplit can read")
         if dims and j not in {int(k) % rank for k in dims}:
             return _refuse(f"{_op(node)} ({node.name}) reduces other dimensions than the batch's")
         return OutputMerge(kind)

@@ -52,19 +52,21 @@ def merge_outputs(
         first = values[0]
         name = f" {names[i]}" if names and names[i] else ""
         weight = None
-        if not isinstance(first, torch.Tensor) or rule.kind == SAME or one:
+        if rule.kind == SAME or one:
+            out = first
+        elif rule.kind == REFUSE:
+            raise InputError(
+                f"pipe(x) cannot join output {i}{name} ({_described(first)} per microbatch) from "
+                f"the {len(values)} microbatches: {rule.why}. Run the whole batch at once with prog(x) (prog.eval() "
+                "first for eval mode), or a Pipeline with num_microbatches=1; training is not affected (loss_fn sees "
+                "each microbatch's outputs)."
+            )
+        elif not isinstance(first, torch.Tensor):
             out = first
         elif rule.kind == CAT:
             out = torch.cat(list(values), dim=rule.dim)  # type: ignore[arg-type]
         elif rule.kind == UNKNOWN:
             raise UnknownBatchDim(i, tuple(first.shape), name)
-        elif rule.kind == REFUSE:
-            raise InputError(
-                f"pipe(x) cannot join output {i}{name} ({first.dtype}, shape {tuple(first.shape)} per microbatch) from "
-                f"the {len(values)} microbatches: {rule.why}. Run the whole batch at once with prog(x) (prog.eval() "
-                "first for eval mode), or a Pipeline with num_microbatches=1; training is not affected (loss_fn sees "
-                "each microbatch's outputs)."
-            )
         elif rule.kind == SUM:
             out = torch.stack(list(values)).sum(0).to(first.dtype)
         elif rule.kind in (MAX, MIN):
@@ -76,6 +78,12 @@ def merge_outputs(
         merged.append(out)
         weights.append(weight)
     return merged, weights
+
+
+def _described(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"{value.dtype}, shape {tuple(value.shape)}"
+    return type(value).__name__
 
 
 def _weights(rule: OutputMerge, inputs: Sequence[Sequence[Any]], infos: Sequence[InputInfo], batch_dim: int,
