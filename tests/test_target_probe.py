@@ -27,7 +27,7 @@ def _accumulated(model, loss_fn, x, targets):
     for xs, t in zip(x.chunk(len(targets)), targets):
         part = loss_fn(model(xs), t) / len(targets)
         part.backward()
-        total += float(part)
+        total += float(part.detach())
     return total
 
 
