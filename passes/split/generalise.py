@@ -90,12 +90,12 @@ def output_batch_dims(captured: Captured) -> list[int | None]:
     """Per flat output: the dimension that carries the batch (microbatches' outputs concatenate
     there), None for an output without one, or ``UNMERGEABLE``.
 
-    Dynamic capture: the dimension whose size is the batch symbol (the inputs' batch dimension
-    first); a first dimension that is a multiple of it is a flattened batch-first batch
+    Dynamic capture: the dimension whose size is the batch symbol (two such dimensions, ``h @ h.T``,
+    are ``UNMERGEABLE``); a first dimension that is a multiple of it is a flattened batch-first batch
     (``(batch * seq, vocab)`` logits: contiguous per sample, as the targets' rule takes it) where
     the inputs carry the batch first; any other use of the symbol is ``UNMERGEABLE``. Static
     capture: the inputs' batch dimension where the output depends on a batched input and has the
-    example's batch size there; ``UNKNOWN`` for another output that depends on one (sizes alone
+    example's batch size there and nowhere else; ``UNKNOWN`` for another output that depends on one (sizes alone
     cannot tell a (seq, batch) output or flattened rows from a count that happens to have the
     batch's size): the dynamic capture decides, if the microbatches' values need joining. Either
     capture: ``DATA_DEPENDENT`` for an output with a size computed from the inputs' values
@@ -119,7 +119,8 @@ def output_batch_dims(captured: Captured) -> list[int | None]:
         elif not _depends_on(v, batched_in):
             result.append(None)
         else:
-            result.append(d if val.dim() > d and int(val.shape[d]) == static else UNKNOWN)
+            sized = [j for j, size in enumerate(val.shape) if int(size) == static]
+            result.append(d if sized == [d] else UNKNOWN)  # (B, B): one batch dimension, or two? dynamic decides
     return result
 
 
@@ -141,8 +142,10 @@ def _symbolic_batch_dim(shape: Any, symbols: set[Any], d: int, source: Any = Non
     the batch first (``(B, T, V).reshape(-1, V)``, not ``(T, B, V).reshape(-1, V)``)."""
     exprs = [None if static_dim(s) is not None else s.node.expr for s in shape]
     at = [j for j, e in enumerate(exprs) if e is not None and e in symbols]
+    if len(at) > 1:
+        return UNMERGEABLE  # (batch, batch): an in-batch similarity, each microbatch holds only its diagonal block
     if at:
-        return d if d in at else at[0]
+        return at[0]
     uses = [j for j, e in enumerate(exprs) if e is not None and e.free_symbols & {x for s in symbols for x in s.free_symbols}]
     if not uses:
         return None

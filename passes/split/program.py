@@ -15,6 +15,7 @@ from pipesplit.compat import pytree
 from pipesplit.devices import concrete_device
 from pipesplit.errors import InputError, PipesplitError, PlanError, partial_program
 from pipesplit.passes.split.generalise import output_batch_dims
+from pipesplit.passes.split.merges import output_merges
 from pipesplit.inputs import Shown, shown, describe_structure, batch_sizes, check_input, check_range, ordered_like
 from pipesplit.passes.split.devices import capture_device, retarget
 from pipesplit.passes.split.modes import eval_module
@@ -137,6 +138,7 @@ class SplitProgram(StatePlacing):
             and static_dim(v.meta["val"].shape[d]) is None
         }
         self.output_batch_dims = output_batch_dims(captured)  # where microbatches' outputs join (None: no batch)
+        self.output_merges = output_merges(captured, self.output_batch_dims)  # how (passes/split/merges.py)
         self.random_ops = sum(n.target is seeded for p in split.stages for n in p.graph.nodes)  # dropout & co.
 
     def _build_root(self, split: SplitGraph) -> None:

@@ -230,7 +230,7 @@ def _run_case(make_model: Callable[[], torch.nn.Module], io: dict, cfg: dict, me
         prog = pipesplit.compile(model, ex_args, example_kwargs=ex_kw, num_stages=cfg["stages"], cost=cfg["cost"],
                                  order=cfg["order"], recompute=cfg["recompute"], progress=False,
                                  unbatched=["pos"] if io.get("table") else (), checkpoint=ckpt)
-        pipe = pipesplit.Pipeline(prog, cfg["schedule"], num_microbatches=m, loss_fn=loss_p,
+        pipe = pipesplit.Pipeline(prog, cfg["schedule"], num_microbatches=m, loss_fn=loss_p, target_batch_dim=0,
                                   loss_reduction=cfg.get("reduction", "sum"),
                                   checkpoint=None if planned else cfg["checkpoint"], transport=cfg["transport"],
                                   timeout=60, mesh=mesh,

@@ -18,6 +18,7 @@ import torch
 
 from pipesplit.errors import PipesplitError, RuntimeCommError
 from pipesplit.meta import is_sparse_lookup
+from pipesplit.passes.split.merges import CAT, MAX, MEAN, MIN, SUM, OutputMerge
 from pipesplit.passes.split.program import SplitProgram
 from pipesplit.runtime.comm.running_stats import RunningStats
 
@@ -252,26 +253,35 @@ class StepCollectives:
             self.stats.restore(saved)
 
     # ---------------------------------------------------------------- outputs
-    def gather_replicas(self, merged: list[Any], batch_dims: Sequence[int | None]) -> list[Any]:
-        """This replica's merged outputs -> the whole global batch's, on every replica: batched outputs
-        concatenated along their batch dimension in replica order (the order the global batch was split
-        in), the others averaged (every replica ran as many microbatches) or taken from this replica."""
+    def gather_replicas(self, merged: list[Any], merges: Sequence[OutputMerge],
+                        weights: Sequence[torch.Tensor | None]) -> list[Any]:
+        """This replica's merged outputs -> the whole global batch's, on every replica, by each output's
+        rule (:mod:`pipesplit.passes.split.merges`): batched outputs concatenated along their batch
+        dimension in replica order (the order the global batch was split in), sums summed, maxima and
+        minima reduced, means weighted by each replica's ``weights`` (samples or labels counted), the
+        rest taken from this replica."""
         if self.layout.dp_group is None:
             return merged
+        ops = {SUM: self.dist.ReduceOp.SUM, MAX: self.dist.ReduceOp.MAX, MIN: self.dist.ReduceOp.MIN}
         out = []
-        for value, batch_dim in zip(merged, batch_dims):
-            batch_dim = None if batch_dim is None or batch_dim < 0 else batch_dim  # unknown: one all microbatches agree on
-            if not isinstance(value, torch.Tensor) or not (batch_dim is not None or value.is_floating_point()):
+        for value, rule, weight in zip(merged, merges, weights):
+            if not isinstance(value, torch.Tensor) or rule.kind not in (CAT, SUM, MAX, MIN, MEAN):
                 out.append(value)
-                continue
-            if batch_dim is None:
+            elif rule.kind == CAT:
+                parts = [torch.empty_like(value) for _ in range(self.layout.dp_size)]  # equal shares
+                self.dist.all_gather(parts, value.contiguous(), group=self.layout.dp_group)
+                out.append(torch.cat(parts, dim=rule.dim))  # type: ignore[arg-type]
+            elif rule.kind == MEAN:
+                assert weight is not None
+                both = torch.cat([(value.to(torch.float64) * weight).reshape(-1), weight.reshape(1)])
+                if weight == 0:
+                    both[:-1] = 0  # every label ignored here: this replica's mean is 0/0 and adds nothing
+                self.dist.all_reduce(both, group=self.layout.dp_group)
+                out.append((both[:-1] / both[-1]).reshape(value.shape).to(value.dtype))
+            else:
                 total = value.detach().clone()
-                self.dist.all_reduce(total, group=self.layout.dp_group)
-                out.append(total / self.layout.dp_size)
-                continue
-            parts = [torch.empty_like(value) for _ in range(self.layout.dp_size)]  # equal shares: equal microbatches
-            self.dist.all_gather(parts, value.contiguous(), group=self.layout.dp_group)
-            out.append(torch.cat(parts, dim=batch_dim))
+                self.dist.all_reduce(total, op=ops[rule.kind], group=self.layout.dp_group)
+                out.append(total)
         return out
 
     # ------------------------------------------------------------------ values

@@ -1,15 +1,14 @@
-"""Splitting flat program inputs into microbatches and merging outputs back."""
+"""Splitting flat program inputs and loss targets into microbatches (outputs join in runtime/engine/merge.py)."""
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Collection, Sequence
 
 import torch
 
 from pipesplit.capture import InputInfo
 from pipesplit.compat import pytree
-from pipesplit.errors import InputError
-from pipesplit.passes.split.generalise import DATA_DEPENDENT, UNKNOWN, UNMERGEABLE
+from pipesplit.errors import InputError, did_you_mean
 from pipesplit.inputs import batch_sizes, check_range
 
 
@@ -70,8 +69,26 @@ def split_microbatches(
     return out
 
 
+def leaf_name(path: Sequence[Any]) -> str:
+    """A target leaf's name as ``target_unbatched`` takes it: ``"w"`` for ``{"w": w}``, ``"1"`` for
+    ``(y, w)``, ``"a.0"`` for ``{"a": (x, y)}``; ``""`` for a target that is one tensor."""
+    return ".".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
+
+
+def check_leaf_names(target: Any, whole: Collection[str]) -> None:
+    """Every name in ``whole`` (``Pipeline(..., target_unbatched=...)``) is a leaf of ``target``."""
+    names = [leaf_name(path) for path, _ in pytree.tree_flatten_with_path(target)[0]]
+    unknown = [n for n in whole if n not in names]
+    if unknown:
+        raise InputError(
+            f"target_unbatched names {unknown}, which the target does not hold; its leaves are {names} (a dict's "
+            "keys, a tuple's positions, joined with '.' when nested)"
+            + did_you_mean(unknown[0], names) + ". For a target that is one tensor, pass target_batch_dim=None."
+        )
+
+
 def split_target(target: Any, num_microbatches: int, batch_dim: int | None = 0, batch: int | None = None,
-                 input_batch_dim: int = 0) -> list[Any]:
+                 input_batch_dim: int = 0, whole: Collection[str] = ()) -> list[Any]:
     """Split a loss target (a tensor or a pytree of tensors) along the batch dimension.
 
     ``batch_dim=None`` hands the whole target to every microbatch, and so does a 0-dim leaf or one
@@ -81,12 +98,18 @@ def split_target(target: Any, num_microbatches: int, batch_dim: int | None = 0, 
     ``batch_dim`` is not a multiple of the inputs' batch size is refused; a multiple is a
     flattened batch, e.g. ``(batch * seq,)`` token labels, taken in contiguous slices, which is
     right only where the inputs carry the batch first (``input_batch_dim=0``): a seq-first
-    model's flattened ``(seq, batch)`` labels interleave the samples and are refused.
+    model's flattened ``(seq, batch)`` labels interleave the samples and are refused. The leaves
+    named in ``whole`` (see :func:`leaf_name`) go whole to every microbatch.
     """
     leaves, spec = pytree.tree_flatten_with_path(target)
+    check_leaf_names(target, whole)
     pieces: list[list[Any]] = [[] for _ in range(num_microbatches)]
     for path, leaf in leaves:
         where = "the target" + pytree.keystr(path)
+        if leaf_name(path) in whole:
+            for m in range(num_microbatches):
+                pieces[m].append(leaf)
+            continue
         if (batch_dim is not None and isinstance(leaf, torch.Tensor) and 0 < leaf.dim() <= batch_dim
                 and batch is not None and batch in leaf.shape):  # (B,) labels; a (T,) weight goes whole
             raise InputError(
@@ -118,66 +141,3 @@ def split_target(target: Any, num_microbatches: int, batch_dim: int | None = 0, 
             for m in range(num_microbatches):
                 pieces[m].append(leaf)
     return [pytree.tree_unflatten(p, spec) for p in pieces]
-
-
-class UnknownBatchDim(InputError):
-    """An output of a program captured at the example's batch differs between microbatches and its
-    batch dimension is not known: a capture with a dynamic batch can tell (``output`` is its index)."""
-
-    def __init__(self, output: int, shape: tuple[int, ...]):
-        self.output = output
-        super().__init__(
-            f"output {output} (shape {shape} per microbatch) is computed from the batch but does not have the batch's "
-            "size in the inputs' batch dimension, and the program was captured at the example's batch size, so "
-            "pipesplit cannot tell where its batch is (a (seq, batch) output, flattened rows, or no batch at all). "
-            "Compile with pipesplit.compile(..., dynamic_batch=True): that capture tells."
-        )
-
-
-def merge_outputs(per_microbatch: Sequence[Sequence[Any]], batch_dims: Sequence[int | None]) -> list[Any]:
-    """Join each flat output of the microbatches back into the whole batch's.
-
-    An output with a batch dimension (``batch_dims[i]``, found where the capture saw the batch go)
-    is concatenated along it. One without: values all microbatches agree on (a table) are taken
-    once; floating-point values that differ (a loss, a mean over the batch) are averaged, which is
-    the whole batch's value for a mean over equal microbatches; other values that differ (counts)
-    and outputs that carry the batch where microbatches cannot be joined are refused, by name.
-    An output whose batch dimension is ``UNKNOWN`` and whose values differ raises ``UnknownBatchDim``.
-    """
-    merged = []
-    for i, (values, dim) in enumerate(zip(zip(*per_microbatch), batch_dims)):
-        first = values[0]
-        if not isinstance(first, torch.Tensor):
-            merged.append(first)
-        elif dim == DATA_DEPENDENT and len(values) > 1:
-            raise InputError(
-                f"output {i} (shape {tuple(first.shape)} in the first microbatch) has a size computed from the inputs' "
-                "values (rows picked by torch.nonzero or a boolean mask), so no rule says how the microbatches' outputs "
-                "make the whole batch's. Run the model on the whole batch (prog(x)), or pipe(x) with "
-                "num_microbatches=1; training is not affected (loss_fn sees each microbatch's output)."
-            )
-        elif dim == DATA_DEPENDENT:
-            merged.append(first)
-        elif dim == UNMERGEABLE:
-            raise InputError(
-                f"output {i} (shape {tuple(first.shape)} per microbatch) carries the batch, but not in a dimension of "
-                "its own (e.g. seq-first rows flattened to seq * batch): the microbatches' outputs cannot be joined "
-                "into the whole batch's. Return it with the batch in a dimension of its own, or run the model on "
-                "the whole batch (prog(x)); training is not affected (loss_fn sees each microbatch's output)."
-            )
-        elif dim is not None and dim >= 0:
-            merged.append(torch.cat(list(values), dim=dim))
-        elif all(v.shape == first.shape and torch.equal(v, first) for v in values[1:]):
-            merged.append(first)
-        elif dim == UNKNOWN:
-            raise UnknownBatchDim(i, tuple(first.shape))
-        elif first.is_floating_point() or first.is_complex():
-            merged.append(torch.stack(list(values)).mean(dim=0))
-        else:
-            raise InputError(
-                f"output {i} ({first.dtype}, shape {tuple(first.shape)}) has no batch dimension and differs between "
-                "the microbatches (a count over the batch?), so pipe(x) cannot tell the whole batch's value: a sum, a "
-                "maximum or another reduction. Return it per sample (with a batch dimension) or as a float mean; "
-                "training is not affected (loss_fn sees each microbatch's output)."
-            )
-    return merged

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, cast
+from typing import Any, Callable, Collection, Iterator, Mapping, Optional, Sequence, cast
 
 import torch
 from torch import nn
@@ -14,10 +14,13 @@ from pipesplit.compat import pytree
 from pipesplit.errors import PipesplitError, ScheduleError
 from pipesplit.materialize import check_initialised, init_weights
 from pipesplit.passes.split.generalise import generalise
+from pipesplit.passes.split.merges import UNKNOWN
 from pipesplit.passes.split.program import SplitProgram
 from pipesplit.state import zero_grads
 from pipesplit.runtime.engine.options import checkpointed_stages, chosen_executor
-from pipesplit.runtime.engine.microbatch import UnknownBatchDim, batch_size, merge_outputs, split_microbatches, split_target
+from pipesplit.runtime.engine.microbatch import batch_size, split_microbatches, split_target
+from pipesplit.runtime.engine.merge import merge_outputs, output_names
+from pipesplit.runtime.engine.target_probe import target_probe
 from pipesplit.runtime.comm.collectives import Layout, StepCollectives
 from pipesplit.runtime.graphs.compiled import StageCompiler
 from pipesplit.runtime.comm.distributed import place_rank, start_communicator
@@ -106,6 +109,7 @@ class Pipeline:
         timeout: float = 300.0,
         executor: str = "auto",
         target_batch_dim: int | None | str = "same",  # default: batch_dim; None: every microbatch gets it whole
+        target_unbatched: Collection[str] = (),  # target leaves every microbatch gets whole ("w" of {"y": y, "w": w})
         transport: str = "auto",  # local executor: "auto" (mailboxes) or "rendezvous" (NCCL's semantics imposed)
         mesh: Any = None,  # a DeviceMesh with a "pp" (and a "dp") dimension
         pp_group: Any = None,  # or the process groups themselves
@@ -127,6 +131,9 @@ class Pipeline:
             )
         self.target_batch_dim: int | None = (
             self.batch_dim if target_batch_dim == "same" else cast(Optional[int], target_batch_dim))
+        # a default target_batch_dim cuts 1-D leaves of the batch's length only once the loss confirms it
+        self._target_unbatched, self._probed = frozenset(target_unbatched), target_batch_dim == "same"
+        self._target_confirmed: set[tuple[str, tuple[int, ...], int]] = set()
         self._num_microbatches, self.loss_reduction, self.timeout = num_microbatches, loss_reduction, timeout
         self.executor = executor
         self.layout: Layout | None = None
@@ -251,12 +258,16 @@ class Pipeline:
             self._build()
         if training and self.loss_fn is None:
             raise PipesplitError("step() needs a loss_fn: Pipeline(prog, ..., loss_fn=lambda out, target: ...).")
-        targets = None
+        targets = probe = None
         if target is not None:
-            targets = split_target(target, total, self.target_batch_dim, mb * total, self.batch_dim)[first:first + m]
+            targets = split_target(target, total, self.target_batch_dim, mb * total, self.batch_dim,
+                                   self._target_unbatched)[first:first + m]
+            if self._probed:
+                probe = target_probe(target, self.target_batch_dim, mb * total, total, self._target_unbatched,
+                                     self._target_confirmed)
         scale = 1.0 / total if self.loss_reduction == "mean" else 1.0
         return StepData(inputs, targets, self.loss_fn, scale, training, mb, seed=self._step_seed(),
-                        microbatch_offset=first, whole=flat, dp_size=self.dp_size)
+                        microbatch_offset=first, whole=flat, dp_size=self.dp_size, target_probe=probe)
 
     def _step_seed(self) -> int:
         """One draw from torch's default generator per step, rank 0's on every rank (reproducible by seeding).
@@ -328,20 +339,18 @@ class Pipeline:
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """A forward-only pipeline pass in the current mode; outputs merged back to the full batch, on
         a mesh the whole global batch's from every replica (on the last rank; ``None`` on the others)."""
+        if (self.num_microbatches * self.dp_size > 1 and self.prog.recapture is not None
+                and any(r.kind == UNKNOWN for r in self.prog.output_merges)):  # every rank alike, before running
+            generalise(self.prog, "joining the microbatches' outputs")  # the dynamic capture tells how
         data = self._prepare(args, kwargs, None, training=False)
         self._run("forward", data)
         if not data.outputs:
             return None
         per_mb = [data.outputs[m] for m in range(self.num_microbatches)]
-        try:
-            merged = merge_outputs(per_mb, self.prog.output_batch_dims)
-        except UnknownBatchDim as e:
-            if self.executor != "local" or self.prog.recapture is None:
-                raise  # under torchrun every rank's graphs must stay the same: no capture on one rank alone
-            generalise(self.prog, f"joining output {e.output} of the microbatches")  # the dynamic capture tells
-            merged = merge_outputs(per_mb, self.prog.output_batch_dims)
+        merged, weights = merge_outputs(per_mb, self.prog.output_merges, data.inputs, self.prog.inputs, self.batch_dim,
+                                        output_names(self.prog.out_spec), self.dp_size)
         if self.collectives is not None:  # on a mesh: every replica's rows, in the global batch's order
-            merged = self.collectives.gather_replicas(merged, self.prog.output_batch_dims)
+            merged = self.collectives.gather_replicas(merged, self.prog.output_merges, weights)
         return pytree.tree_unflatten(merged, self.prog.out_spec)
 
     __call__ = forward

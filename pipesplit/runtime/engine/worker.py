@@ -22,6 +22,8 @@ from pipesplit.runtime.engine.stage_inputs import StageInputs
 from pipesplit.runtime.graphs import cuda_graphs
 from pipesplit.runtime.graphs.stage_graphs import Deferred, StageGraphs, run_forward, run_weights
 from pipesplit.runtime.graphs.stage_parts import Parts
+from pipesplit.runtime.engine.target_probe import TargetProbe
+from pipesplit.runtime.comm.transport import Like
 from pipesplit.schedules import Action, ActionKind
 from pipesplit.schedules.rendezvous import Message
 
@@ -45,6 +47,7 @@ class StepData:
     # the caller's tensors after the step (runtime/engine/steps.py: route_input_grads)
     input_grads: list[tuple[int, int, int, torch.Tensor]] = field(default_factory=list)
     dp_size: int = 1  # data-parallel replicas of the pipeline (a mesh's dp dimension)
+    target_probe: TargetProbe | None = None  # target leaves the loss must confirm were right to cut (target_probe.py)
 
 
 @dataclass
@@ -225,7 +228,9 @@ class StageWorker(StageInputs):
                     out_tree = pytree.tree_unflatten(flat, self.prog.out_spec)
                     target = data.targets[m] if data.targets is not None else None
                     stop = output_nodes([*outs, *flat])  # before the loss: it may write an output in place
-                    loss = checked_loss(data.loss_fn(out_tree, target), m)
+                    probe = data.target_probe if data.target_probe is not None and not data.target_probe.done else None
+                    raw = probe.loss(data.loss_fn, out_tree, target) if probe else data.loss_fn(out_tree, target)
+                    loss = checked_loss(raw, m)
                     if data.loss_scale != 1.0:  # a multiply by 1 changes no bit; skipped, it cost a kernel each way
                         loss = loss * data.loss_scale
                     data.losses[m] = loss.detach()
