@@ -74,7 +74,11 @@ def check_input(value: Any, info: InputInfo, free_dim: int | None = None) -> Non
     for dim in info.ranges:
         check_range(info, dim, int(value.shape[dim]))
     if value.dtype != info.dtype:
-        raise InputError(f"input {info.name!r} has dtype {value.dtype}; the program was compiled for {info.dtype}.")
+        raise InputError(
+            f"input {info.name!r} has dtype {value.dtype}; the program was compiled for {info.dtype}, and its graph "
+            f"holds for that dtype only. Cast the input ({info.name}.to({info.dtype})), or compile again with an "
+            f"example of dtype {value.dtype} (and the model converted to it where its layers need that)."
+        )
 
 
 def check_range(info: InputInfo, dim: int, size: int, what: str = "") -> None:

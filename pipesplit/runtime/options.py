@@ -3,12 +3,30 @@ which stages recompute their activations (activation checkpointing), each checke
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
+from torch import nn
+
+from pipesplit.checks import number
 from pipesplit.errors import PipesplitError
 
 if TYPE_CHECKING:
     from pipesplit.passes.split.program import SplitProgram, Stage
+
+
+def check_arguments(prog: Any, num_microbatches: Any, loss_fn: Any, timeout: Any) -> None:
+    """``Pipeline``'s first arguments, each refused by name before anything is built."""
+    from pipesplit.passes.split.program import SplitProgram
+
+    if not isinstance(prog, SplitProgram):
+        what = "the nn.Module itself" if isinstance(prog, nn.Module) else f"a {type(prog).__name__}"
+        raise PipesplitError(f"Pipeline takes the program pipesplit.compile returns, got {what}: "
+                             "prog = pipesplit.compile(model, example, num_stages=...); pipe = Pipeline(prog, ...).")
+    number("Pipeline(num_microbatches=...)", num_microbatches, minimum=1, integer=True, example="4")
+    if loss_fn is not None and not callable(loss_fn):
+        raise PipesplitError(f"loss_fn must be a function loss_fn(output, target) -> loss, got {loss_fn!r}; "
+                             "e.g. loss_fn=lambda out, y: torch.nn.functional.mse_loss(out, y).")
+    number("Pipeline(timeout=...)", timeout, above=True, example="300 (seconds a rank waits for another)")
 
 
 def chosen_executor(executor: str, transport: str, has_groups: bool) -> str:

@@ -18,7 +18,7 @@ from pipesplit.rng import random_stream, stream_seed
 from pipesplit.runtime.weight_grads import WeightGraph, input_grads, weight_backward, weight_graph
 from pipesplit.runtime.compiled import StageCompiler
 from pipesplit.runtime.exchange import RankComm
-from pipesplit.runtime.loss_leaves import checked_loss, loss_leaves, output_nodes
+from pipesplit.runtime.loss_leaves import called_loss, loss_leaves, output_nodes
 from pipesplit.runtime import cuda_graphs
 from pipesplit.runtime.stage_graphs import Deferred, StageGraphs, run_forward, run_weights
 from pipesplit.runtime.stage_parts import Parts
@@ -318,7 +318,7 @@ class StageWorker:
                     out_tree = pytree.tree_unflatten(flat, self.prog.out_spec)
                     target = data.targets[m] if data.targets is not None else None
                     stop = output_nodes([*outs, *flat])  # before the loss: it may write an output in place
-                    loss = checked_loss(data.loss_fn(out_tree, target), m)
+                    loss = called_loss(data.loss_fn, out_tree, target, m, self.index)
                     if data.loss_scale != 1.0:  # a multiply by 1 changes no bit; skipped, it cost a kernel each way
                         loss = loss * data.loss_scale
                     data.losses[m] = loss.detach()
