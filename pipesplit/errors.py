@@ -75,4 +75,4 @@ def nearest_names(name: object, known: Iterable[str], what: str = "modules") -> 
     if close or not known:
         return close
     shown = sorted(known, key=lambda p: (p.count("."), p))[:6]
-    return f"; the model's {what} include {', '.join(map(repr, shown))}{', ...' if len(known) > 6 else ''}."
+    return f"; the model's {what} include {', '.join(map(repr, shown))}{f' and {len(known) - 6} more' if len(known) > 6 else ''}."

@@ -110,7 +110,7 @@ class PlannerOptions:
         check_choice("recompute", self.recompute, RECOMPUTE_CHOICES)
         check_choice("order", self.order, ORDER_CHOICES)
         cost_function(self.cost)  # an unknown cost name fails here, not after the capture
-        if isinstance(self.schedule, str):
+        if self.schedule is not None and not isinstance(self.schedule, Schedule):
             schedule_info(self.schedule)  # so does an unknown schedule
 
 

@@ -68,6 +68,9 @@ def save(pipe: "Pipeline", path: str | os.PathLike[str], optimizer: torch.optim.
     staging = final.with_name(final.name + ".partial")
     for where in (final, staging, final.with_name(final.name + ".old")):  # refused before anything is touched
         folder_target("pipe.save(path)" if where == final else f"pipe.save(path)'s work folder ({where.name})", str(where))
+    if final.is_dir() and any(final.iterdir()) and not (final / ".metadata").is_file():
+        raise InputError(f"pipe.save(path) {path!r} is a folder that holds files but no checkpoint; saving replaces "
+                         "the folder, so its files would be lost. Pass a new path, or the folder of an earlier save.")
     check_initialised(pipe.prog, " (the checkpoint would hold uninitialised memory)")
     names = optim_state.parameter_names(optimizer, pipe.prog.named_parameters()) if optimizer is not None else []
     dist = _dist() if pipe.executor == "distributed" else None

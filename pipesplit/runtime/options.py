@@ -29,6 +29,14 @@ def check_arguments(prog: Any, num_microbatches: Any, loss_fn: Any, timeout: Any
     number("Pipeline(timeout=...)", timeout, above=True, example="300 (seconds a rank waits for another)")
 
 
+def check_batch_dims(prog: Any, batch_dim: Any, target_batch_dim: Any) -> None:
+    """``batch_dim`` (None: the program's) and ``target_batch_dim`` (``"same"``, None or a dimension)."""
+    number("Pipeline(batch_dim=...)", batch_dim, integer=True, none=True, example=str(prog.batch_dim))
+    if target_batch_dim != "same":
+        number("Pipeline(target_batch_dim=...)", target_batch_dim, integer=True, none=True,
+               example="0, or None (every microbatch takes the target whole)")
+
+
 def chosen_executor(executor: str, transport: str, has_groups: bool) -> str:
     """``"local"`` (every rank a thread of this process) or ``"distributed"`` (this process one rank
     under torchrun); ``"auto"`` is distributed wherever a process group of several ranks is up."""
@@ -55,6 +63,10 @@ def checkpointed_stages(prog: "SplitProgram", local: "Sequence[Stage]", checkpoi
     planned = checkpoint is None and bool(prog.plan.checkpoint)
     if checkpoint is None:
         checkpoint = planned
+    if not isinstance(checkpoint, (bool, list, tuple, set, range)) or (
+            not isinstance(checkpoint, bool) and not all(isinstance(i, int) and not isinstance(i, bool) for i in checkpoint)):
+        raise PipesplitError(f"checkpoint must be True, False, None (as planned) or a list of stage indices, got "
+                             f"{checkpoint!r}; e.g. checkpoint=[0, 1].")
     ckpt = set(range(prog.num_stages)) if checkpoint is True else set(checkpoint or ())
     bad = sorted(i for i in ckpt if not 0 <= i < prog.num_stages)
     if bad:
