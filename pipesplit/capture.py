@@ -15,7 +15,7 @@ from torch.export import Dim
 
 from pipesplit.compat import EXPORTS_META_MODELS, is_concrete_int, pytree
 from pipesplit.errors import CaptureError
-from pipesplit.examples import blamed_on_input, check_example, check_input_dtypes
+from pipesplit.examples import blamed_on_input, check_example, check_input_dtypes, keyword_inputs
 from pipesplit.export import export_quietly, unlift
 from pipesplit.kv_cache import nested_cache_off, no_cache_kwargs
 from pipesplit.passes.lookups import indexed_by
@@ -290,7 +290,7 @@ def capture(
         raise CaptureError(f"compile() takes an nn.Module, got {type(model).__name__}.")
     args = as_args(args)
     notes: list[str] = []
-    given = dict(kwargs or {})
+    given = keyword_inputs(kwargs)
     check_example(model, args, given, batch_dim, unbatched)
     kwargs = no_cache_kwargs(model, given, notes)
     try:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import inspect
-from typing import Any, Collection, Sequence
+from typing import Any, Collection, Mapping, Sequence
 
 import torch
 import torch.fx as fx
@@ -26,6 +26,16 @@ def described(value: Any) -> str:
     if isinstance(value, torch.Tensor):
         return f"Tensor{list(value.shape)} {str(value.dtype).removeprefix('torch.')} on {value.device}"
     return f"{type(value).__name__} {value!r}"[:80]
+
+
+def keyword_inputs(kwargs: Any) -> dict[str, Any]:
+    """``example_kwargs`` as a dict of forward() argument name -> value (None: no keyword inputs)."""
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, Mapping) or not all(isinstance(k, str) for k in kwargs):
+        raise CaptureError(f"example_kwargs takes a dict of forward() argument name -> value, got {kwargs!r} "
+                           f"({type(kwargs).__name__}); pass positional inputs as a tuple: compile(model, (x, y)).")
+    return dict(kwargs)
 
 
 def check_example(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], batch_dim: Any,

@@ -107,6 +107,15 @@ def test_an_input_of_another_dtype_than_compiled_says_how_to_fix_it():
         pipe.step(X.double(), target=X)
 
 
+def test_an_input_of_another_rank_is_named_before_a_new_batch_size_recaptures():
+    model = nn.Linear(8, 8)
+    prog = pipesplit.compile(model, torch.randn(8))  # (8,): no batch dimension the model keeps
+    with refused(r"input 'input' has shape \(4, 8\) \(2 dimensions\); the program takes \(8,\) \(1 dimensions\)"):
+        prog(torch.randn(4, 8))  # was: "the model pins the batch dimension to 8"
+    x = torch.randn(8)
+    assert torch.allclose(prog(x), model(x))
+
+
 def test_an_empty_example_batch_and_a_batch_dim_no_input_has_are_refused():
     with refused(r"the example batch is empty: input has 0 rows along batch_dim=0.*2 or more rows"):
         pipesplit.compile(mlp(), torch.randn(0, 8), num_stages=2)

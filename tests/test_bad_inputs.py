@@ -63,7 +63,19 @@ def holds(argument: str, run, reference) -> None:
     assert torch.allclose(got, want, atol=1e-5), f"{argument}: accepted, and the result differs from the model's"
 
 
-COMPILE_KEYWORDS = ["num_stages", "cost", "devices", "split_points", "plan", "max_stage_memory", "slack", "schedule",
+@settings(max_examples=25, **SETTINGS)
+@given(example=st.one_of(ODD, st.sampled_from([X.double(), X.long(), X[:, :7], X[:0], X[0], X.to("meta"), (X, X)])),
+       as_kwargs=st.booleans())
+def test_compile_answers_every_example_input(example, as_kwargs):
+    model = MODEL
+    args, kwargs = ((), {"input": example}) if as_kwargs else (example, None)
+    with unchanged(model):
+        holds("example", lambda: pipesplit.compile(model, args, example_kwargs=kwargs, progress=False)(
+            *(args if isinstance(args, tuple) else (args,)), **(kwargs or {})),
+              lambda: model(*(args if isinstance(args, tuple) else (args,)), **(kwargs or {})))
+
+
+COMPILE_KEYWORDS = ["example_kwargs", "num_stages", "cost", "devices", "split_points", "plan", "max_stage_memory", "slack", "schedule",
                     "num_microbatches", "num_ranks", "pins", "no_split", "comm", "memory", "recompute", "order",
                     "refine", "batch_dim", "unbatched", "dynamic_batch"]
 
