@@ -92,10 +92,12 @@ def _no_file_above(name: str, path: str) -> None:
 
 def known_keywords(fn: F) -> F:
     """``fn`` refuses a keyword it does not take by name, with the nearest ones it takes
-    (Python's TypeError names neither the fix nor, through a wrapper, the right function)."""
+    (Python's TypeError names neither the fix nor, through a wrapper, the right function).
+    A class's ``__init__`` is named as the class."""
     accepted = [p.name for p in inspect.signature(fn).parameters.values()
                 if p.kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
-    return keywords_of(fn.__name__, accepted)(fn)
+    owner = fn.__qualname__.rsplit(".", 2)[-2] if fn.__name__ == "__init__" else fn.__name__
+    return keywords_of(owner, accepted)(fn)
 
 
 def keywords_of(owner: str, accepted: list[str], *, extra: Callable[[], list[str]] | None = None) -> Callable[[F], F]:

@@ -111,6 +111,10 @@ _MISFIT = ("shape", "size", "dtype", "scalar type", "must be tensor", "has no at
            "not supported between", "argument", "channels", "dim", "device")
 
 
+# words of torch's errors about the model's code, whatever the inputs (a branch on values, a pinned size)
+_MODEL_FAULT = ("data-dependent", "data dependent", "guard", "constraint", "specializ", "unsupported", "dynamiccache")
+
+
 def blamed_on_input(error: CaptureError, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> CaptureError:
     """A failed export's error, led by what the example inputs are when they, not the model, look
     at fault: no tensor at all, an empty tensor, or torch's complaint about an operand's shape,
@@ -124,7 +128,7 @@ def blamed_on_input(error: CaptureError, model: nn.Module, args: tuple[Any, ...]
         why = "the example inputs hold no tensor"
     elif any(isinstance(x, torch.Tensor) and x.numel() == 0 for x in leaves):
         why = "an example tensor is empty"
-    elif any(word in said for word in _MISFIT) and "data-dependent" not in said and "guard" not in said:
+    elif any(word in said for word in _MISFIT) and not any(word in said for word in _MODEL_FAULT):
         why = "torch refused an example input's shape, dtype or type"
     else:
         return error

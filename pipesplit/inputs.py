@@ -26,13 +26,13 @@ def describe_structure(tree: tuple[Any, Any]) -> str:
     return f"args={args!r}, kwargs={kwargs!r}"
 
 
-def check_kind(value: Any, info: InputInfo) -> None:
+def check_kind(value: Any, info: InputInfo, batch_dim: int) -> None:
     """``value`` is a tensor of ``info``'s rank and dtype where one was captured: what no batch size
     can change, checked before a call with another batch re-captures the model."""
     if not info.is_tensor or not isinstance(value, torch.Tensor) or info.shape is None:
         return
     if value.dim() != len(info.shape):
-        check_input(value, info)  # says which rank it takes
+        check_input(value, info, batch_dim)  # says which rank it takes
     if value.dtype != info.dtype:
         raise _dtype_error(value, info)
 
@@ -51,7 +51,9 @@ def check_input(value: Any, info: InputInfo, free_dim: int | None = None) -> Non
     if not isinstance(value, torch.Tensor):
         raise InputError(f"input {info.name!r} must be a tensor, got {type(value).__name__}.")
     assert info.shape is not None
-    expected = "(" + ", ".join("*" if d is None else str(d) for d in info.shape) + ("," if len(info.shape) == 1 else "") + ")"
+    free = free_dim if info.batched else None  # a dimension any size fits
+    expected = ("(" + ", ".join("*" if d is None or i == free else str(d) for i, d in enumerate(info.shape))
+                + ("," if len(info.shape) == 1 else "") + ")")
     if value.dim() != len(info.shape):
         raise InputError(
             f"input {info.name!r} has shape {tuple(value.shape)} ({value.dim()} dimensions); "

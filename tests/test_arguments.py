@@ -110,7 +110,7 @@ def test_an_input_of_another_dtype_than_compiled_says_how_to_fix_it():
 def test_an_input_of_another_rank_is_named_before_a_new_batch_size_recaptures():
     model = nn.Linear(8, 8)
     prog = pipesplit.compile(model, torch.randn(8))  # (8,): no batch dimension the model keeps
-    with refused(r"input 'input' has shape \(4, 8\) \(2 dimensions\); the program takes \(8,\) \(1 dimensions\)"):
+    with refused(r"input 'input' has shape \(4, 8\) \(2 dimensions\); the program takes \(\*,\) \(1 dimensions\)"):
         prog(torch.randn(4, 8))  # was: "the model pins the batch dimension to 8"
     x = torch.randn(8)
     assert torch.allclose(prog(x), model(x))
@@ -275,6 +275,8 @@ def test_an_unknown_keyword_names_itself_and_the_nearest_one():
         pipesplit.benchmark(mlp(), X, num_stage=2, progress=False)
     with refused(r"benchmark\(\) got an unknown keyword schedles='1f1b'. Did you mean 'schedules'"):
         pipesplit.benchmark(mlp(), X, schedles="1f1b", progress=False)
+    with refused(r"Pipeline\(\) got an unknown keyword num_microbatch=2. Did you mean 'num_microbatches'"):
+        pipesplit.Pipeline(pipesplit.compile(mlp(), X, num_stages=2), num_microbatch=2)
     with refused(r"devices\[0\]='gpu' is not a device"):
         pipesplit.benchmark(mlp(), X, devices=["gpu"], progress=False)
 

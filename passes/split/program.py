@@ -287,7 +287,7 @@ class SplitProgram(ProgramState):
                 "Pass the same positional arguments and keyword names as the example."
             )
         for value, info in zip(flat, self.inputs):  # a rank or dtype no batch size changes: named before a re-capture
-            check_kind(value, info)
+            check_kind(value, info, self.batch_dim)
         if self.batch_shared:  # checked before a re-capture, as Pipeline.step checks it
             batch_sizes(flat, self.inputs, self.batch_dim)
         free: int | None = None

@@ -14,7 +14,8 @@ if TYPE_CHECKING:
     from pipesplit.passes.split.program import SplitProgram, Stage
 
 
-def check_arguments(prog: Any, num_microbatches: Any, loss_fn: Any, timeout: Any) -> None:
+def check_arguments(prog: Any, num_microbatches: Any, loss_fn: Any, timeout: Any, batch_dim: Any = None,
+                    target_batch_dim: Any = "same") -> None:
     """``Pipeline``'s first arguments, each refused by name before anything is built."""
     from pipesplit.passes.split.program import SplitProgram
 
@@ -27,10 +28,7 @@ def check_arguments(prog: Any, num_microbatches: Any, loss_fn: Any, timeout: Any
         raise PipesplitError(f"loss_fn must be a function loss_fn(output, target) -> loss, got {loss_fn!r}; "
                              "e.g. loss_fn=lambda out, y: torch.nn.functional.mse_loss(out, y).")
     number("Pipeline(timeout=...)", timeout, above=True, example="300 (seconds a rank waits for another)")
-
-
-def check_batch_dims(prog: Any, batch_dim: Any, target_batch_dim: Any) -> None:
-    """``batch_dim`` (None: the program's) and ``target_batch_dim`` (``"same"``, None or a dimension)."""
+    # batch_dim (None: the program's) and target_batch_dim ("same", None or a dimension)
     number("Pipeline(batch_dim=...)", batch_dim, integer=True, none=True, example=str(prog.batch_dim))
     if target_batch_dim != "same":
         number("Pipeline(target_batch_dim=...)", target_batch_dim, integer=True, none=True,

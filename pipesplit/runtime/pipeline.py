@@ -10,13 +10,14 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, cast
 import torch
 from torch import nn
 
+from pipesplit.checks import known_keywords
 from pipesplit.compat import pytree
 from pipesplit.errors import PipesplitError, ScheduleError
 from pipesplit.materialize import check_initialised, init_weights
 from pipesplit.passes.split.generalise import generalise
 from pipesplit.passes.split.program import SplitProgram
 from pipesplit.state import zero_grads
-from pipesplit.runtime.options import check_arguments, check_batch_dims, checkpointed_stages, chosen_executor
+from pipesplit.runtime.options import check_arguments, checkpointed_stages, chosen_executor
 from pipesplit.runtime.microbatch import UnknownBatchDim, batch_size, merge_outputs, split_microbatches, split_target
 from pipesplit.runtime.collectives import Layout, StepCollectives
 from pipesplit.runtime.compiled import StageCompiler
@@ -92,6 +93,7 @@ class Pipeline:
         )
 
     @num_keywords
+    @known_keywords
     def __init__(
         self,
         prog: SplitProgram,
@@ -112,8 +114,7 @@ class Pipeline:
         dp_group: Any = None,
         compile: bool | Mapping[str, Any] = False,  # noqa: A002  # True or torch.compile's options: compiled stages
     ):
-        check_arguments(prog, num_microbatches, loss_fn, timeout)
-        check_batch_dims(prog, batch_dim, target_batch_dim)
+        check_arguments(prog, num_microbatches, loss_fn, timeout, batch_dim, target_batch_dim)
         if loss_reduction not in ("mean", "sum"):
             raise PipesplitError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}.")
         executor = chosen_executor(executor, transport, mesh is not None or pp_group is not None or dp_group is not None)
