@@ -15,6 +15,7 @@ from torch import nn
 from pipesplit.agree import agree_on_plan
 from pipesplit.bench.refine import refine_plan
 from pipesplit.capture import as_args, capture
+from pipesplit.checks import known_keywords, name_list
 from pipesplit.errors import PlanError
 from pipesplit.devices import device_name, machine_devices
 from pipesplit.export import paused_gc
@@ -63,12 +64,12 @@ def _default_device(model: nn.Module) -> str:
     return "cpu"
 
 
-def _check_devices_exist(devices: Any, num_stages: int | None) -> None:
+def check_devices_exist(devices: Any, num_stages: int | None) -> None:
     """Every device parses and exists on this machine (before the slow export, not at placement)."""
     if devices is None:
         return
     n = num_stages if num_stages is not None else "n"
-    if isinstance(devices, (str, torch.device)):
+    if isinstance(devices, (str, torch.device)) or not isinstance(devices, (list, tuple)):
         raise PlanError(f"devices takes one device per stage, got the single device {str(devices)!r}; "
                         f"pass a list, e.g. devices=[{str(devices)!r}] * {n}.")
     for s, d in enumerate(devices):
@@ -77,6 +78,10 @@ def _check_devices_exist(devices: Any, num_stages: int | None) -> None:
         except (RuntimeError, TypeError):  # torch's message lists every device type it knows, not what is here
             raise PlanError(f"devices[{s}]={d!r} is not a device; this machine has "
                             f"{', '.join(map(repr, machine_devices()))}.") from None
+        if dev.type == "meta":
+            raise PlanError(f"devices[{s}]='meta' holds no data, so a stage there computes nothing (its outputs are "
+                            f"meta tensors); give each stage a real device, e.g. devices=['cpu'] * {n}. A model built "
+                            "on meta is compiled as is and runs on the CPU, or on the devices given.")
         module = getattr(torch, dev.type, None)
         if dev.type == "cpu" or module is None or not hasattr(module, "device_count"):
             continue
@@ -112,6 +117,7 @@ def _one_way(fn: Callable[..., SplitProgram]) -> Callable[..., SplitProgram]:
 
 
 @num_keywords  # outermost: an old n_* keyword is renamed before the checks below see it
+@known_keywords
 @_one_way
 @_gc_paused
 def compile(
@@ -164,7 +170,8 @@ def compile(
             ``torch.distributed`` world every rank takes global rank 0's plan
             (:mod:`pipesplit.agree`): each rank must compile the same model alike.
         devices: one device per stage (stages may share one); default the model's device.
-        split_points: module paths (``"layers.4"``) where new stages start; bypasses the planner.
+        split_points: module paths (``"layers.4"``; one may be given as a bare string) where new
+            stages start; bypasses the planner.
         plan: a :class:`Plan` or the path of a saved one, reused instead of planning; the model is
             captured as the plan's was (``plan.capture``: ``"static"`` or ``"dynamic"``).
         max_stage_memory: bytes a stage may hold (parameters, gradients, activations; with
@@ -179,7 +186,9 @@ def compile(
             example input is taken to be one microbatch.
         num_ranks: ranks for multi-stage-per-rank schedules (interleaved, V-shaped).
         pins: ``{"module.path": stage}`` keeps that module whole in that stage.
-        no_split: module paths (wildcards allowed, ``"blocks.*"``) that no cut may enter.
+        no_split: module paths (wildcards allowed, ``"blocks.*"``) that no cut may enter. A
+            container never called itself (an ``nn.ModuleList`` ``"blocks"``) means each of its
+            children, as ``"blocks.*"``: cuts between the blocks stay allowed.
         comm: link latency and bandwidth for pricing boundaries (defaults per device kind).
         memory: optimizer/gradient factors and checkpointing for the memory estimate
             (``MemoryModel(checkpoint=True)`` is ``checkpoint=True``).
@@ -225,7 +234,9 @@ def compile(
     num_microbatches, num_ranks, pins, no_split, comm, memory = (
         opts.num_microbatches, opts.num_ranks, opts.pins, opts.no_split, opts.comm, opts.memory)
     recompute, order, refine, checkpoint = opts.recompute, opts.order, opts.refine, opts.checkpoint
-    _check_devices_exist(devices, num_stages)
+    check_devices_exist(devices, num_stages)
+    split_points = None if split_points is None else name_list("split_points", split_points, error=PlanError)
+    unbatched = name_list("unbatched", unbatched)
     devices = None if devices is None else [device_name(d) for d in devices]  # "cuda" is the current GPU from here on
     if refine and (plan is not None or split_points is not None):
         raise PlanError("refine= re-plans from measured stage times; it cannot change a given plan= or split_points=.")

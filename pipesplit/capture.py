@@ -16,6 +16,7 @@ from torch.export import Dim
 from pipesplit.compat import EXPORTS_META_MODELS, is_concrete_int, pytree
 from pipesplit.distinct import distinct_inputs
 from pipesplit.errors import CaptureError
+from pipesplit.examples import blamed_on_input, check_example, check_input_dtypes, keyword_inputs
 from pipesplit.export import export_quietly, unlift
 from pipesplit.kv_cache import nested_cache_off, no_cache_kwargs
 from pipesplit.passes.lookups import indexed_by
@@ -290,7 +291,8 @@ def capture(
         raise CaptureError(f"compile() takes an nn.Module, got {type(model).__name__}.")
     args = as_args(args)
     notes: list[str] = []
-    given = dict(kwargs or {})
+    given = keyword_inputs(kwargs)
+    check_example(model, args, given, batch_dim, unbatched)
     kwargs = no_cache_kwargs(model, given, notes)
     try:
         owners = _argument_of_each_leaf(model, args, kwargs)
@@ -310,9 +312,13 @@ def capture(
     args, kwargs, copied = distinct_inputs(args, kwargs)  # export would fold inputs that share memory into one
     if copied:
         log.debug("pipesplit: example inputs %s share memory with an earlier one: captured from copies", copied)
-    with nested_cache_off(model, kwargs, notes):
-        ep, export_seconds = export_quietly(model, args, kwargs, dyn if dynamic else None)
+    try:
+        with nested_cache_off(model, kwargs, notes):
+            ep, export_seconds = export_quietly(model, args, kwargs, dyn if dynamic else None)
+    except CaptureError as e:
+        raise blamed_on_input(e, model, args, kwargs) from e.__cause__
     gm, in_spec, out_spec = unlift(ep)  # flat in, flat out; the specs are kept here
+    check_input_dtypes(gm, type(model).__name__)
 
     entries, by_id = _state_entries(model)
     target_to_entry: dict[str, int] = {}

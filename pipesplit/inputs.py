@@ -43,6 +43,17 @@ def ordered_like(tree: Any, template: Any) -> Any:
     return tree
 
 
+def check_kind(value: Any, info: InputInfo, batch_dim: int) -> None:
+    """``value`` is a tensor of ``info``'s rank and dtype where one was captured: what no batch size
+    can change, checked before a call with another batch re-captures the model."""
+    if not info.is_tensor or not isinstance(value, torch.Tensor) or info.shape is None:
+        return
+    if value.dim() != len(info.shape):
+        check_input(value, info, batch_dim)  # says which rank it takes
+    if value.dtype != info.dtype:
+        raise _dtype_error(value, info)
+
+
 def check_input(value: Any, info: InputInfo, free_dim: int | None = None) -> None:
     """``value`` fits the captured input ``info``; a batched input's ``free_dim`` may take any size."""
     if not info.is_tensor:
@@ -57,7 +68,9 @@ def check_input(value: Any, info: InputInfo, free_dim: int | None = None) -> Non
     if not isinstance(value, torch.Tensor):
         raise InputError(f"input {info.name!r} must be a tensor, got {type(value).__name__}.")
     assert info.shape is not None
-    expected = "(" + ", ".join("*" if d is None else str(d) for d in info.shape) + ")"
+    free = free_dim if info.batched else None  # a dimension any size fits
+    expected = ("(" + ", ".join("*" if d is None or i == free else str(d) for i, d in enumerate(info.shape))
+                + ("," if len(info.shape) == 1 else "") + ")")
     if value.dim() != len(info.shape):
         raise InputError(
             f"input {info.name!r} has shape {tuple(value.shape)} ({value.dim()} dimensions); "
@@ -91,7 +104,15 @@ def check_input(value: Any, info: InputInfo, free_dim: int | None = None) -> Non
     for dim in info.ranges:
         check_range(info, dim, int(value.shape[dim]))
     if value.dtype != info.dtype:
-        raise InputError(f"input {info.name!r} has dtype {value.dtype}; the program was compiled for {info.dtype}.")
+        raise _dtype_error(value, info)
+
+
+def _dtype_error(value: torch.Tensor, info: InputInfo) -> InputError:
+    return InputError(
+        f"input {info.name!r} has dtype {value.dtype}; the program was compiled for {info.dtype}, and its graph "
+        f"holds for that dtype only. Cast the input ({info.name}.to({info.dtype})), or compile again with an "
+        f"example of dtype {value.dtype} (and the model converted to it where its layers need that)."
+    )
 
 
 def check_range(info: InputInfo, dim: int, size: int, what: str = "") -> None:

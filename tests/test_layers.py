@@ -26,11 +26,12 @@ PACKAGES = {"pipesplit": ROOT / "pipesplit", "pipesplit.passes": ROOT / "passes"
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("torch: the one module that reaches into torch's private or recent APIs", ("pipesplit.compat",)),
     ("base: errors, node metadata, units, small data types", (
-        "pipesplit.errors", "pipesplit.deprecation", "pipesplit.devices", "pipesplit.meta", "pipesplit.units", "pipesplit.rng", "pipesplit.state",
+        "pipesplit.errors", "pipesplit.checks", "pipesplit.deprecation", "pipesplit.devices", "pipesplit.meta", "pipesplit.units", "pipesplit.rng", "pipesplit.state",
         "pipesplit.export", "pipesplit.models", "pipesplit.passes")),  # passes/__init__ imports nothing
     ("schedules: pure data", ("pipesplit.schedules",)),
     ("graph analyses", ("pipesplit.passes.aliasing", "pipesplit.passes.lookups")),
-    ("capture", ("pipesplit.capture", "pipesplit.distinct", "pipesplit.inputs", "pipesplit.structure", "pipesplit.kv_cache")),
+    ("capture", ("pipesplit.capture", "pipesplit.distinct", "pipesplit.examples", "pipesplit.inputs", "pipesplit.structure",
+                 "pipesplit.kv_cache")),
     ("annotate", ("pipesplit.passes.annotate",)),
     ("plan", ("pipesplit.passes.plan", "pipesplit.plan", "pipesplit.options")),
     ("split", ("pipesplit.passes.split", "pipesplit.materialize", "pipesplit.dot", "pipesplit.report",

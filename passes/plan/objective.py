@@ -7,6 +7,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from pipesplit.checks import number
 from pipesplit.errors import PlanError
 from pipesplit.schedules import ActionKind, Schedule, StageCost, simulate
 
@@ -31,6 +32,11 @@ class CommModel:
 
     latency_s: float | None = None  # seconds per message
     bandwidth: float | None = None  # bytes per second
+
+    def __post_init__(self) -> None:
+        number("CommModel(latency_s=...)", self.latency_s, none=True, error=PlanError, example="1e-5 (10 us)")
+        number("CommModel(bandwidth=...)", self.bandwidth, above=True, none=True, error=PlanError,
+               example="25e9 (bytes per second)")
 
     def seconds(self, nbytes: float, src: str, dst: str, messages: int = 1) -> float:
         """Seconds to send ``nbytes`` in ``messages`` messages between devices of these kinds."""
@@ -81,6 +87,10 @@ class MemoryModel:
         if self.optimizer is not None and self.optimizer not in OPTIMIZER_MOMENTS:
             raise PlanError(f"MemoryModel(optimizer={self.optimizer!r}) is not one it knows the state of; use one of "
                             f"{sorted(OPTIMIZER_MOMENTS)}, or optimizer_factor= (state bytes per parameter byte).")
+        number("MemoryModel(optimizer_factor=...)", self.optimizer_factor, error=PlanError, example="2.0 for Adam")
+        number("MemoryModel(grad_factor=...)", self.grad_factor, error=PlanError, example="1.0")
+        if not isinstance(self.checkpoint, bool):
+            raise PlanError(f"MemoryModel(checkpoint=...) must be True or False, got {self.checkpoint!r}.")
 
     @property
     def state_factor(self) -> float:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import difflib
+import inspect
+import math
+import numbers
 import operator
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence, Union
@@ -10,10 +13,10 @@ from typing import Any, Callable, Mapping, Sequence, Union
 import torch.fx as fx
 
 from pipesplit.compat import data_dependent
-from pipesplit.errors import CostError, PlanError, did_you_mean
+from pipesplit.errors import CostError, PlanError, did_you_mean, nearest_names
 from pipesplit.meta import NodeCost, node_cost, node_module_paths
 from pipesplit.passes.plan.chain import Chain, build_chain, compute_nodes
-from pipesplit.passes.plan.constraints import forbid_cuts_inside, pin_ranges
+from pipesplit.passes.plan.constraints import check_pins_cuttable, forbid_cuts_inside, module_positions, pin_ranges
 from pipesplit.passes.annotate.costs import unknown_ops
 from pipesplit.passes.plan.objective import DEFAULT_FLOPS_PER_S, CommModel, MemoryModel
 from pipesplit.passes.annotate.rates import DeviceRates, device_rates, largest_matmul
@@ -66,10 +69,41 @@ def cost_function(cost: CostSpec) -> tuple[str, CostFn]:
             raise CostError(f"unknown cost {cost!r}; choose one of {sorted(BUILTIN_COSTS)} or pass a cost object.{hint}")
         return cost, BUILTIN_COSTS[cost]
     if hasattr(cost, "node_cost"):
-        return type(cost).__name__, lambda node: float(cost.node_cost(node, node_cost(node)))
+        name = type(cost).__name__
+        _check_arity(f"cost={name}'s node_cost", cost.node_cost, 2)
+        return name, _checked_cost(f"cost={name}'s node_cost", lambda node: cost.node_cost(node, node_cost(node)))
     if callable(cost):
-        return getattr(cost, "__name__", "custom"), lambda node: float(cost(node))
+        name = getattr(cost, "__name__", "custom")
+        _check_arity(f"cost={name}", cost, 1)
+        return name, _checked_cost(f"cost={name}", cost)
     raise CostError(f"cost must be a name, a callable or an object with node_cost(); got {type(cost).__name__}.")
+
+
+def _check_arity(what: str, fn: Callable[..., Any], n: int) -> None:
+    """``fn`` can be called with ``n`` positional arguments (refused before the capture otherwise)."""
+    try:
+        inspect.signature(fn).bind(*([None] * n))
+    except TypeError:
+        takes = "node" if n == 1 else "node, costs"
+        raise CostError(f"{what} must take {n} argument(s) ({takes}) and return a number, but its signature is "
+                        f"{inspect.signature(fn)}; e.g. cost=lambda node: 1.0.") from None
+    except ValueError:  # a builtin without a signature: called as is
+        pass
+
+
+def _checked_cost(what: str, fn: Callable[[fx.Node], Any]) -> CostFn:
+    """``fn``'s cost of a node as a finite number >= 0; its failure or another value is a CostError naming the node."""
+    def checked(node: fx.Node) -> float:
+        try:
+            value = fn(node)
+        except Exception as e:
+            raise CostError(f"{what} raised on node {node.name!r} ({node.target}): {type(e).__name__}: {e}") from e
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value < 0:
+            raise CostError(f"{what} returned {value!r} for node {node.name!r} ({node.target}); a cost is a finite "
+                            "number >= 0 (FLOPs, seconds, or any unit the stages share).")
+        return float(value)
+
+    return checked
 
 
 def evaluate(gm: fx.GraphModule, stages: list[list[str]], cost_name: str, cost_fn: CostFn, source: str) -> Plan:
@@ -222,6 +256,8 @@ def _solve_order(
     if no_split:
         chain.allowed = forbid_cuts_inside(chain.nodes, chain.allowed, no_split, known)
     ranges = pin_ranges(chain.nodes, pins, num_stages, known)
+    if no_split and pins:
+        check_pins_cuttable(chain.nodes, chain.allowed, pins, no_split)
     limits = StageLimits(None, ranges.start_lo, ranges.start_hi) if ranges else StageLimits()
     if schedule is not None:
         seconds = node_seconds(chain.nodes, name, fn, rate, rates)
@@ -282,8 +318,9 @@ def plan_from_split_points(
     for point in split_points:
         if point not in module_paths:
             raise PlanError(f"split point {point!r} names no module of the model"
-                            + (did_you_mean(point, module_paths) or "."))
-        first = next((i for i, n in enumerate(nodes) if point in node_module_paths(n)), None)
+                            + (nearest_names(point, module_paths) or ".")
+                            + " Split points are module names of model.named_modules(), e.g. split_points=['layers.2'].")
+        first = next(iter(module_positions(nodes, point)), None)
         if first is None:
             raise PlanError(f"split point {point!r} is a module that runs no operation in the captured graph.")
         if first <= starts[-1]:
@@ -310,7 +347,8 @@ def check_plan(gm: fx.GraphModule, plan: Plan) -> None:
             raise PlanError(f"stage {s} of the plan is empty; every stage needs at least one operation.")
         for name in stage:
             if name in seen:
-                raise PlanError(f"node {name!r} is in stage {seen[name]} and again in stage {s}.")
+                raise PlanError(f"node {name!r} is in stage {seen[name]} and again in stage {s}; each node runs in "
+                                "exactly one stage: remove it from one of them.")
             seen[name] = s
     unknown = sorted(set(seen) - names)
     if unknown:

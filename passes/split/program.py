@@ -16,7 +16,7 @@ from pipesplit.devices import concrete_device
 from pipesplit.errors import InputError, PipesplitError, PlanError, partial_program
 from pipesplit.passes.split.generalise import output_batch_dims
 from pipesplit.passes.split.merges import output_merges
-from pipesplit.inputs import Shown, shown, describe_structure, batch_sizes, check_input, check_range, ordered_like
+from pipesplit.inputs import Shown, shown, describe_structure, batch_sizes, check_input, check_kind, check_range, ordered_like
 from pipesplit.passes.split.devices import capture_device, retarget
 from pipesplit.passes.split.modes import eval_module
 from pipesplit.passes.split import Boundary, SplitGraph
@@ -253,6 +253,8 @@ class SplitProgram(StatePlacing):
                 f"  expected: {self._expected_structure()}\n  got:      {got}\n"
                 "Pass the same positional arguments and keyword names as the example."
             )
+        for value, info in zip(flat, self.inputs):  # a rank or dtype no batch size changes: named before a re-capture
+            check_kind(value, info, self.batch_dim)
         if self.batch_shared:  # checked before a re-capture, as Pipeline.step checks it
             batch_sizes(flat, self.inputs, self.batch_dim)
         free: int | None = None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import inspect
 import itertools
 import logging
 import platform
@@ -14,7 +15,8 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from pipesplit.api import compile as compile_model
+from pipesplit.api import check_devices_exist, compile as compile_model
+from pipesplit.checks import keywords_of
 from pipesplit.bench.load import load_summary, machine_load
 from pipesplit.bench.predict import Prediction, boundary_bytes_per_step, predict
 from pipesplit.bench.result import BenchmarkResult, BenchRow, RunDetail
@@ -52,6 +54,7 @@ def _devices_for(devices: Sequence[str | torch.device] | None, k: int) -> list[s
     """Stage s runs on devices[s % len(devices)] (None: the model's device)."""
     if devices is None:
         return None
+    check_devices_exist(devices, k)
     devs = [device_name(d) for d in devices]
     if not devs:
         raise PipesplitError("benchmark: devices is empty; pass None for the model's device or a list of devices.")
@@ -149,7 +152,14 @@ def _row(prog: SplitProgram, pipe: Pipeline, cost_name: str, batch: int, pred: P
     return row, median_step
 
 
+def _keywords() -> list[str]:
+    """What ``benchmark`` takes by name: its own keywords and, passed on, ``compile``'s."""
+    own = [p.name for p in inspect.signature(benchmark).parameters.values() if p.kind is not p.VAR_KEYWORD]
+    return own + [p.name for p in inspect.signature(compile_model).parameters.values()]
+
+
 @num_keywords
+@keywords_of("benchmark", [], extra=_keywords)
 def benchmark(
     model: nn.Module | SplitProgram,
     example_input: Any = (),

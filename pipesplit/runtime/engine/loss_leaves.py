@@ -15,6 +15,7 @@ from typing import Any, Iterable
 
 import torch
 
+from pipesplit.compat import pytree
 from pipesplit.errors import PipesplitError
 
 
@@ -33,6 +34,35 @@ def checked_loss(value: Any, microbatch: int) -> torch.Tensor:
         "a mean or a sum (Pipeline(loss_reduction=...) says which), and hand metrics out another way (a list the "
         "loss_fn appends to)."
     )
+
+
+def called_loss(loss_fn: Any, output: Any, target: Any, microbatch: int, stage: int) -> torch.Tensor:
+    """``loss_fn(output, target)`` for one microbatch as :func:`checked_loss` takes it; an error the
+    user's loss function raises comes back naming the microbatch, the stage and what it was given."""
+    def outline(tree: Any) -> str:
+        return str(pytree.tree_map(lambda x: f"Tensor{list(x.shape)}" if isinstance(x, torch.Tensor) else x, tree))
+
+    try:
+        value = loss_fn(output, target)
+    except PipesplitError:
+        raise
+    except Exception as e:
+        hint = (" step() was given no target: pass pipe.step(x, target=y), or a loss_fn that ignores it."
+                if target is None else " Each microbatch's target is its slice of step()'s target along "
+                "target_batch_dim, as its output is the model's output for its slice of the inputs.")
+        raise PipesplitError(
+            f"loss_fn raised on microbatch {microbatch} (stage {stage}, the last): {type(e).__name__}: {e}. It was "
+            f"called as loss_fn(output, target) with output {outline(output)} and target {outline(target)}.{hint}"
+        ) from e
+    loss = checked_loss(value, microbatch)
+    if torch.is_grad_enabled() and not loss.requires_grad and any(
+            isinstance(x, torch.Tensor) and x.requires_grad for x in pytree.tree_leaves(output)):
+        raise PipesplitError(
+            f"loss_fn returned a loss that does not require grad for microbatch {microbatch} (stage {stage}), though "
+            "the model's output does: it was detached (.detach(), .item(), torch.no_grad() or a new tensor), so no "
+            "gradient can flow back. Return the loss computed from the output itself."
+        )
+    return loss
 
 
 def output_nodes(outputs: Iterable[Any]) -> set[Any]:

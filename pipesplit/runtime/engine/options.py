@@ -3,12 +3,36 @@ which stages recompute their activations (activation checkpointing), each checke
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
+from torch import nn
+
+from pipesplit.checks import number
 from pipesplit.errors import PipesplitError
 
 if TYPE_CHECKING:
     from pipesplit.passes.split.program import SplitProgram, Stage
+
+
+def check_arguments(prog: Any, num_microbatches: Any, loss_fn: Any, timeout: Any, batch_dim: Any = None,
+                    target_batch_dim: Any = "same") -> None:
+    """``Pipeline``'s first arguments, each refused by name before anything is built."""
+    from pipesplit.passes.split.program import SplitProgram
+
+    if not isinstance(prog, SplitProgram):
+        what = "the nn.Module itself" if isinstance(prog, nn.Module) else f"a {type(prog).__name__}"
+        raise PipesplitError(f"Pipeline takes the program pipesplit.compile returns, got {what}: "
+                             "prog = pipesplit.compile(model, example, num_stages=...); pipe = Pipeline(prog, ...).")
+    number("Pipeline(num_microbatches=...)", num_microbatches, minimum=1, integer=True, example="4")
+    if loss_fn is not None and not callable(loss_fn):
+        raise PipesplitError(f"loss_fn must be a function loss_fn(output, target) -> loss, got {loss_fn!r}; "
+                             "e.g. loss_fn=lambda out, y: torch.nn.functional.mse_loss(out, y).")
+    number("Pipeline(timeout=...)", timeout, above=True, example="300 (seconds a rank waits for another)")
+    # batch_dim (None: the program's) and target_batch_dim ("same", None or a dimension)
+    number("Pipeline(batch_dim=...)", batch_dim, integer=True, none=True, example=str(prog.batch_dim))
+    if target_batch_dim != "same":
+        number("Pipeline(target_batch_dim=...)", target_batch_dim, integer=True, none=True,
+               example="0, or None (every microbatch takes the target whole)")
 
 
 def chosen_executor(executor: str, transport: str, has_groups: bool) -> str:
@@ -37,6 +61,10 @@ def checkpointed_stages(prog: "SplitProgram", local: "Sequence[Stage]", checkpoi
     planned = checkpoint is None and bool(prog.plan.checkpoint)
     if checkpoint is None:  # the stages the plan chose (compile(checkpoint=...)): exactly those
         checkpoint = list(prog.plan.checkpoint)
+    if not isinstance(checkpoint, (bool, list, tuple, set, range)) or (
+            not isinstance(checkpoint, bool) and not all(isinstance(i, int) and not isinstance(i, bool) for i in checkpoint)):
+        raise PipesplitError(f"checkpoint must be True, False, None (as planned) or a list of stage indices, got "
+                             f"{checkpoint!r}; e.g. checkpoint=[0, 1].")
     ckpt = set(range(prog.num_stages)) if checkpoint is True else set(checkpoint or ())
     bad = sorted(i for i in ckpt if not 0 <= i < prog.num_stages)
     if bad:

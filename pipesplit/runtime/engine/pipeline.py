@@ -10,6 +10,7 @@ from typing import Any, Callable, Collection, Iterator, Mapping, Optional, Seque
 import torch
 from torch import nn
 
+from pipesplit.checks import known_keywords
 from pipesplit.compat import pytree
 from pipesplit.errors import PipesplitError, ScheduleError
 from pipesplit.materialize import check_initialised, init_weights
@@ -17,7 +18,7 @@ from pipesplit.passes.split.generalise import generalise
 from pipesplit.passes.split.merges import UNKNOWN
 from pipesplit.passes.split.program import SplitProgram
 from pipesplit.state import zero_grads
-from pipesplit.runtime.engine.options import checkpointed_stages, chosen_executor
+from pipesplit.runtime.engine.options import check_arguments, checkpointed_stages, chosen_executor
 from pipesplit.runtime.engine.microbatch import batch_size, split_microbatches, split_target
 from pipesplit.runtime.engine.merge import merge_outputs, output_names
 from pipesplit.runtime.engine.target_probe import target_probe
@@ -95,6 +96,7 @@ class Pipeline:
         )
 
     @num_keywords
+    @known_keywords
     def __init__(
         self,
         prog: SplitProgram,
@@ -116,6 +118,7 @@ class Pipeline:
         dp_group: Any = None,
         compile: bool | Mapping[str, Any] = False,  # noqa: A002  # True or torch.compile's options: compiled stages
     ):
+        check_arguments(prog, num_microbatches, loss_fn, timeout, batch_dim, target_batch_dim)
         if loss_reduction not in ("mean", "sum"):
             raise PipesplitError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}.")
         executor = chosen_executor(executor, transport, mesh is not None or pp_group is not None or dp_group is not None)

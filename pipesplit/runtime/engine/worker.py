@@ -17,7 +17,7 @@ from pipesplit.rng import random_stream, stream_seed
 from pipesplit.runtime.engine.weight_grads import WeightGraph, input_grads, weight_backward, weight_graph
 from pipesplit.runtime.graphs.compiled import StageCompiler
 from pipesplit.runtime.comm.exchange import RankComm
-from pipesplit.runtime.engine.loss_leaves import checked_loss, loss_leaves, output_nodes
+from pipesplit.runtime.engine.loss_leaves import called_loss, loss_leaves, output_nodes
 from pipesplit.runtime.engine.stage_inputs import StageInputs
 from pipesplit.runtime.graphs import cuda_graphs
 from pipesplit.runtime.graphs.stage_graphs import Deferred, StageGraphs, run_forward, run_weights
@@ -229,8 +229,8 @@ class StageWorker(StageInputs):
                     target = data.targets[m] if data.targets is not None else None
                     stop = output_nodes([*outs, *flat])  # before the loss: it may write an output in place
                     probe = data.target_probe if data.target_probe is not None and not data.target_probe.done else None
-                    raw = probe.loss(data.loss_fn, out_tree, target) if probe else data.loss_fn(out_tree, target)
-                    loss = checked_loss(raw, m)
+                    fn = data.loss_fn if probe is None else (lambda o, t: probe.loss(data.loss_fn, o, t))
+                    loss = called_loss(fn, out_tree, target, m, self.index)
                     if data.loss_scale != 1.0:  # a multiply by 1 changes no bit; skipped, it cost a kernel each way
                         loss = loss * data.loss_scale
                     data.losses[m] = loss.detach()

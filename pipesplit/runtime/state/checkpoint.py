@@ -10,15 +10,18 @@ model: every rank asks for the names it holds now, wherever they were written fr
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import os
 import shutil
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 from torch import nn
 
+from pipesplit.checks import folder_target, path_arg
 from pipesplit.errors import InputError, RuntimeCommError
 from pipesplit.materialize import check_initialised
 from pipesplit.runtime.state import optim_state
@@ -26,6 +29,8 @@ from pipesplit.runtime.comm.collectives import store_barrier
 
 if TYPE_CHECKING:
     from pipesplit.runtime.engine.pipeline import Pipeline
+
+log = logging.getLogger(__name__)
 
 
 def _dist() -> Any:
@@ -59,10 +64,16 @@ def save(pipe: "Pipeline", path: str | os.PathLike[str], optimizer: torch.optim.
     """
     import torch.distributed.checkpoint as dcp
 
-    check_initialised(pipe.prog, " (the checkpoint would hold uninitialised memory)")
-    names = optim_state.parameter_names(optimizer, pipe.prog.named_parameters()) if optimizer is not None else []
+    path = path_arg("pipe.save(path)", path, error=InputError, takes="the folder to write the checkpoint to")
     final = Path(path)
     staging = final.with_name(final.name + ".partial")
+    for where in (final, staging, final.with_name(final.name + ".old")):  # refused before anything is touched
+        folder_target("pipe.save(path)" if where == final else f"pipe.save(path)'s work folder ({where.name})", str(where))
+    if final.is_dir() and any(final.iterdir()) and not (final / ".metadata").is_file():
+        raise InputError(f"pipe.save(path) {path!r} is a folder that holds files but no checkpoint; saving replaces "
+                         "the folder, so its files would be lost. Pass a new path, or the folder of an earlier save.")
+    check_initialised(pipe.prog, " (the checkpoint would hold uninitialised memory)")
+    names = optim_state.parameter_names(optimizer, pipe.prog.named_parameters()) if optimizer is not None else []
     dist = _dist() if pipe.executor == "distributed" else None
     lead = dist is None or dist.get_rank() == 0
     if lead and staging.exists():
@@ -73,9 +84,12 @@ def save(pipe: "Pipeline", path: str | os.PathLike[str], optimizer: torch.optim.
         state["optim"] = optim_state.flat_state(optimizer, names)
     try:
         dcp.save(state, checkpoint_id=staging, no_dist=dist is None)  # type: ignore[attr-defined]
-    except Exception as e:
-        if dist is None:
+    except BaseException as e:  # torch's CheckpointException is no Exception
+        if not isinstance(e, Exception) and type(e).__name__ != "CheckpointException":
             raise
+        if dist is None:
+            raise InputError(f"pipe.save: writing the checkpoint to {staging} failed: {_reason(e)}. {final} is "
+                             "untouched; check the path and the free space.") from e
         raise RuntimeCommError(
             f"rank {dist.get_rank()}: saving {final} failed while the ranks exchanged their save plans or "
             f"results: {str(e).splitlines()[0] if str(e) else type(e).__name__}. Another rank died or is stuck; "
@@ -116,17 +130,26 @@ def load(pipe: "Pipeline", path: str | os.PathLike[str], optimizer: torch.optim.
     """
     import torch.distributed.checkpoint as dcp
 
+    path = path_arg("pipe.load(path)", path, error=InputError, takes="the folder pipe.save(path) wrote")
     saved = _saved_entries(path)
     model_state = _model_state(pipe)
     names = optim_state.parameter_names(optimizer, pipe.prog.named_parameters()) if optimizer is not None else []
     _check_model_entries(pipe, model_state, saved, path, strict)
     state: dict[str, Any] = {"model": {k: t for k, t in model_state.items() if f"model.{k}" in saved}}
+    if not strict:
+        _report_matched(path, state["model"], model_state, saved)
     if optimizer is not None:
         if not any(key.startswith("optim.") for key in saved):
             raise InputError(f"load: {path} holds no optimizer state (it was saved without one): "
                              "load it with pipe.load(path), without the optimizer.")
         state["optim"] = optim_state.wanted(names, saved, "optim.")
-    dcp.load(state, checkpoint_id=path, no_dist=pipe.executor != "distributed")  # type: ignore[attr-defined]  # in place
+    try:
+        dcp.load(state, checkpoint_id=path, no_dist=pipe.executor != "distributed")  # type: ignore[attr-defined]  # in place
+    except BaseException as e:  # torch's CheckpointException is no Exception
+        if not isinstance(e, Exception) and type(e).__name__ != "CheckpointException":
+            raise
+        raise InputError(f"load: reading the checkpoint {path} failed: {_reason(e)}. Its data files are truncated or "
+                         "damaged; the pipeline's tensors may be partly overwritten: load a good checkpoint.") from e
     if optimizer is not None:
         optim_state.load_flat_state(optimizer, names, state["optim"])
     loaded = set(state["model"])
@@ -142,7 +165,36 @@ def _saved_entries(path: str | os.PathLike[str]) -> dict[str, Any]:
     if not (Path(path) / ".metadata").is_file():
         what = "no such folder" if not Path(path).exists() else "no .metadata file in it"
         raise InputError(f"load: {path} is not a checkpoint ({what}); pipe.save(path) writes one.")
-    return dict(FileSystemReader(path).read_metadata().state_dict_metadata)
+    try:
+        return dict(FileSystemReader(path).read_metadata().state_dict_metadata)
+    except Exception as e:  # pickle's errors, or an object of another kind
+        raise InputError(f"load: {path}/.metadata cannot be read ({type(e).__name__}: {e}): the checkpoint is truncated "
+                         "or damaged, or was not written by pipe.save(path). Load another checkpoint.") from e
+
+
+def _reason(e: BaseException) -> str:
+    """The first line of what failed under torch's CheckpointException (it keeps each rank's error)."""
+    failures = getattr(e, "failures", None)
+    inner = next(iter(failures.values()), e) if isinstance(failures, dict) and failures else e
+    if isinstance(inner, tuple) and inner:  # (exception, traceback) in some releases
+        inner = inner[0]
+    text = str(inner).strip().splitlines()
+    first = text[0].split(". ")[0][:200] if text else ""
+    return f"{type(inner).__name__}: {first}" if first else type(inner).__name__
+
+
+def _report_matched(path: str, loading: dict[str, torch.Tensor], model_state: dict[str, torch.Tensor],
+                    saved: dict[str, Any]) -> None:
+    """How many of the model's tensors a ``strict=False`` load finds in the checkpoint; a warning at none."""
+    mine = sorted(model_state)
+    theirs = sorted(k[len("model."):] for k in saved if k.startswith("model."))
+    log.info("pipesplit: load(strict=False): %d of the %d tensors this process holds found in %s",
+             len(loading), len(mine), path)
+    if not loading and mine:
+        warnings.warn(
+            f"load: {path} holds none of the {len(mine)} tensors of this process's stages (strict=False), so "
+            f"nothing was loaded. The checkpoint's names: {theirs[:3]}, the model's: {mine[:3]}. Load a checkpoint of "
+            "this model.", stacklevel=3)
 
 
 def _check_model_entries(pipe: "Pipeline", model_state: dict[str, torch.Tensor], saved: dict[str, Any],
