@@ -173,8 +173,14 @@ def check_fields(data: dict[str, Any]) -> None:
     for s, names in enumerate(stages):
         if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
             raise bad(f"stages[{s}]", names, "a list of node names (strings), as prog.plan.save() writes them")
-    if not isinstance(data.get("checkpoint", False), bool):
-        raise bad("checkpoint", data["checkpoint"], "true or false")
+    ckpt = data.get("checkpoint", [])
+    if not isinstance(ckpt, list) or not all(
+            isinstance(i, int) and not isinstance(i, bool) and 0 <= i < len(stages) for i in ckpt):
+        raise bad("checkpoint", ckpt, f"a list of stage indices in 0..{len(stages) - 1} (true or false in plans saved "
+                                      "before per-stage checkpointing)")
+    cap = data.get("max_stage_memory")
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap <= 0):
+        raise bad("max_stage_memory", cap, "a whole number of bytes > 0 or null")
     for name in _NUMBERS:
         value = data.get(name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):

@@ -139,7 +139,8 @@ def test_pipeline_answers_every_keyword(keyword, value):
 
 
 FIELDS = ["stages", "cost_name", "stage_costs", "bottleneck", "recompute", "schedule", "num_microbatches", "checkpoint",
-          "order", "capture", "version", "source", "measured_s", "unknown_ops", "n_microbatches", "nonsense"]
+          "order", "capture", "version", "source", "measured_s", "unknown_ops", "n_microbatches", "max_stage_memory",
+          "nonsense"]
 
 
 @settings(max_examples=40, **SETTINGS)

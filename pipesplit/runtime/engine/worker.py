@@ -229,7 +229,8 @@ class StageWorker(StageInputs):
                     target = data.targets[m] if data.targets is not None else None
                     stop = output_nodes([*outs, *flat])  # before the loss: it may write an output in place
                     probe = data.target_probe if data.target_probe is not None and not data.target_probe.done else None
-                    fn = data.loss_fn if probe is None else (lambda o, t: probe.loss(data.loss_fn, o, t))
+                    loss_fn = data.loss_fn
+                    fn = loss_fn if probe is None else (lambda o, t: probe.loss(loss_fn, o, t))
                     loss = called_loss(fn, out_tree, target, m, self.index)
                     if data.loss_scale != 1.0:  # a multiply by 1 changes no bit; skipped, it cost a kernel each way
                         loss = loss * data.loss_scale
