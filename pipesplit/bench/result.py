@@ -178,6 +178,11 @@ class BenchmarkResult:
                            "this run cannot rank them.")
         return out
 
+    @property
+    def notes(self) -> list[str]:
+        """What compiling the benchmarked programs noted (``prog.notes``), each once."""
+        return list(dict.fromkeys(n for d in self.details for n in d.program.notes))
+
     def best(self) -> BenchRow:
         """The configuration with the lowest measured step time."""
         if not self.rows:
@@ -210,6 +215,7 @@ class BenchmarkResult:
             lines.append(f"\nfastest: {b.label}: {_ms(b.measured_step_s)} ms per step, {b.throughput:.4g} samples/s")
         lines += [f"skipped {what}: {why}" for what, why in self.skipped]
         lines += [f"warning: {w}" for w in self.warnings]
+        lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 
     def to_markdown(self, per_stage: bool = True) -> str:

@@ -164,7 +164,7 @@ def benchmark(
     devices: Sequence[str | torch.device] | None = None,
     warmup: int = 2,
     repeats: int = 5,
-    progress: bool = True,
+    progress: bool | None = None,
     **compile_options: Any,
 ) -> BenchmarkResult:
     """Compile, predict and time every combination of the given options; one row each.
@@ -182,7 +182,8 @@ def benchmark(
         devices: stage ``s`` runs on ``devices[s % len(devices)]``; default the model's.
         warmup, repeats: untimed then timed (and traced) steps per configuration; step
             times are medians, with the spread of the repeats.
-        progress: show a progress bar over the configurations.
+        progress: a progress bar over the configurations: True always, False never, None
+            (default) only when stderr is a terminal.
         compile_options: passed on to :func:`pipesplit.compile` (e.g. ``slack``).
 
     Each stage count and cost gets one split (the balanced plan ``pipesplit.compile``
@@ -222,10 +223,11 @@ def benchmark(
     configs = list(itertools.product(stage_counts, costs, scheds, micro))
     rows, details, skipped = [], [], []
     load_before = machine_load()
-    bar = tqdm(total=len(configs), desc="pipesplit benchmark", unit="config", disable=not progress, leave=False)
+    bar = tqdm(total=len(configs), desc="pipesplit benchmark", unit="config",
+               disable=None if progress is None else not progress, leave=False)
     # log lines printed while the bar is drawn go through tqdm.write, above it, not into it
     redirect = contextlib.ExitStack()
-    if progress:
+    if not bar.disable:
         redirect.enter_context(logging_redirect_tqdm())
     try:
         for (k, c), group in itertools.groupby(configs, key=lambda x: x[:2]):

@@ -131,7 +131,7 @@ def run_bench(args: argparse.Namespace) -> int:
     model, inputs = _model_and_inputs(args)
     res = pipesplit.benchmark(model, inputs, num_stages=args.stages, schedules=args.schedules,
                               num_microbatches=args.microbatches, cost=args.cost, devices=args.devices,
-                              warmup=args.warmup, repeats=args.repeats, progress=not args.no_progress)
+                              warmup=args.warmup, repeats=args.repeats, progress=False if args.no_progress else None)
     print(res)
     out = args.out
     os.makedirs(out, exist_ok=True)
@@ -163,7 +163,7 @@ def add_bench(sub: Any, debug: Callable[[argparse.ArgumentParser], None]) -> Non
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per configuration (default 2)")
     p.add_argument("--repeats", type=int, default=5, help="timed steps per configuration (default 5)")
     p.add_argument("--out", default="bench_out", help="folder for the results (default bench_out)")
-    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bar (shown only when stderr is a terminal)")
     debug(p)
     p.set_defaults(run=run_bench)
 

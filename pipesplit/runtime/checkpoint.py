@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 import torch
 from torch import nn
 
+from pipesplit.compat import one_process_checkpoint
 from pipesplit.errors import InputError, RuntimeCommError
 from pipesplit.materialize import check_initialised
 from pipesplit.runtime import optim_state
@@ -71,7 +72,8 @@ def save(pipe: "Pipeline", path: str | os.PathLike[str], optimizer: torch.optim.
     if optimizer is not None:  # keyed by parameter name: another layout finds its share
         state["optim"] = optim_state.flat_state(optimizer, names)
     try:
-        dcp.save(state, checkpoint_id=staging, no_dist=dist is None)  # type: ignore[attr-defined]
+        with one_process_checkpoint(dist is None):
+            dcp.save(state, checkpoint_id=staging, no_dist=dist is None)  # type: ignore[attr-defined]
     except Exception as e:
         if dist is None:
             raise
@@ -125,7 +127,8 @@ def load(pipe: "Pipeline", path: str | os.PathLike[str], optimizer: torch.optim.
             raise InputError(f"load: {path} holds no optimizer state (it was saved without one): "
                              "load it with pipe.load(path), without the optimizer.")
         state["optim"] = optim_state.wanted(names, saved, "optim.")
-    dcp.load(state, checkpoint_id=path, no_dist=pipe.executor != "distributed")  # type: ignore[attr-defined]  # in place
+    with one_process_checkpoint(pipe.executor != "distributed"):
+        dcp.load(state, checkpoint_id=path, no_dist=pipe.executor != "distributed")  # type: ignore[attr-defined]  # in place
     if optimizer is not None:
         optim_state.load_flat_state(optimizer, names, state["optim"])
     loaded = set(state["model"])
