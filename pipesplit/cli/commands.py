@@ -186,6 +186,8 @@ def run_schedule(args: argparse.Namespace) -> int:
     timeline = simulate(sched, StageCost(args.forward, i, i if args.backward_weight is None else args.backward_weight))
     print(timeline.to_text(width=args.width))
     print(TEXT_LEGEND)
+    w = i if args.backward_weight is None else args.backward_weight
+    print(f"time units: those of --forward {args.forward:g}, --backward-input {i:g}, --backward-weight {w:g}")
     print(f"simulated bubble: {100 * timeline.bubble_fraction:.1f}% of rank time idle; "
           f"peak activations per rank: {list(timeline.peak_activations)}")
     if args.png:
