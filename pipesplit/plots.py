@@ -85,7 +85,7 @@ def plot_balance(rows: Sequence["BenchRow"], path: str | os.PathLike[str], max_p
             ax.bar([s + offset for s in stages], rel, width=0.4, color=colour, label=what)
         ax.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
         ax.set_xticks(list(stages), [str(s) for s in stages])
-        ax.set_title(f"{r.label}\nbalance {r.predicted_balance:.2f} pred, {r.balance:.2f} meas", fontsize=8)
+        ax.set_title(f"{r.label}\ntime balance {r.predicted_balance:.2f} pred, {r.balance:.2f} meas", fontsize=8)
         ax.set_xlabel("stage", fontsize=8)
         ax.set_ylabel("time / mean", fontsize=8)
         ax.tick_params(labelsize=7)

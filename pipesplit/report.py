@@ -65,16 +65,32 @@ def format_report(prog: "SplitProgram") -> str:
     lines.append("")
     lines.append(
         f"bottleneck: stage {plan.bottleneck_stage} ({format_cost(plan.bottleneck, plan.cost_name)}), "
-        f"balance {plan.bottleneck / mean if mean else 1.0:.3f}x the mean, "
+        f"cost balance {plan.bottleneck / mean if mean else 1.0:.3f}x the mean stage cost ({_cost_words(plan.cost_name)}), "
         f"lower bound {format_cost(plan.lower_bound, plan.cost_name)}, gap {plan.gap * 100:.1f}%  [plan: {plan.source}]"
     )
-    lines.append(
-        f"boundaries: {len(prog.boundaries)} send/recv edges, "
-        f"{human_bytes(sum(b.nbytes for b in prog.boundaries))} per example batch"
-    )
+    lines.append(boundary_summary(prog))
     if plan.unknown_ops:
         ops = ", ".join(f"{k}×{v}" for k, v in sorted(plan.unknown_ops.items()))
         lines.append(f"unknown ops (no FLOP formula; costed by output size): {ops}")
     for note in prog.notes:
         lines.append(f"note: {note}")
     return "\n".join(lines)
+
+
+def boundary_summary(prog: "SplitProgram") -> str:
+    """``boundaries: 3 send/recv edges (3 tensors, 384.0 KiB per example batch; 3 integers: sizes)``: every
+    edge the picture draws, the tensors (drawn solid) and the sizes and scalars (drawn dashed) counted apart."""
+    tensors = [b for b in prog.boundaries if b.kind == "tensor"]
+    others = [b for b in prog.boundaries if b.kind != "tensor"]
+    small = ""
+    if others:
+        kinds = sorted({b.kind for b in others})
+        small = f"; {len(others)} {'integers: sizes' if kinds == ['int'] else 'sizes or scalars'}"
+    return (f"boundaries: {len(prog.boundaries)} send/recv edges ({len(tensors)} tensor{'s' if len(tensors) != 1 else ''}, "
+            f"{human_bytes(sum(b.nbytes for b in tensors))} per example batch{small})")
+
+
+def _cost_words(cost_name: str) -> str:
+    """What a stage's cost counts, in words: the report's balance is of these, the benchmark's of times."""
+    return {"flops": "forward + backward FLOPs", "params": "parameter bytes", "profile": "profiled seconds",
+            "hybrid": "fitted seconds", "uniform": "node counts"}.get(cost_name, cost_name)

@@ -271,6 +271,10 @@ def test_the_timeline_picture_shows_the_tables_figures_and_says_which_step(res, 
     measured_title = fig.axes[1].get_title()
     k = res.details[i].median_step
     assert f"measured: step {k + 1} of {row.repeats}" in measured_title, measured_title
+    # issue 36: "211 ms (median of 2)" above a panel of step 1 of 2, 195 ms: the title says which step is drawn
+    drawn = res.details[i].trace.timeline(k).step_time * 1e3
+    assert f"drawn below: the prediction, and measured step {k + 1} of {row.repeats} ({drawn:.3g} ms)" in title, title
+    assert "time balance pred/meas" in res.to_markdown().splitlines()[0]  # not the report's cost balance
     assert measured_title.endswith(f"bubble {bubbles.split(' / ')[1]}"), (measured_title, bubbles)
     assert fig.axes[0].get_title().endswith(f"bubble {bubbles.split(' / ')[0]}"), bubbles
 
