@@ -287,7 +287,7 @@ def compile(
     fn = cost_function(cost)[1]
     for warning in plan_warnings(gm, chosen, {n.name: fn(n) for n in compute_nodes(gm)}):
         program.notes.append(warning)
-        log.warning("pipesplit: %s", warning)
+        log.warning("pipesplit: %s", warning, extra={"pipesplit_note": True})  # the CLI prints prog.notes
     return program
 
 

@@ -86,7 +86,8 @@ def boundary_summary(prog: "SplitProgram") -> str:
     if others:
         kinds = sorted({b.kind for b in others})
         small = f"; {len(others)} {'integers: sizes' if kinds == ['int'] else 'sizes or scalars'}"
-    return (f"boundaries: {len(prog.boundaries)} send/recv edges ({len(tensors)} tensor{'s' if len(tensors) != 1 else ''}, "
+    n, t = len(prog.boundaries), len(tensors)
+    return (f"boundaries: {n} send/recv edge{'s' if n != 1 else ''} ({t} tensor{'s' if t != 1 else ''}, "
             f"{human_bytes(sum(b.nbytes for b in tensors))} per example batch{small})")
 
 

@@ -85,10 +85,16 @@ def traceback_helps(e: BaseException) -> bool:
     return e.__cause__ is not None and not isinstance(e.__cause__, PipesplitError)
 
 
+def _not_a_note(record: logging.LogRecord) -> bool:
+    return not getattr(record, "pipesplit_note", False)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    for handler in logging.getLogger().handlers:  # a plan's warnings are prog.notes, which every command prints
+        handler.addFilter(_not_a_note)
     if not args.debug:  # torch logs failed fake-tensor ops with tracebacks before raising the error we report
         logging.getLogger(FAKE_TENSOR_LOGGER).setLevel(logging.CRITICAL)
     # the compile phases as they finish (INFO); --debug adds what torch.export printed on a failed capture
