@@ -187,7 +187,9 @@ def benchmark(
         compile_options: passed on to :func:`pipesplit.compile` (e.g. ``slack``).
 
     Each stage count and cost gets one split (the balanced plan ``pipesplit.compile``
-    makes), which then runs under every schedule and microbatch count.
+    makes), which then runs under every schedule and microbatch count; it is captured with a
+    dynamic batch (``dynamic_batch=True`` unless given), so that running microbatches of any
+    size captures nothing more.
     Predicted times come from the cost model the split was planned with, scaled from
     the example batch to one microbatch; measured times come from the pipelined steps
     (each stage's compute, waits excluded). Memory is the CUDA allocator's peak per
@@ -221,6 +223,10 @@ def benchmark(
     dim = given.batch_dim if given is not None else int(compile_options.get("batch_dim", 0))
     _check(scheds, [] if is_prog else costs, stage_counts, micro, _example_batch(args, kwargs, dim), warmup, repeats)
     configs = list(itertools.product(stage_counts, costs, scheds, micro))
+    if given is None and "dynamic_batch" not in compile_options and any(m > 1 for m in micro):
+        # the steps run microbatches, not the example's batch: capture the batch dynamic once, not the
+        # example's shapes first and then once more at the microbatch size, for every stage count
+        compile_options = {**compile_options, "dynamic_batch": True}
     rows, details, skipped = [], [], []
     load_before = machine_load()
     bar = tqdm(total=len(configs), desc="pipesplit benchmark", unit="config",
