@@ -416,11 +416,11 @@ def test_a_stage_count_the_model_cannot_balance_is_warned(capsys, caplog):
     with caplog.at_level(logging.WARNING, logger="pipesplit"):
         assert main([*args, "--stages", "2"]) == 0
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
-    with caplog.at_level(logging.WARNING, logger="pipesplit"):
-        assert main([*args, "--stages", "12"]) == 0
-    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
-    assert any("num_stages=12 is more than this model can balance" in w and "in head" in w for w in warned), warned
     capsys.readouterr()
+    assert main([*args, "--stages", "12"]) == 0
+    out, err = capsys.readouterr()  # once, among the report's notes (issue 36: logged and printed, it came twice)
+    warned = [line for line in (out + err).splitlines() if "num_stages=12 is more than this model can balance" in line]
+    assert len(warned) == 1 and warned[0].startswith("note: ") and "in head" in warned[0], out + err
 
 
 def test_the_text_chart_explains_its_letters(capsys):

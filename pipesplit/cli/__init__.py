@@ -93,13 +93,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    for handler in logging.getLogger().handlers:  # a plan's warnings are prog.notes, which every command prints
-        handler.addFilter(_not_a_note)
     if not args.debug:  # torch logs failed fake-tensor ops with tracebacks before raising the error we report
         logging.getLogger(FAKE_TENSOR_LOGGER).setLevel(logging.CRITICAL)
     # the compile phases as they finish (INFO); --debug adds what torch.export printed on a failed capture
     ours = logging.getLogger("pipesplit")
     level = ours.level
+    noting = logging.getLogger("pipesplit.api")  # a plan's warnings are prog.notes, which every command prints
+    noting.addFilter(_not_a_note)
     ours.setLevel(logging.DEBUG if args.debug else logging.WARNING if args.quiet else logging.INFO)
     try:
         return int(args.run(args))
@@ -111,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     finally:
         ours.setLevel(level)
+        noting.removeFilter(_not_a_note)
 
 
 __all__ = ["CLIError", "build_parser", "main", "traceback_helps"]
