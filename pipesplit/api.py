@@ -147,7 +147,7 @@ def compile(
     batch_dim: int = 0,
     unbatched: Sequence[str] = (),
     dynamic_batch: bool = False,
-    progress: bool = True,
+    progress: bool | None = None,
 ) -> SplitProgram:
     """Split ``model`` into pipeline stages that compute exactly what it computes.
 
@@ -216,7 +216,8 @@ def compile(
             batch size (:mod:`pipesplit.passes.split.generalise`); until then it keeps a reference to ``model``.
         unbatched: names of forward() arguments without a batch dimension (a lookup table, a
             shared mask): kept at their example shape and given whole to every microbatch.
-        progress: show a progress bar while profiling.
+        progress: a progress bar while profiling (``cost="profile"``/``"hybrid"``, ``refine``): True
+            always, False never, None (default) only when stderr is a terminal.
 
     >>> import torch, pipesplit
     >>> model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)])
@@ -319,7 +320,7 @@ def compile(
     fn = cost_function(cost)[1]
     for warning in plan_warnings(gm, chosen, {n.name: fn(n) for n in compute_nodes(gm)}) + memory_warnings(chosen):
         program.notes.append(warning)
-        log.warning("pipesplit: %s", warning)
+        log.warning("pipesplit: %s", warning, extra={"pipesplit_note": True})  # the CLI prints prog.notes
     return program
 
 

@@ -8,8 +8,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -25,7 +27,7 @@ __all__ = [
     "TORCH_FLOOR", "TORCH_VERSION", "HigherOrderOperator", "LazyGraphModule", "OpOverload", "OpOverloadPacket",
     "EXPORTS_META_MODELS", "GROUP_NORM_WEIGHT_GRAD_ALONE_CRASHES", "data_dependent", "forward_hooks", "set_forward_hooks", "STATE_MUTATIONS", "TORCH_LOGGERS", "FAKE_TENSOR_LOGGER", "fake_mode",
     "has_compatible_shallow_copy_type",
-    "is_concrete_int", "make_fx", "optimization_hint", "pytree", "torch_csv_send_waits",
+    "is_concrete_int", "make_fx", "one_process_checkpoint", "optimization_hint", "pytree", "torch_csv_send_waits",
 ]
 
 TORCH_FLOOR = (2, 10)
@@ -150,3 +152,14 @@ def torch_csv_send_waits() -> bool:
     from torch.distributed.pipelining import schedules
 
     return hasattr(schedules._ComputationType, "WAIT_SEND_F")
+
+
+@contextlib.contextmanager
+def one_process_checkpoint(alone: bool) -> Iterator[None]:
+    """``torch.distributed.checkpoint`` in one process (``alone``) without its UserWarning "torch.distributed
+    is disabled, unavailable or uninitialized, assuming the intent is to save in a single process": torch
+    2.10-2.15 give it even with ``no_dist=True``, where one process is what pipesplit asked for."""
+    with warnings.catch_warnings():
+        if alone:
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield

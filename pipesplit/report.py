@@ -71,13 +71,10 @@ def format_report(prog: "SplitProgram") -> str:
     lines.append("")
     lines.append(
         f"bottleneck: stage {plan.bottleneck_stage} ({format_cost(plan.bottleneck, plan.cost_name)}), "
-        f"balance {plan.bottleneck / mean if mean else 1.0:.3f}x the mean, "
+        f"cost balance {plan.bottleneck / mean if mean else 1.0:.3f}x the mean stage cost ({_cost_words(plan.cost_name)}), "
         f"lower bound {format_cost(plan.lower_bound, plan.cost_name)}, gap {plan.gap * 100:.1f}%  [plan: {plan.source}]"
     )
-    lines.append(
-        f"boundaries: {len(prog.boundaries)} send/recv edges, "
-        f"{human_bytes(sum(b.nbytes for b in prog.boundaries))} per example batch"
-    )
+    lines.append(boundary_summary(prog))
     if plan.schedule is not None and plan.predicted_step_s is not None:
         lines.append(
             f"schedule {plan.schedule!r} x{plan.num_microbatches}: predicted step {plan.predicted_step_s * 1e3:.4g} ms; "
@@ -90,3 +87,23 @@ def format_report(prog: "SplitProgram") -> str:
     for note in prog.notes:
         lines.append(f"note: {note}")
     return "\n".join(lines)
+
+
+def boundary_summary(prog: "SplitProgram") -> str:
+    """``boundaries: 3 send/recv edges (3 tensors, 384.0 KiB per example batch; 3 integers: sizes)``: every
+    edge the picture draws, the tensors (drawn solid) and the sizes and scalars (drawn dashed) counted apart."""
+    tensors = [b for b in prog.boundaries if b.kind == "tensor"]
+    others = [b for b in prog.boundaries if b.kind != "tensor"]
+    small = ""
+    if others:
+        kinds = sorted({b.kind for b in others})
+        small = f"; {len(others)} {'integers: sizes' if kinds == ['int'] else 'sizes or scalars'}"
+    n, t = len(prog.boundaries), len(tensors)
+    return (f"boundaries: {n} send/recv edge{'s' if n != 1 else ''} ({t} tensor{'s' if t != 1 else ''}, "
+            f"{human_bytes(sum(b.nbytes for b in tensors))} per example batch{small})")
+
+
+def _cost_words(cost_name: str) -> str:
+    """What a stage's cost counts, in words: the report's balance is of these, the benchmark's of times."""
+    return {"flops": "forward + backward FLOPs", "params": "parameter bytes", "profile": "profiled seconds",
+            "hybrid": "fitted seconds", "uniform": "node counts"}.get(cost_name, cost_name)

@@ -394,3 +394,29 @@ def test_a_batchnorm_over_a_non_contiguous_input_runs_eager_before_anything_comp
     with pytest.warns(UserWarning, match=r"stage 0 runs eager: a BatchNorm reads a non-contiguous input"):
         check_training(model, pipe, [((x,), {})], m=2, steps=2, rtol=RTOL)
 
+
+
+def test_the_first_compiled_step_says_what_compiles_as_it_goes_and_the_total(capfd):
+    """Issue 36: compile=True's first step took 126-161 s on CPU and printed nothing, so it looked hung."""
+    c = CASE_BY_NAME["gpt_tied"]
+    torch.manual_seed(0)
+    args, _ = c.inputs(2)
+    prog = pipesplit.compile(c.build(), args, num_stages=2, progress=False)
+    (x,), y = c.inputs(4)[0], None
+    pipe = pipesplit.Pipeline(prog, "1f1b", num_microbatches=2, loss_fn=lambda out, _: out.sum(), loss_reduction="sum", compile=AOT)
+    capfd.readouterr()
+    pipe.step(x, target=y)
+    err = capfd.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("pipesplit: compile=True:")]
+    compiling = [line for line in lines if "compiling" in line]
+    assert [re.search(r"stage (\d)'s module, microbatches of 2, with gradients", line).group(1)  # type: ignore[union-attr]
+            for line in compiling] == ["0", "1"], err
+    assert all(re.search(r"\.\.\. [\d.]+ (s|ms)$", line) for line in compiling), err  # each with its time
+    total = [line for line in lines if "compiled 2 graphs" in line]
+    assert len(total) == 1 and re.search(r"the step took [\d.]+ (s|ms) in all", total[0]), err
+    pipe.step(x, target=y)
+    assert "compile=True" not in capfd.readouterr().err, "a later step compiles nothing and says nothing"
+    quiet = pipesplit.Pipeline(prog, "gpipe", num_microbatches=2, loss_fn=lambda out, _: out.sum(), loss_reduction="sum", compile=AOT,
+                               progress=False)
+    quiet.step(x, target=y)
+    assert "compile=True" not in capfd.readouterr().err

@@ -670,3 +670,34 @@ def test_a_target_leaf_without_the_batch_goes_whole_and_one_with_it_is_refused()
     assert [tuple(p[0].shape) for p in parts] == [(6, 2)] * 4 and all(p[1] is weights for p in parts)
     with pytest.raises(pipesplit.InputError, match=r"shape \(8,\): no dimension 1"):
         split_target(torch.randn(8), 4, batch_dim=1, batch=8, input_batch_dim=1)
+
+
+def test_more_stages_than_blocks_are_warned_once_with_the_block_count(caplog):
+    """Issue 36: 40 stages for a 12-block GPT compiled without a word (cuts inside attention, 51 send/recv edges)."""
+    prog, warned = _gpt_warnings(3, caplog)  # 2 blocks
+    notes = [n for n in prog.notes if "repeated blocks" in n]
+    assert len(notes) == 1 and "num_stages=3 is more than the model's 2 repeated blocks (blocks.0 to blocks.1)" in \
+        notes[0] and "Compile with num_stages=2 or fewer" in notes[0], prog.notes
+    assert len(notes) == 1 and [w for w in warned if "repeated blocks" in w] == [f"pipesplit: {notes[0]}"], warned
+    prog, warned = _gpt_warnings(2, caplog)
+    assert not [n for n in prog.notes if "repeated blocks" in n] and not warned
+
+
+def test_the_blocks_of_a_hugging_face_llama_are_its_decoder_layers():
+    from pipesplit.passes.plan.advice import repeated_blocks
+    from tests.zoo import hf_llama
+
+    torch.manual_seed(0)
+    prog = pipesplit.compile(hf_llama(), torch.randint(0, 128, (2, 16)), num_stages=4)
+    notes = [n for n in prog.notes if "repeated blocks" in n]
+    assert len(notes) == 1 and "3 repeated blocks (model.layers.0 to model.layers.2)" in notes[0], prog.notes
+
+
+def test_the_cli_prints_a_plan_warning_once(capsys):
+    """Logged (stderr) and printed by the report's notes: the CLI said each plan warning twice."""
+    from pipesplit.cli import main
+
+    assert main(["split", "pipesplit.models:gpt", "--kwarg", "layers=2", "--kwarg", "dim=32", "--input-shape",
+                 "2x16:int64", "--stages", "3"]) == 0
+    out, err = capsys.readouterr()
+    assert (out + err).count("repeated blocks") == 1, out + err

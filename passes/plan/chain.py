@@ -37,6 +37,9 @@ class Chain:
     # Output bytes per node (the activation part of ``mem``): a schedule that keeps
     # several microbatches in flight on a stage holds this several times.
     act: np.ndarray | None = None
+    # Values live across each cut position (int64, n + 1): of two cuts carrying the same bytes the
+    # partition takes the one sending fewer tensors (one message each). None: not counted.
+    cut_tensors: np.ndarray | None = None
 
     @property
     def n(self) -> int:
@@ -80,6 +83,7 @@ def build_chain(
     cost = np.array([float(cost_fn(node)) for node in nodes], dtype=np.float64)
     mem = np.zeros(n, dtype=np.int64)
     live = np.zeros(n + 2, dtype=np.int64)
+    values = np.zeros(n + 2, dtype=np.int64)
     blocked = np.zeros(n + 2, dtype=np.int64)
     readers: dict[int, tuple[int, set[int]]] = {}  # id(tensor) -> (bytes, positions reading it)
     for node in gm.graph.nodes:
@@ -104,12 +108,15 @@ def build_chain(
         if last > i and node.name not in recompute:
             live[i + 1] += c.out_bytes
             live[last + 1] -= c.out_bytes
+            values[i + 1] += 1
+            values[last + 1] -= 1
             if not c.sendable:
                 blocked[i + 1] += 1
                 blocked[last + 1] -= 1
     cut_bytes = np.cumsum(live)[: n + 1]
     allowed = np.cumsum(blocked)[: n + 1] == 0
-    cut_bytes[0] = cut_bytes[n] = 0
+    cut_tensors = np.cumsum(values)[: n + 1]
+    cut_bytes[0] = cut_bytes[n] = cut_tensors[0] = cut_tensors[n] = 0
     allowed[0] = allowed[n] = True
     act = np.array([node_cost(node).out_bytes for node in nodes], dtype=np.int64)
-    return Chain(nodes, cost, mem, cut_bytes, allowed, shared, act)
+    return Chain(nodes, cost, mem, cut_bytes, allowed, shared, act, cut_tensors)

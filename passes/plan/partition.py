@@ -4,7 +4,8 @@ The chain problem (split a sequence into ``k`` contiguous non-empty parts minimi
 the largest part) is solved exactly: bisection over integer bottlenecks with a greedy
 feasibility test that is optimal for non-negative weights. Among cuts within
 ``slack`` of that optimum, a dynamic programme over cut positions picks the ones that
-carry the fewest bytes, then the smallest bottleneck that keeps those bytes.
+carry the fewest bytes (of equal bytes, the fewest tensors), then the smallest bottleneck
+that keeps those bytes.
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ __all__ = [
 ]
 
 _INF = np.iinfo(np.int64).max // 4
+# what a tensor crossing a cut adds to the fewest-bytes objective: 2**-20 byte, so 2**20 tensors over
+# all cuts still weigh less than one byte, and float64 keeps it exact up to 2**32 bytes at a cut
+_PER_TENSOR = 2.0**-20
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,8 @@ class _Solver:
         self.mem_lo = _memory_starts(chain, self.mem_cap)
         self.allowed = chain.allowed
         self.cut_bytes = chain.cut_bytes.astype(np.float64)
+        if chain.cut_tensors is not None:  # the tie-break: equal bytes, fewer tensors (below one byte in all)
+            self.cut_bytes += chain.cut_tensors * _PER_TENSOR
         # prev_allowed[j]: the largest allowed cut position <= j.
         idx = np.where(chain.allowed, np.arange(self.n + 1), -1)
         self.prev_allowed = np.maximum.accumulate(idx)

@@ -247,5 +247,7 @@ def step_timeline(prog: SplitProgram, schedule: Schedule, costs: Sequence[StageC
     The ranks of each of ``groups`` share one resource (:func:`sharing_groups`, :func:`predict`)."""
     comm_s = cut_seconds(prog, batch, schedule.num_microbatches, comm)
     if groups:
-        return comm_s, simulate_shared(schedule, list(costs), comm_s if comm_s else 0.0, groups=groups)
-    return comm_s, simulate(schedule, list(costs), comm_cost=comm_s if comm_s else 0.0)
+        timeline = simulate_shared(schedule, list(costs), comm_s if comm_s else 0.0, groups=groups)
+    else:
+        timeline = simulate(schedule, list(costs), comm_cost=comm_s if comm_s else 0.0)
+    return comm_s, dataclasses.replace(timeline, unit="s")

@@ -28,13 +28,13 @@ from pipesplit.schedules import Schedule
 def refine_plan(
     gm: fx.GraphModule, captured: Captured, plan: Plan, replan: Callable[[], Plan], devices: list[str],
     args: tuple[Any, ...], kwargs: dict[str, Any], *, rounds: int, schedule: Schedule | None, comm: CommModel,
-    progress: bool,
+    progress: bool | None,
 ) -> Plan:
     """Measure ``plan``'s stages, correct the node times, ``replan()``; up to ``rounds`` times, or
     until planning again gives a split already measured. Returns the best measured plan: the
     cheapest simulated ``schedule`` step, or without one the slowest stage's F + B."""
     seen: dict[tuple[tuple[str, ...], ...], tuple[float, Plan]] = {}
-    bar = tqdm(total=rounds + 1, desc="refine", unit="round", disable=not progress, leave=False)
+    bar = tqdm(total=rounds + 1, desc="refine", unit="round", disable=None if progress is None else not progress, leave=False)
     for _ in range(rounds + 1):
         key = tuple(map(tuple, plan.stages))
         if key in seen:  # planning again gave a split already measured: converged

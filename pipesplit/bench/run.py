@@ -174,7 +174,7 @@ def benchmark(
     devices: Sequence[str | torch.device] | None = None,
     warmup: int = 2,
     repeats: int = 5,
-    progress: bool = True,
+    progress: bool | None = None,
     **compile_options: Any,
 ) -> BenchmarkResult:
     """Compile, predict and time every combination of the given options; one row each.
@@ -192,11 +192,14 @@ def benchmark(
         devices: stage ``s`` runs on ``devices[s % len(devices)]``; default the model's.
         warmup, repeats: untimed then timed (and traced) steps per configuration; step
             times are medians, with the spread of the repeats.
-        progress: show a progress bar over the configurations.
+        progress: a progress bar over the configurations: True always, False never, None
+            (default) only when stderr is a terminal.
         compile_options: passed on to :func:`pipesplit.compile` (e.g. ``slack``).
 
     Each stage count and cost gets one split (the balanced plan ``pipesplit.compile``
-    makes), which then runs under every schedule and microbatch count.
+    makes), which then runs under every schedule and microbatch count; it is captured with a
+    dynamic batch (``dynamic_batch=True`` unless given), so that running microbatches of any
+    size captures nothing more.
     Predicted times come from the cost model the split was planned with, scaled from
     the example batch to one microbatch; measured times come from the pipelined steps
     (each stage's compute, waits excluded). Memory is the CUDA allocator's peak per
@@ -230,12 +233,17 @@ def benchmark(
     dim = given.batch_dim if given is not None else int(compile_options.get("batch_dim", 0))
     _check(scheds, [] if is_prog else costs, stage_counts, micro, _example_batch(args, kwargs, dim), warmup, repeats)
     configs = list(itertools.product(stage_counts, costs, scheds, micro))
+    if given is None and "dynamic_batch" not in compile_options and any(m > 1 for m in micro):
+        # the steps run microbatches, not the example's batch: capture the batch dynamic once, not the
+        # example's shapes first and then once more at the microbatch size, for every stage count
+        compile_options = {**compile_options, "dynamic_batch": True}
     rows, details, skipped = [], [], []
     load_before = machine_load()
-    bar = tqdm(total=len(configs), desc="pipesplit benchmark", unit="config", disable=not progress, leave=False)
+    bar = tqdm(total=len(configs), desc="pipesplit benchmark", unit="config",
+               disable=None if progress is None else not progress, leave=False)
     # log lines printed while the bar is drawn go through tqdm.write, above it, not into it
     redirect = contextlib.ExitStack()
-    if progress:
+    if not bar.disable:
         redirect.enter_context(logging_redirect_tqdm())
     try:
         for (k, c), group in itertools.groupby(configs, key=lambda x: x[:2]):

@@ -161,7 +161,7 @@ def run_bench(args: argparse.Namespace) -> int:
     model, inputs = _model_and_inputs(args)
     res = pipesplit.benchmark(model, inputs, num_stages=args.stages, schedules=args.schedules,
                               num_microbatches=args.microbatches, cost=args.cost, devices=args.devices,
-                              warmup=args.warmup, repeats=args.repeats, progress=not args.no_progress)
+                              warmup=args.warmup, repeats=args.repeats, progress=False if args.no_progress else None)
     print(res)
     out = args.out
     os.makedirs(out, exist_ok=True)
@@ -193,7 +193,7 @@ def add_bench(sub: Any, debug: Callable[[argparse.ArgumentParser], None]) -> Non
     p.add_argument("--warmup", type=count, default=2, help="untimed steps per configuration (default 2)")
     p.add_argument("--repeats", type=positive_int, default=5, help="timed steps per configuration (default 5)")
     p.add_argument("--out", default="bench_out", help="folder for the results (default bench_out)")
-    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bar (shown only when stderr is a terminal)")
     debug(p)
     p.set_defaults(run=run_bench)
 
@@ -216,6 +216,8 @@ def run_schedule(args: argparse.Namespace) -> int:
     timeline = simulate(sched, StageCost(args.forward, i, i if args.backward_weight is None else args.backward_weight))
     print(timeline.to_text(width=args.width))
     print(TEXT_LEGEND)
+    w = i if args.backward_weight is None else args.backward_weight
+    print(f"time units: those of --forward {args.forward:g}, --backward-input {i:g}, --backward-weight {w:g}")
     print(f"simulated bubble: {100 * timeline.bubble_fraction:.1f}% of rank time idle; "
           f"peak activations per rank: {list(timeline.peak_activations)}")
     if args.png:

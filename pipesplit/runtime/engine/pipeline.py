@@ -117,13 +117,14 @@ class Pipeline:
         pp_group: Any = None,  # or the process groups themselves
         dp_group: Any = None,
         compile: bool | Mapping[str, Any] = False,  # noqa: A002  # True or torch.compile's options: compiled stages
+        progress: bool = True,  # compile=...: say on stderr which graph compiles, as it goes, and the total
     ):
         check_arguments(prog, num_microbatches, loss_fn, timeout, batch_dim, target_batch_dim)
         if loss_reduction not in ("mean", "sum"):
             raise PipesplitError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}.")
         executor = chosen_executor(executor, transport, mesh is not None or pp_group is not None or dp_group is not None)
         self.prog, self.loss_fn = prog, loss_fn
-        self.compiler = StageCompiler(compile) if compile else None  # see pipesplit/runtime/graphs/compiled.py
+        self.compiler = StageCompiler(compile, progress) if compile else None  # see pipesplit/runtime/graphs/compiled.py
         self._threads: RankThreads | None = None  # the local executor's rank threads, started on first use
         self._tracer: Trace | None = None  # set inside `with self.trace():`
         self.batch_dim = prog.batch_dim if batch_dim is None else batch_dim
@@ -377,6 +378,16 @@ class Pipeline:
                 self.prog.train()
 
     def _run(self, which: str, data: StepData) -> None:
+        if self.compiler is not None:
+            start = time.perf_counter()
+            try:
+                self._traced(which, data)
+            finally:
+                self.compiler.step_done(time.perf_counter() - start)
+            return
+        self._traced(which, data)
+
+    def _traced(self, which: str, data: StepData) -> None:
         tracer = self._tracer
         if tracer is None:
             self._execute(self._plans[which], data)

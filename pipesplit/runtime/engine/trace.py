@@ -112,7 +112,7 @@ class Trace:
             if r.step == index and r.rank < len(ranks):
                 ranks[r.rank].append(TimedAction(r.action, r.ready - begin, r.end - begin))
         events = tuple(tuple(sorted(rank, key=lambda e: e.start)) for rank in ranks)
-        return Timeline(self.schedule, events)
+        return Timeline(self.schedule, events, unit="s")
 
     def durations(self, stage: int, kind: ActionKind | str) -> list[float]:
         """Compute seconds of every traced action of ``kind`` (``"F"``, ``"B"``, ...) on ``stage``."""

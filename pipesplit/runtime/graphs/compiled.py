@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import sys
 import threading
 import time
 import weakref
@@ -30,6 +31,7 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 
 from pipesplit.errors import PipesplitError
+from pipesplit.units import human_seconds
 from pipesplit.runtime.graphs.cuda_graphs import without_inductor_graphs
 from pipesplit.runtime.graphs.compile_limits import compile_blocker, failure
 
@@ -41,7 +43,7 @@ _ALLOWED = [p for p in inspect.signature(torch.compile).parameters if p != "mode
 class StageCompiler:
     """``torch.compile`` with ``options`` for each stage module, made once per module."""
 
-    def __init__(self, options: bool | Mapping[str, Any]):
+    def __init__(self, options: bool | Mapping[str, Any], progress: bool = True):
         opts = {} if options is True else dict(options)  # type: ignore[arg-type]
         unknown = sorted(set(opts) - set(_ALLOWED))
         if unknown:
@@ -54,6 +56,8 @@ class StageCompiler:
         self._timed: set[tuple[int, int, int, bool]] = set()
         self._gate = _CompileGate()
         self.seconds: dict[tuple[int, int], float] = {}  # (stage, microbatch size) -> first call, compile included
+        self.progress = progress  # say on stderr what compiles, as it goes (see _say)
+        self._fresh: list[float] = []  # first calls since the last step_done: their seconds
         self.eager: list[int] = []  # stages that run eager, all or their split backward (warn_eager_stage says why)
         self.ungraphed: list[int] = []  # stages that run compiled without the CUDA graphs asked for (warn_no_graphs)
         # module -> (the outputs a gradient comes back for, why it runs eager or None): see blocked()
@@ -82,15 +86,41 @@ class StageCompiler:
         # another thread meanwhile raises "FX to symbolically trace a dynamo-optimized function"
         # (seen on torch 2.10). A first call therefore runs alone.
         with self._gate.exclusive():
+            what = _graph_words(module, stage, microbatch_size)
+            self._say(f"pipesplit: compile=True: compiling {what} (torch.compile{f' {self.options}' if self.options else ''})"
+                      " ...", end="")
             start = time.perf_counter()
-            out = fn(*args)
+            try:
+                out = fn(*args)
+            except BaseException:
+                self._say(" failed")
+                raise
             self._timed.add(key)
-        seconds = time.perf_counter() - start
+            seconds = time.perf_counter() - start
+            self._fresh.append(seconds)
+            self._say(f" {human_seconds(seconds)}")
         self.seconds[(stage, microbatch_size)] = self.seconds.get((stage, microbatch_size), 0.0) + seconds
         log.info("stage %d%s compiled for microbatches of %d in %.2fs (torch.compile%s, first call)", stage,
                  f" {part}" if (part := getattr(module, "pipesplit_part", "")) else "", microbatch_size, seconds,
                  f" {self.options}" if self.options else "")
         return out
+
+    def step_done(self, seconds: float) -> None:
+        """After a step: where it compiled, say how many graphs and the step's whole time, which
+        includes what compiles lazily inside it (AOT autograd's backward graphs at their first call)."""
+        if not self._fresh:
+            return
+        n, compiling = len(self._fresh), sum(self._fresh)
+        self._fresh.clear()
+        log.info("pipesplit: compile=True: %d graph(s) compiled in %.2fs; the step took %.2fs", n, compiling, seconds)
+        self._say(f"pipesplit: compile=True: compiled {n} graph{'s' if n > 1 else ''} ({human_seconds(compiling)} "
+                  f"in their first calls); the step took {human_seconds(seconds)} in all, backward graphs compiled "
+                  "at their first call included. Later steps at these shapes reuse the code.")
+
+    def _say(self, text: str, end: str = "\n") -> None:
+        """One line on stderr, as it happens (``Pipeline(progress=False)`` hides them)."""
+        if self.progress:
+            print(text, end=end, file=sys.stderr, flush=True)
 
     def blocked(self, module: torch.nn.Module, stage: int, live: tuple[int, ...]) -> bool:
         """Whether ``module`` must run eager (:func:`pipesplit.runtime.graphs.compile_limits.compile_blocker`, or
@@ -120,6 +150,14 @@ class StageCompiler:
     def warn_no_graphs(self, stage: int, why: str) -> None:
         """Once per stage: CUDA graphs were asked for, and this stage runs compiled without them, and why."""
         _warn_once(self.ungraphed, stage, f"runs compiled without CUDA graphs: {why}")
+
+
+def _graph_words(module: torch.nn.Module, stage: int, microbatch_size: int) -> str:
+    """``stage 2's F graph, microbatches of 4, training``: what a first call compiles, in words."""
+    part = getattr(module, "pipesplit_part", "")
+    graph = {"F": "forward graph", "I": "input-gradient graph", "W": "weight-gradient graph"}.get(part, "module")
+    mode = "with gradients" if torch.is_grad_enabled() else "without gradients"
+    return f"stage {stage}'s {graph}, microbatches of {microbatch_size}, {mode}"
 
 
 def _warn_once(said: list[int], stage: int, what: str) -> None:

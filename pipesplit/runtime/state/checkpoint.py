@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from pipesplit.checks import folder_target, path_arg
+from pipesplit.compat import one_process_checkpoint
 from pipesplit.errors import InputError, RuntimeCommError
 from pipesplit.materialize import check_initialised
 from pipesplit.runtime.state import optim_state
@@ -83,7 +84,8 @@ def save(pipe: "Pipeline", path: str | os.PathLike[str], optimizer: torch.optim.
     if optimizer is not None:  # keyed by parameter name: another layout finds its share
         state["optim"] = optim_state.flat_state(optimizer, names)
     try:
-        dcp.save(state, checkpoint_id=staging, no_dist=dist is None)  # type: ignore[attr-defined]
+        with one_process_checkpoint(dist is None):
+            dcp.save(state, checkpoint_id=staging, no_dist=dist is None)  # type: ignore[attr-defined]
     except BaseException as e:  # torch's CheckpointException is no Exception
         if not isinstance(e, Exception) and type(e).__name__ != "CheckpointException":
             raise
@@ -144,7 +146,8 @@ def load(pipe: "Pipeline", path: str | os.PathLike[str], optimizer: torch.optim.
                              "load it with pipe.load(path), without the optimizer.")
         state["optim"] = optim_state.wanted(names, saved, "optim.")
     try:
-        dcp.load(state, checkpoint_id=path, no_dist=pipe.executor != "distributed")  # type: ignore[attr-defined]  # in place
+        with one_process_checkpoint(pipe.executor != "distributed"):
+            dcp.load(state, checkpoint_id=path, no_dist=pipe.executor != "distributed")  # type: ignore[attr-defined]  # in place
     except BaseException as e:  # torch's CheckpointException is no Exception
         if not isinstance(e, Exception) and type(e).__name__ != "CheckpointException":
             raise
