@@ -155,7 +155,8 @@ def _plan_file(tmp_path, **fields) -> str:
 
 
 @pytest.mark.parametrize("fields, message", [
-    ({"checkpoint": "yes"}, r"field 'checkpoint' must be true or false, got 'yes'"),
+    ({"checkpoint": "yes"}, r"field 'checkpoint' must be a list of stage indices in 0..1 .*, got 'yes'"),
+    ({"checkpoint": [0, 5]}, r"field 'checkpoint' must be a list of stage indices in 0..1 .*, got \[0, 5\]"),
     ({"stages": [[1], ["linear_1"]]}, r"field 'stages\[0\]' must be a list of node names"),
     ({"num_microbatches": 0}, r"field 'num_microbatches' must be a whole number >= 1 or null, got 0"),
     ({"stage_costs": ["a"]}, r"field 'stage_costs' must be a list of numbers"),
