@@ -41,8 +41,9 @@ class Plan:
     order: str = "program"  # the node order the chain was solved in: "program" or "late" (passes/plan/orders.py)
     measured_s: float | None = None  # compile(refine=...): measured bottleneck (or step with a schedule), seconds
     # the capture whose node names ``stages`` lists: "static" (at the example's batch, compile's default) or
-    # "dynamic" (a dynamic batch: dynamic_batch=True, or a program generalised); a saved plan without
-    # the field predates static capture, so it loads as "dynamic"
+    # "dynamic" (a dynamic batch: dynamic_batch=True) or "every_dim" (every dimension dynamic: a program
+    # generalised, or dynamic_dims=True); a saved plan without the field predates static capture, so it
+    # loads as "dynamic"
     capture: str = "static"
 
     n_microbatches = renamed_attribute("n_microbatches", "num_microbatches")
@@ -108,8 +109,8 @@ class Plan:
         if unknown:
             raise PlanError(f"unknown plan fields {unknown}; known fields are {sorted(known)}.")
         data.setdefault("capture", "dynamic")
-        if data["capture"] not in ("static", "dynamic"):
-            raise PlanError(f"plan capture must be 'static' or 'dynamic', got {data['capture']!r}.")
+        if data["capture"] not in ("static", "dynamic", "every_dim"):
+            raise PlanError(f"plan capture must be 'static', 'dynamic' or 'every_dim', got {data['capture']!r}.")
         plan = cls(**data)
         plan.source = "loaded"
         return plan

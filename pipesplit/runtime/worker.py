@@ -14,6 +14,7 @@ from pipesplit.compat import pytree
 from pipesplit.errors import PipesplitError
 from pipesplit.passes.aliasing import inplace_inputs
 from pipesplit.passes.split.program import SplitProgram, Stage
+from pipesplit.passes.split.sizes import size_key
 from pipesplit.rng import random_stream, stream_seed
 from pipesplit.runtime.weight_grads import WeightGraph, input_grads, weight_backward, weight_graph
 from pipesplit.runtime.compiled import StageCompiler
@@ -46,6 +47,14 @@ class StepData:
     # the caller's tensors after the step (runtime/steps.py: route_input_grads)
     input_grads: list[tuple[int, int, int, torch.Tensor]] = field(default_factory=list)
     dp_size: int = 1  # data-parallel replicas of the pipeline (a mesh's dp dimension)
+    # the microbatches' other dynamic sizes (a sequence length) by the graphs' symbols, and what tells
+    # one microbatch shape from another (the size alone where there are none): see passes/split/sizes.py
+    sizes: dict[Any, int] = field(default_factory=dict)
+    size_key: Any = None
+
+    def __post_init__(self) -> None:
+        if self.size_key is None:
+            self.size_key = size_key(self.microbatch_size, self.sizes)
 
 
 @dataclass
@@ -96,8 +105,8 @@ class StageWorker:
                 self.consumers.setdefault(b.name, []).append(b.dst)
         self.out_bounds = {(b.name, b.dst): b for b in prog.boundaries if b.src == stage.index}
         self.saved: dict[int, _Saved] = {}
-        self._shapes: dict[tuple[str, int, int], tuple[int, ...]] = {}  # (boundary, source, microbatch size)
-        self._ints: dict[tuple[str, int, int], int] = {}
+        self._shapes: dict[tuple[str, int, Any], tuple[int, ...]] = {}  # (boundary, source, microbatch sizes)
+        self._ints: dict[tuple[str, int, Any], int] = {}
         self.tracer: Any = None  # a pipesplit.runtime.trace.Trace while Pipeline.trace() is active
         self.on_gradients = on_gradients  # called once a step's last weight gradients are in
         self.split_backward = split_backward and not checkpointing  # I then W: see runtime/weight_grads.py
@@ -160,17 +169,17 @@ class StageWorker:
         return event
 
     def _like(self, b: Any, data: StepData) -> Like:
-        key = (b.name, b.src, data.microbatch_size)
+        key = (b.name, b.src, data.size_key)
         shape = self._shapes.get(key)
-        if shape is None:  # sympy resolves the sizes in ~0.3 ms: once per microbatch size
-            shape = self._shapes[key] = self.prog.resolve_shape(b, data.microbatch_size)
+        if shape is None:  # sympy resolves the sizes in ~0.3 ms: once per microbatch shape
+            shape = self._shapes[key] = self.prog.resolve_shape(b, data.microbatch_size, data.sizes)
         return shape, b.dtype, self.stage.device
 
     def _scalar(self, b: Any, data: StepData) -> Any:
-        key = (b.name, b.src, data.microbatch_size)
+        key = (b.name, b.src, data.size_key)
         value = self._ints.get(key)
         if value is None:
-            value = self._ints[key] = self.prog.resolve_value(b, data.microbatch_size)
+            value = self._ints[key] = self.prog.resolve_value(b, data.microbatch_size, data.sizes)
         return value
 
     def _to_device(self, v: Any) -> Any:
@@ -256,7 +265,7 @@ class StageWorker:
             args.append(value)
         grad_mode = torch.enable_grad() if data.training else torch.no_grad()
         module, device = self.stage.module, self.stage.device
-        explicit = self._explicit(args, data.microbatch_size) if data.training else None
+        explicit = self._explicit(args, data.size_key) if data.training else None
         weights = self._weights() if data.training and self.split_backward and explicit is None else None
         saved.weights, saved.params = weights, self.params if data.training else []
         if weights is not None:
@@ -267,7 +276,7 @@ class StageWorker:
 
         # a zero-bubble stage's I/W split runs as explicit compiled F/I/W graphs, or eager through the
         # weight graph's own autograd nodes (which a compiled graph would fuse into one; warned once)
-        compiler, mb_size = (self.compiler if weights is None else None), data.microbatch_size
+        compiler, mb_size = (self.compiler if weights is None else None), data.size_key
         if compiler is not None and explicit is None and data.training and self.schedule_splits:
             # checkpointed under a split schedule: I keeps the graph for W, which compiled code's backward
             # (run once, its buffers donated) refuses with a raw error (the fuzzer: zb_v + checkpoint)
@@ -424,7 +433,7 @@ class StageWorker:
         return tuple(i for i, name in enumerate(self.stage.outputs) if self.is_last or any(
             self.out_bounds[(name, dst)].requires_grad for dst in self.consumers.get(name, ())))
 
-    def _explicit(self, args: Sequence[Any], microbatch_size: int) -> Parts | None:
+    def _explicit(self, args: Sequence[Any], microbatch_size: Any) -> Parts | None:
         if self.explicit is None:
             return None
         return self.explicit.parts(self.stage.module, self._all_params(), args, microbatch_size,
