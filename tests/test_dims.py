@@ -4,6 +4,8 @@ refusal, naming the input, the dimension and the model's limit, of a size the mo
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -112,3 +114,54 @@ def test_an_image_size_changes_like_a_length():
         x = torch.randn(shape)
         assert_close(prog(x), model(x), name=f"image {shape}")
     assert prog.inputs[0].shape == (None, 3, None, None)
+
+
+def _packed(docs: list[list[int]], length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One packed row per list of document lengths: token ids, per-document position ids, and a
+    (1, T, T) mask causal within each document and blocking every other (0 or float32's minimum)."""
+    ids, pos, masks = [], [], []
+    for row in docs:
+        p = torch.cat([torch.arange(n) for n in row])
+        doc = torch.cat([torch.full((n,), i) for i, n in enumerate(row)])
+        allowed = (doc[:, None] == doc[None, :]) & (torch.arange(length)[:, None] >= torch.arange(length)[None, :])
+        ids.append(torch.randint(1, 64, (length,)))
+        pos.append(p)
+        masks.append(torch.where(allowed, 0.0, torch.finfo(torch.float32).min)[None])
+    return torch.stack(ids), torch.stack(pos), torch.stack(masks)
+
+
+def test_packed_sequences_train_as_separate_documents():
+    """Hugging Face's packed form (per-document position ids, a block-causal 4D mask) through a split
+    Llama: each document's logits are its own run's, a step equals accumulation, and the packed
+    length may change between steps."""
+    from tests.test_generalise import _tiny_llama
+    from tests.training import accumulate, dot_loss, make_target
+
+    torch.manual_seed(0)
+    model = _tiny_llama()
+    ids, pos, mask = _packed([[5, 11], [16], [3, 6, 7], [9, 7]], 16)
+    kwargs = {"position_ids": pos, "attention_mask": mask}
+    prog = pipesplit.compile(model, (ids,), example_kwargs=kwargs, num_stages=2, dynamic_dims=True, progress=False)
+    logits = prog(ids, **kwargs).logits
+    start = 0
+    for n in (5, 11):  # row 0's documents, each alone
+        alone = model(ids[:1, start:start + n], use_cache=False).logits
+        assert_close(logits[:1, start:start + n], alone, name=f"document of {n} in a packed row")
+        start += n
+    pipe = pipesplit.Pipeline(prog, "1f1b", num_microbatches=2, loss_fn=lambda o, t: dot_loss(o.logits, t),
+                              loss_reduction="sum")
+    for length, docs in ((16, [[5, 11], [16], [3, 6, 7], [9, 7]]), (10, [[10], [4, 6], [2, 8], [1, 9]])):
+        ids, pos, mask = _packed(docs, length)
+        kwargs = {"position_ids": pos, "attention_mask": mask}
+        ref = copy.deepcopy(model)
+        ref.load_state_dict(prog.state_dict())
+        with torch.no_grad():
+            target = make_target(ref(ids, **kwargs, use_cache=False).logits)
+        want = accumulate(ref, (ids,), {**kwargs, "use_cache": False}, target, 2,
+                          loss_fn=lambda o, t: dot_loss(o.logits, t))
+        got = pipe.step(ids, target=target, **kwargs)
+        assert_close(got, want, name=f"loss of packed rows of {length}")
+        grads = dict(pipe.named_parameters())
+        for name, p in ref.named_parameters():
+            assert_close(grads[name].grad, p.grad, name=f"gradient of {name} (packed, {length})")
+        pipe.zero_grad()
