@@ -75,7 +75,7 @@ def position_limits(gm: fx.GraphModule, inputs: list[fx.Node]) -> dict[tuple[int
             continue
         end, offset = found
         expr = end.node.expr
-        symbols = getattr(expr, "free_symbols", set())
+        symbols: set[Any] = set(getattr(expr, "free_symbols", set()))
         if len(symbols) != 1:
             continue
         (sym,) = symbols

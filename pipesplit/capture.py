@@ -319,8 +319,8 @@ def capture(
             f"the example inputs do not fit {type(model).__name__}.forward{inspect.signature(model.forward)}: {e}. "
             "Pass positional inputs as a tuple and keyword inputs as example_kwargs."
         ) from None
-    for what, names in (("unbatched", set(unbatched)), ("dynamic_dims", set(dims or {}) - {EVERY_DIM})):
-        unknown = sorted(names - set(owners))
+    for what, named in (("unbatched", set(unbatched)), ("dynamic_dims", set(dims or {}) - {EVERY_DIM})):
+        unknown = sorted(named - set(owners))
         if unknown:  # before the (slow) export
             raise CaptureError(
                 f"{what} names {unknown}, which the example call does not pass; the arguments passed are "

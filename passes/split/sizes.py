@@ -8,7 +8,7 @@ travels): :func:`input_symbols` says where each symbol is read, :func:`sizes_of`
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Sequence, cast
 
 import torch
 import torch.fx as fx
@@ -23,7 +23,7 @@ def input_symbols(gm: fx.GraphModule) -> list[tuple[int, int, Any]]:
     for i, node in enumerate(placeholders):
         val = node.meta.get("val")
         for d, size in enumerate(val.shape if isinstance(val, torch.Tensor) else ()):
-            expr = None if static_dim(size) is not None else size.node.expr
+            expr = None if static_dim(size) is not None else cast(torch.SymInt, size).node.expr
             if expr is not None and getattr(expr, "is_Symbol", False) and expr not in seen:
                 seen.add(expr)
                 out.append((i, d, expr))
