@@ -52,7 +52,7 @@ def check_input(value: Any, info: InputInfo, free_dim: int | None = None, fixed:
     for dim, (got, want) in enumerate(zip(value.shape, info.shape)):
         if want is not None and got != want and not (dim == free_dim and info.batched):
             if fixed is not None and info.batched and dim != batch_dim:
-                hint = (f" The model fixes this dimension: captured again with every dimension dynamic, torch.export "
+                hint = (f" The model fixes this dimension: captured with every dimension dynamic, torch.export "
                         f"kept it at {want} ({fixed}).")
             elif free_dim is not None and dim != free_dim:
                 hint = (
