@@ -255,13 +255,15 @@ def generalise(prog: "SplitProgram", why: str, lengths: bool = False) -> None:
     start = time.perf_counter()
     log.info("pipesplit: %s: capturing the model again with every dimension dynamic (once)", why)
     what = "a dynamic batch and every other dimension dynamic where the model allows"
+    recapture = prog.recapture
     with paused_gc():
         try:
             _swap_in_dynamic_capture(prog, why, True, lengths)
-        except (CaptureError, PlanError) as e:
+        except (CaptureError, PlanError, InputError) as e:  # InputError: that capture pinned the batch
             if lengths or static is None:
                 prog.recapture = None
                 raise
+            prog.recapture, prog.batch_pinned = recapture, None
             said = str(e).splitlines()[0]
             log.info("pipesplit: capturing with every dimension dynamic failed (%s); the batch alone", said)
             _swap_in_dynamic_capture(prog, why, False, lengths)
