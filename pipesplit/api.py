@@ -16,6 +16,7 @@ from pipesplit.agree import agree_on_plan
 from pipesplit.bench.refine import refine_plan
 from pipesplit.capture import as_args, capture
 from pipesplit.checks import known_keywords, name_list
+from pipesplit.dims import parse_dynamic_dims
 from pipesplit.errors import PlanError
 from pipesplit.devices import device_name, machine_devices
 from pipesplit.export import paused_gc
@@ -147,6 +148,7 @@ def compile(
     batch_dim: int = 0,
     unbatched: Sequence[str] = (),
     dynamic_batch: bool = False,
+    dynamic_dims: Mapping[str, Any] | bool | None = None,
     progress: bool | None = None,
 ) -> SplitProgram:
     """Split ``model`` into pipeline stages that compute exactly what it computes.
@@ -216,6 +218,13 @@ def compile(
             batch size (:mod:`pipesplit.passes.split.generalise`); until then it keeps a reference to ``model``.
         unbatched: names of forward() arguments without a batch dimension (a lookup table, a
             shared mask): kept at their example shape and given whole to every microbatch.
+        dynamic_dims: other dimensions to capture dynamic from the start, with the batch: per
+            forward() argument a dimension, a list, or ``{dim: (low, high)}`` (``{"input_ids": 1}``,
+            ``{"input_ids": {1: (1, 4096)}}``), or ``True`` for every dimension of every batched
+            input. A declared dimension the model fixes (a reshape to a constant) or caps below
+            ``high`` (a position table) is refused, naming it and the model's limit. Without it,
+            the first call whose length differs captures the model once more with every dimension
+            dynamic (:mod:`pipesplit.passes.split.generalise`); the program keeps ``model`` until then.
         progress: a progress bar while profiling (``cost="profile"``/``"hybrid"``, ``refine``): True
             always, False never, None (default) only when stderr is a terminal.
 
@@ -251,9 +260,13 @@ def compile(
         plan = Plan.load(plan)
     if plan is not None and plan.capture == "dynamic":
         dynamic_batch = True  # its node names are those of a capture with a dynamic batch
+    if plan is not None and plan.capture == "every_dim" and dynamic_dims is None:
+        dynamic_dims = True  # its node names are those of a capture with every dimension dynamic
+    dims = None if dynamic_dims is None or dynamic_dims is False else parse_dynamic_dims(dynamic_dims, batch_dim, unbatched)
+    dynamic_batch = dynamic_batch or dims is not None
     with _timed("capture", timings):
         captured = capture(model, example_input, example_kwargs, batch_dim=batch_dim, unbatched=unbatched,
-                           dynamic=dynamic_batch)
+                           dynamic=dynamic_batch, dims=dims)
     device0 = str(devices[0]) if devices else _default_device(model)
     with _timed("annotate", timings):
         requires = [isinstance(x, torch.Tensor) and x.requires_grad for x in captured.example_flat]
@@ -307,14 +320,14 @@ def compile(
                     comm=comm or CommModel(), progress=progress,
                 )
             chosen = agree_on_plan(gm, chosen)  # measured costs differ between processes: all take rank 0's
-    chosen.capture = "dynamic" if dynamic_batch else "static"
+    chosen.capture = "every_dim" if captured.every_dim else "dynamic" if dynamic_batch else "static"
     k = chosen.num_stages
     devs = check_devices(list(devices) if devices is not None else [device0] * k, k)
     with _timed("split", timings):
         split = split_graph(gm, chosen.stages, devs, recompute=chosen.recompute)
         program = SplitProgram(captured, split, chosen, devs)
-        if captured.static_batch is not None:
-            program.recapture = recapture_fn(model, example_input, example_kwargs, batch_dim, unbatched)
+        if not captured.every_dim:  # a batch or a length that changes captures it again (generalise)
+            program.recapture = recapture_fn(model, example_input, example_kwargs, batch_dim, unbatched, dims)
     timings["export"] = captured.export_seconds
     program.timings = timings
     fn = cost_function(cost)[1]

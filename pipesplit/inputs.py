@@ -54,8 +54,11 @@ def check_kind(value: Any, info: InputInfo, batch_dim: int) -> None:
         raise _dtype_error(value, info)
 
 
-def check_input(value: Any, info: InputInfo, free_dim: int | None = None) -> None:
-    """``value`` fits the captured input ``info``; a batched input's ``free_dim`` may take any size."""
+def check_input(value: Any, info: InputInfo, free_dim: int | None = None, fixed: str | None = None,
+                batch_dim: int = 0) -> None:
+    """``value`` fits the captured input ``info``; a batched input's ``free_dim`` may take any size.
+    ``fixed``: why a static dimension (besides ``batch_dim``) stays static in a capture that made every
+    dimension dynamic it could."""
     if not info.is_tensor:
         if isinstance(value, torch.Tensor):
             raise InputError(f"input {info.name!r} was compiled as a constant {info.example!r}, got a tensor.")
@@ -78,7 +81,10 @@ def check_input(value: Any, info: InputInfo, free_dim: int | None = None) -> Non
         )
     for dim, (got, want) in enumerate(zip(value.shape, info.shape)):
         if want is not None and got != want and not (dim == free_dim and info.batched):
-            if free_dim is not None and dim != free_dim:
+            if fixed is not None and info.batched and dim != batch_dim:
+                hint = (f" The model fixes this dimension: captured with every dimension dynamic, torch.export "
+                        f"kept it at {want} ({fixed}).")
+            elif free_dim is not None and dim != free_dim:
                 hint = (
                     " The model fixes this dimension at compile time. If it holds the batch (an RNN's (layers, batch, "
                     "hidden) state, a (batch, seq) mask beside seq-first inputs): microbatches cut every input along "
@@ -125,6 +131,11 @@ def check_range(info: InputInfo, dim: int, size: int, what: str = "") -> None:
     """
     low, high = info.ranges[dim]
     low = min(low, 1) if low <= 2 else low
+    if high is not None and size > high and dim in info.limits:  # a table caps it: no other capture helps
+        raise InputError(
+            f"input {info.name!r} has size {size} in dimension {dim}{what}, but the program takes at most {high} there: "
+            f"{info.limits[dim]}. Pass at most {high} (cut or split the input)."
+        )
     if size < low or (high is not None and size > high):
         span = f"{low}..{high}" if high is not None else f">= {low}"
         raise InputError(

@@ -66,6 +66,15 @@ class ChainStage(nn.Module):
             _input_batch_axis(prog, w) if kind == "input" else _batch_axis(prog, bounds[(n, w)])
             for n, kind, w in live_in
         ]
+        # per value, (dimension, symbol) of each dynamic size it carries (a sequence length): what sizes it tells
+        symbols: dict[int, list[tuple[int, Any]]] = {}
+        for where, d, sym in prog.size_symbols:
+            symbols.setdefault(where, []).append((d, sym))
+        self.size_axes = [
+            symbols.get(w, []) if kind == "input" else [] if bounds[(n, w)].kind != "tensor" else
+            [(i, e) for i, e in enumerate(bounds[(n, w)].sizes or ()) if not isinstance(e, int) and e.is_Symbol]
+            for n, kind, w in live_in
+        ]
         self.int_inputs = {
             (n, w): bounds[(n, w)]
             for n, kind, w in prog.stages[index].inputs
@@ -79,7 +88,8 @@ class ChainStage(nn.Module):
             if (name, where) in self.int_inputs:
                 if batch is None:
                     raise PipesplitError(f"stage {self.index} cannot recompute size {name!r}: no batched input.")
-                args.append(self.prog.resolve_value(self.int_inputs[(name, where)], batch))
+                sizes = {sym: int(v.shape[d]) for v, axes in zip(values, self.size_axes) for d, sym in axes}
+                args.append(self.prog.resolve_value(self.int_inputs[(name, where)], batch, sizes))
             elif kind == "input" and not self.prog.inputs[where].is_tensor:
                 args.append(self.prog.inputs[where].example)
             else:

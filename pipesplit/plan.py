@@ -46,8 +46,9 @@ class Plan:
     order: str = "program"  # the node order the chain was solved in: "program" or "late" (passes/plan/orders.py)
     measured_s: float | None = None  # compile(refine=...): measured bottleneck (or step with a schedule), seconds
     # the capture whose node names ``stages`` lists: "static" (at the example's batch, compile's default) or
-    # "dynamic" (a dynamic batch: dynamic_batch=True, or a program generalised); a saved plan without
-    # the field predates static capture, so it loads as "dynamic"
+    # "dynamic" (a dynamic batch: dynamic_batch=True) or "every_dim" (every dimension dynamic: a program
+    # generalised, or dynamic_dims=True); a saved plan without the field predates static capture, so it
+    # loads as "dynamic"
     capture: str = "static"
 
     n_microbatches = renamed_attribute("n_microbatches", "num_microbatches")
@@ -123,8 +124,8 @@ class Plan:
         data.setdefault("capture", "dynamic")
         if isinstance(data.get("checkpoint"), bool):  # saved before per-stage checkpointing: all or none
             data["checkpoint"] = list(range(len(data["stages"]))) if data["checkpoint"] else []
-        if data["capture"] not in ("static", "dynamic"):
-            raise PlanError(f"plan capture must be 'static' or 'dynamic', got {data['capture']!r}.")
+        if data["capture"] not in ("static", "dynamic", "every_dim"):
+            raise PlanError(f"plan capture must be 'static', 'dynamic' or 'every_dim', got {data['capture']!r}.")
         check_fields(data)
         plan = cls(**data)
         plan.source = "loaded"

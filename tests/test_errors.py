@@ -414,12 +414,18 @@ class ScalesRows(nn.Module):
 def test_an_input_pinned_beside_a_free_batch_is_named_as_a_table():
     torch.manual_seed(0)
     model, x, bias = ScalesRows(), torch.randn(4, 4, 8), torch.randn(4, 8)
-    pipe = pipesplit.Pipeline(pipesplit.compile(model, (x, bias), num_stages=2), "1f1b", num_microbatches=2,
-                              loss_fn=lambda out, t: (out * t).sum())
-    with pytest.raises(pipesplit.InputError) as info:
-        pipe.step(x, bias, target=torch.randn(4, 4, 8))
-    msg = str(info.value)
-    assert "'bias' kept dimension 0 fixed while 'x' took any size" in msg and "unbatched=['bias']" in msg, msg
+    # a capture with a dynamic batch alone pins bias's dimension 0 and names it in a note; the program
+    # gives it whole to every microbatch, as it is (so does the capture with every dimension dynamic,
+    # which a static program takes at its first new size: it sees that dimension is x's length)
+    for dynamic in (True, False):
+        prog = pipesplit.compile(model, (x, bias), num_stages=2, dynamic_batch=dynamic)
+        pipe = pipesplit.Pipeline(prog, "1f1b", num_microbatches=2, loss_fn=lambda out, t: (out * t).sum(),
+                                  loss_reduction="sum")
+        t = torch.randn(4, 4, 8)
+        assert_close(pipe.step(x, bias, target=t), (model(x, bias) * t).sum().detach(), name="loss")
+        assert [i.batched for i in prog.inputs] == [True, False]
+        msg = " ".join(prog.notes)
+        assert not dynamic or "'bias' kept dimension 0 fixed while 'x' took any size" in msg and "unbatched=['bias']" in msg, msg
     # the fix it names works and trains as the model does
     prog = pipesplit.compile(model, (x, bias), num_stages=2, unbatched=["bias"])
     assert not prog.notes, prog.notes

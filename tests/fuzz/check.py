@@ -13,7 +13,7 @@ import torch
 from hypothesis import assume, strategies as st
 
 from tests.fuzz import harness
-from tests.fuzz.configs import COMBOS, draw_config, features, known
+from tests.fuzz.configs import COMBOS, draw_config, draw_length, features, known
 from tests.fuzz.models import OPS, ModelSpec, build, draw_model, io, source
 
 ALL_OPS = tuple(OPS)
@@ -145,7 +145,7 @@ def cases(draw: Callable[[Any], Any], combos: list = COMBOS, max_layers: int = 8
         return draw(st.integers(lo, hi))
 
     spec = draw_model(pick, integer, ALL_OPS, max_layers)
-    cfg = draw_config(pick, integer, spec, combos, local)
+    cfg = draw_length(draw_config(pick, integer, spec, combos, local), spec)
     hits = [] if include_known else known(features(spec, cfg, dist))
     STEERED.update(hits)
     assume(not hits)

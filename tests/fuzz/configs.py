@@ -8,7 +8,7 @@ from typing import Any, Callable
 from pipesplit.errors import ScheduleError
 from pipesplit.schedules import list_schedules, resolve_schedule
 
-from tests.fuzz.models import ModelSpec, model_features
+from tests.fuzz.models import T, ModelSpec, model_features
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zb_h1", "zb_v", "dualpipe_v")
 SPLIT_BACKWARD = ("zb_h1", "zb_v", "dualpipe_v")
@@ -80,6 +80,16 @@ def draw_config(pick: Callable[[Any], Any], integer: Callable[[int, int], int], 
     }
 
 
+def draw_length(cfg: dict[str, Any], spec: ModelSpec) -> dict[str, Any]:
+    """``cfg`` with ``seq2``: the sequence length of the second step and of the eval pass, another than
+    the example's in one case in four (issue 34: a length that changes is captured dynamic, once).
+    Derived from the case's seed, so no other draw moves and recorded seeds replay as before; a model
+    that fixes its length (sdpa's reshape to T, a (T, D) table input) keeps it."""
+    fixed = spec.table or any(x.op == "sdpa" for x in spec.layers)
+    change = not fixed and (cfg["seed"] >> 4) % 4 == 3
+    return {**cfg, "seq2": T + 1 + cfg["seed"] % 5 if change else T}
+
+
 def features(spec: ModelSpec, cfg: dict[str, Any], dist: str | None = None) -> set[str]:
     out = model_features(spec)
     out |= {f"schedule={cfg['schedule']}", f"stages={cfg['stages']}", f"opt={cfg['opt']}", f"eval={cfg['eval']}",
@@ -91,5 +101,6 @@ def features(spec: ModelSpec, cfg: dict[str, Any], dist: str | None = None) -> s
              "no_zero_grad": cfg["no_zero_grad"], "eval_pipe": cfg["eval_pipe"] and cfg["eval"] == "pipe",
              "freeze_mid": cfg["freeze_mid"], "loss_param": cfg.get("loss_param", False),
              "compile": cfg.get("compile", False), "graphs": cfg.get("compile", False) and cfg.get("graphs", False),
+             "length_change": cfg.get("seq2", T) != T,
              "m>1": cfg["m"] > 1, "multi_stage": cfg["stages"] > 1, "dist": dist is not None, "mesh": dist == "mesh"}
     return out | {name for name, on in flags.items() if on}

@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from tests.fuzz import harness  # noqa: E402
 from tests.fuzz.check import ALL_OPS, F64_RTOL, FuzzFailure, Stats, run  # noqa: E402
-from tests.fuzz.configs import draw_config, valid_combos  # noqa: E402
+from tests.fuzz.configs import draw_config, draw_length, valid_combos  # noqa: E402
 from tests.fuzz.models import draw_model  # noqa: E402
 from tests.launch import end_rank  # noqa: E402
 
@@ -57,7 +57,7 @@ def main() -> int:
         # a rank holds only its own stages, so here dropout is drawn with p = 0
         spec = dataclasses.replace(spec, layers=tuple(
             dataclasses.replace(x, flag=False) if x.op == "dropout" else x for x in spec.layers))
-        cfg = draw_config(rng.choice, rng.randint, spec, combos, local=False)
+        cfg = draw_length(draw_config(rng.choice, rng.randint, spec, combos, local=False), spec)
         cfg["eval_pipe"] = False  # a second Pipeline needs a schedule for the same ranks
         if mesh is not None:  # refused on a mesh, by the last stage's ranks alone (tests/test_loss_leaves.py):
             cfg["loss_param"] = False  # the others then time out and the process group is spent

@@ -252,7 +252,7 @@ def _run_case(make_model: Callable[[], torch.nn.Module], io: dict, cfg: dict, me
                 dict(ref.named_parameters())[name].requires_grad_(False)
                 if name in held:
                     held[name].requires_grad_(False)
-        args, kw = make_inputs(io, mb * m * dp, gen)
+        args, kw = make_inputs({**io, "seq": cfg.get("seq2", io["seq"])} if step else io, mb * m * dp, gen)
         with torch.no_grad():
             shapes = copy.deepcopy(ref)(*fresh(args, kw, False)[0], **fresh(args, kw, False)[1])
         target = pytree.tree_map(lambda o: torch.randn(o.shape, generator=gen), shapes)

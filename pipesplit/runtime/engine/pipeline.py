@@ -255,7 +255,9 @@ class Pipeline:
         total = m * self.dp_size
         inputs = split_microbatches(flat, self.prog.inputs, total, self.batch_dim)[first:first + m]
         mb = batch_size(inputs[0], self.prog.inputs, self.batch_dim)
-        self.prog.ensure_batch(int(mb), f" (a microbatch: a batch of {mb * total} in {total} microbatches)")
+        if self.prog.ensure_batch(int(mb), f" (a microbatch: a batch of {mb * total} in {total} microbatches)"):
+            # the new capture tells batches from tables better (a (T, D) table beside (B, T, D) inputs)
+            inputs = split_microbatches(flat, self.prog.inputs, total, self.batch_dim)[first:first + m]
         if self._generation != self.prog.generation:  # new graphs (re-captured here or by another Pipeline)
             self._build()
         if self._grad_edges.stale(flat, training, self.executor == "distributed"):  # a cut newly carries gradients
@@ -271,7 +273,8 @@ class Pipeline:
                                      self._target_confirmed)
         scale = 1.0 / total if self.loss_reduction == "mean" else 1.0
         return StepData(inputs, targets, self.loss_fn, scale, training, mb, seed=self._step_seed(),
-                        microbatch_offset=first, whole=flat, dp_size=self.dp_size, target_probe=probe)
+                        microbatch_offset=first, whole=flat, dp_size=self.dp_size, target_probe=probe,
+                        sizes=self.prog.sizes_of(inputs[0]))
 
     def _step_seed(self) -> int:
         """One draw from torch's default generator per step, rank 0's on every rank (reproducible by seeding).

@@ -34,8 +34,8 @@ class StageInputs:
             if b.src == stage.index:
                 self.consumers.setdefault(b.name, []).append(b.dst)
         self.out_bounds = {(b.name, b.dst): b for b in prog.boundaries if b.src == stage.index}
-        self._shapes: dict[tuple[str, int, int], tuple[int, ...]] = {}  # (boundary, source, microbatch size)
-        self._ints: dict[tuple[str, int, int], int] = {}
+        self._shapes: dict[tuple[str, int, Any], tuple[int, ...]] = {}  # (boundary, source, microbatch sizes)
+        self._ints: dict[tuple[str, int, Any], int] = {}
         self._written: tuple[torch.nn.Module, frozenset[str]] | None = None
         self.written_inputs = {where for s in prog.stages for name, kind, where in s.inputs  # flat input indices
                                if kind == "input" and name in s.mutated_inputs}
@@ -56,17 +56,17 @@ class StageInputs:
         return self._like(self.bounds[(msg.name, msg.src, msg.dst)], data)
 
     def _like(self, b: Any, data: StepData) -> Like:
-        key = (b.name, b.src, data.microbatch_size)
+        key = (b.name, b.src, data.size_key)
         shape = self._shapes.get(key)
-        if shape is None:  # sympy resolves the sizes in ~0.3 ms: once per microbatch size
-            shape = self._shapes[key] = self.prog.resolve_shape(b, data.microbatch_size)
+        if shape is None:  # sympy resolves the sizes in ~0.3 ms: once per microbatch shape
+            shape = self._shapes[key] = self.prog.resolve_shape(b, data.microbatch_size, data.sizes)
         return shape, b.dtype, self.stage.device
 
     def _scalar(self, b: Any, data: StepData) -> Any:
-        key = (b.name, b.src, data.microbatch_size)
+        key = (b.name, b.src, data.size_key)
         value = self._ints.get(key)
         if value is None:
-            value = self._ints[key] = self.prog.resolve_value(b, data.microbatch_size)
+            value = self._ints[key] = self.prog.resolve_value(b, data.microbatch_size, data.sizes)
         return value
 
     def _to_device(self, v: Any) -> Any:

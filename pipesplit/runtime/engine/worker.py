@@ -13,6 +13,7 @@ from torch.utils.checkpoint import checkpoint
 from pipesplit.compat import pytree
 from pipesplit.errors import PipesplitError
 from pipesplit.passes.split.program import SplitProgram, Stage
+from pipesplit.passes.split.sizes import size_key
 from pipesplit.rng import random_stream, stream_seed
 from pipesplit.runtime.engine.weight_grads import WeightGraph, input_grads, weight_backward, weight_graph
 from pipesplit.runtime.graphs.compiled import StageCompiler
@@ -48,6 +49,14 @@ class StepData:
     input_grads: list[tuple[int, int, int, torch.Tensor]] = field(default_factory=list)
     dp_size: int = 1  # data-parallel replicas of the pipeline (a mesh's dp dimension)
     target_probe: TargetProbe | None = None  # target leaves the loss must confirm were right to cut (target_probe.py)
+    # the microbatches' other dynamic sizes (a sequence length) by the graphs' symbols, and what tells
+    # one microbatch shape from another (the size alone where there are none): see passes/split/sizes.py
+    sizes: dict[Any, int] = field(default_factory=dict)
+    size_key: Any = None
+
+    def __post_init__(self) -> None:
+        if self.size_key is None:
+            self.size_key = size_key(self.microbatch_size, self.sizes)
 
 
 @dataclass
@@ -166,7 +175,7 @@ class StageWorker(StageInputs):
         args, own, write_back = self.stage_args(m, data, comm, saved.inputs, saved.user_inputs)
         grad_mode = torch.enable_grad() if data.training else torch.no_grad()
         module, device = self.stage.module, self.stage.device
-        explicit = self._explicit(args, data.microbatch_size) if data.training else None
+        explicit = self._explicit(args, data.size_key) if data.training else None
         weights = self._weights() if data.training and self.split_backward and explicit is None else None
         saved.weights, saved.params = weights, self.params if data.training else []
         if weights is not None:
@@ -177,7 +186,7 @@ class StageWorker(StageInputs):
 
         # a zero-bubble stage's I/W split runs as explicit compiled F/I/W graphs, or eager through the
         # weight graph's own autograd nodes (which a compiled graph would fuse into one; warned once)
-        compiler, mb_size = (self.compiler if weights is None else None), data.microbatch_size
+        compiler, mb_size = (self.compiler if weights is None else None), data.size_key
         if compiler is not None and explicit is None and data.training and self.schedule_splits:
             # checkpointed under a split schedule: I keeps the graph for W, which compiled code's backward
             # (run once, its buffers donated) refuses with a raw error (the fuzzer: zb_v + checkpoint)
@@ -317,7 +326,7 @@ class StageWorker(StageInputs):
             return
         weight_backward(weights, saved.inters, saved.inter_grads, saved.tensors, saved.grads)
 
-    def _explicit(self, args: Sequence[Any], microbatch_size: int) -> Parts | None:
+    def _explicit(self, args: Sequence[Any], microbatch_size: Any) -> Parts | None:
         if self.explicit is None:
             return None
         return self.explicit.parts(self.stage.module, self._all_params(), args, microbatch_size,

@@ -26,7 +26,7 @@ import sys
 import threading
 import time
 import weakref
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Hashable, Iterator, Mapping
 
 import torch
 
@@ -53,9 +53,10 @@ class StageCompiler:
         # (runtime/graphs/cuda_graphs.py); Inductor's cudagraph trees are taken out of the options
         self.options, self.graphs = without_inductor_graphs(opts)
         self._compiled: weakref.WeakKeyDictionary[torch.nn.Module, Callable[..., Any]] = weakref.WeakKeyDictionary()
-        self._timed: set[tuple[int, int, int, bool]] = set()
+        self._timed: set[tuple[int, int, Hashable, bool]] = set()
         self._gate = _CompileGate()
-        self.seconds: dict[tuple[int, int], float] = {}  # (stage, microbatch size) -> first call, compile included
+        # (stage, microbatch size, or (size, other sizes) where a length varies) -> first call, compile included
+        self.seconds: dict[tuple[int, Hashable], float] = {}
         self.progress = progress  # say on stderr what compiles, as it goes (see _say)
         self._fresh: list[float] = []  # first calls since the last step_done: their seconds
         self.eager: list[int] = []  # stages that run eager, all or their split backward (warn_eager_stage says why)
@@ -64,7 +65,7 @@ class StageCompiler:
         self._blocked: weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple[int, ...], str | None]] = \
             weakref.WeakKeyDictionary()
 
-    def run(self, module: torch.nn.Module, stage: int, microbatch_size: int, *args: Any, blocking: bool = True) -> Any:
+    def run(self, module: torch.nn.Module, stage: int, microbatch_size: Hashable, *args: Any, blocking: bool = True) -> Any:
         """``module`` compiled, on ``args``. ``blocking=False`` (autograd's device thread, which a
         stage tracing its joint graph under the gate may be waiting for): never wait on the gate nor
         compile; while the gate is held, or before the first compile, the graph runs uncompiled."""
@@ -100,7 +101,7 @@ class StageCompiler:
             self._fresh.append(seconds)
             self._say(f" {human_seconds(seconds)}")
         self.seconds[(stage, microbatch_size)] = self.seconds.get((stage, microbatch_size), 0.0) + seconds
-        log.info("stage %d%s compiled for microbatches of %d in %.2fs (torch.compile%s, first call)", stage,
+        log.info("stage %d%s compiled for microbatches of %s in %.2fs (torch.compile%s, first call)", stage,
                  f" {part}" if (part := getattr(module, "pipesplit_part", "")) else "", microbatch_size, seconds,
                  f" {self.options}" if self.options else "")
         return out

@@ -175,7 +175,7 @@ class StageGraphs:
             self.compiler.warn_no_graphs(self.index, why)
 
     def parts(self, module: torch.nn.Module, params: Sequence[torch.Tensor], args: Sequence[Any],
-              microbatch_size: int, checkpointing: bool, writes_inputs: bool) -> Parts | None:
+              microbatch_size: Any, checkpointing: bool, writes_inputs: bool) -> Parts | None:
         grad_inputs = [i for i, x in enumerate(args) if isinstance(x, torch.Tensor) and x.requires_grad]
         key = (id(module), microbatch_size, tuple(p.requires_grad for p in params), tuple(grad_inputs),
                tuple((tuple(x.shape), x.stride()) if isinstance(x, torch.Tensor) else x for x in args),
@@ -203,7 +203,7 @@ class StageGraphs:
                 self.built[key] = why
         self._refused(why)
 
-    def deferred(self, parts: Parts, xs: Sequence[Any], microbatch_size: int) -> Deferred:
+    def deferred(self, parts: Parts, xs: Sequence[Any], microbatch_size: Any) -> Deferred:
         """The record of one microbatch's F, I and W: compiled, over a CUDA graph slot where asked for."""
         run = self.runner(microbatch_size)
         record = Deferred(parts, run, torch.empty(0, device=self.device, requires_grad=True))
@@ -232,7 +232,7 @@ class StageGraphs:
             self.slots[id(parts)] = self.slots.pop(id(parts))  # the most recent last
         return self.slots[id(parts)]
 
-    def runner(self, microbatch_size: int) -> Run:
+    def runner(self, microbatch_size: Any) -> Run:
         compiler, index = self.compiler, self.index
 
         def run(part: Any, *args: Any, blocking: bool = True) -> Any:
