@@ -153,12 +153,17 @@ class StageCompiler:
         _warn_once(self.ungraphed, stage, f"runs compiled without CUDA graphs: {why}")
 
 
-def _graph_words(module: torch.nn.Module, stage: int, microbatch_size: int) -> str:
-    """``stage 2's F graph, microbatches of 4, training``: what a first call compiles, in words."""
+def _graph_words(module: torch.nn.Module, stage: int, microbatch_size: Hashable) -> str:
+    """``stage 2's F graph, microbatches of 4, training``: what a first call compiles, in words
+    (``microbatch_size``: the size, or ``(size, other sizes...)`` where a length varies)."""
     part = getattr(module, "pipesplit_part", "")
     graph = {"F": "forward graph", "I": "input-gradient graph", "W": "weight-gradient graph"}.get(part, "module")
     mode = "with gradients" if torch.is_grad_enabled() else "without gradients"
-    return f"stage {stage}'s {graph}, microbatches of {microbatch_size}, {mode}"
+    if isinstance(microbatch_size, tuple):
+        size = f"microbatches of {microbatch_size[0]}, other sizes {list(microbatch_size[1:])}"
+    else:
+        size = f"microbatches of {microbatch_size}"
+    return f"stage {stage}'s {graph}, {size}, {mode}"
 
 
 def _warn_once(said: list[int], stage: int, what: str) -> None:
