@@ -125,7 +125,10 @@ class _Rules:
                 if static_dim(s) is None and _expr(s).free_symbols & self.free]
 
     def per_sample_dim(self, node: Any) -> int | None:
-        """The one dimension that carries the batch, as ``k * batch`` for a constant k, else None."""
+        """The one dimension that carries the batch, as ``k * batch`` for a k free of the batch (a constant,
+        or another dynamic size such as a sequence length: ``(batch * seq, ...)`` rows flattened), else None.
+        A full sum, max or min over that dimension splits over the microbatches' rows in any order; a mean
+        weights each by its batch, as every microbatch of a step has the same other sizes."""
         val = node.meta.get("val") if isinstance(node, fx.Node) else None
         if not isinstance(val, torch.Tensor):
             return None
@@ -133,7 +136,7 @@ class _Rules:
         if len(dims) != 1:
             return None
         expr = _expr(val.shape[dims[0]])
-        return dims[0] if any((expr / s).is_Integer for s in self.symbols) else None
+        return dims[0] if any(_free_of((expr / s).cancel(), self.free) for s in self.symbols) else None
 
     def of(self, node: fx.Node) -> OutputMerge:
         if not self.depends(node):
@@ -288,3 +291,13 @@ def run_counts(counts: fx.GraphModule, flat: Sequence[Any]) -> torch.Tensor:
     """Evaluate a merge's counting graph on one microbatch's flat inputs."""
     return counts(*flat)  # type: ignore[no-any-return]
 
+
+
+def _free_of(ratio: Any, batch: set[Any]) -> bool:
+    """``ratio`` (a dimension's size over the batch's) is a whole size free of the batch: a positive
+    integer, or a product of other dynamic sizes (``seq``, ``2 * seq``), not a fraction."""
+    if ratio.free_symbols & batch:
+        return False
+    if ratio.is_Integer:
+        return bool(ratio > 0)
+    return bool((ratio.is_Symbol or ratio.is_Mul) and ratio.as_numer_denom()[1] == 1)
