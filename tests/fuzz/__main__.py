@@ -35,7 +35,7 @@ def one_case(force: frozenset[str], case_seed: int, stats: Stats, coverage: Cove
 
 
 def fuzz(minutes: float, seed: int, include_known: bool = False, max_layers: int = 8,
-         out_dir: str | None = None, coverage: Coverage | None = None) -> Stats:
+         out_dir: str | None = None, coverage: Coverage | None = None, first_failure: bool = False) -> Stats:
     """Cases until the time is up, each forced to have the pair of features least reached so far
     (tests/fuzz/coverage.py); a failure is shrunk, its repro kept (one per distinct first line), and
     the next case goes on."""
@@ -45,7 +45,8 @@ def fuzz(minutes: float, seed: int, include_known: bool = False, max_layers: int
     while time.monotonic() < deadline:
         case += 1
         try:
-            one_case(coverage.next_force(), seed * 100_000 + case, stats, coverage, max_layers, include_known)
+            one_case(coverage.next_force(), seed * 100_000 + case, stats, coverage, max_layers, include_known,
+                     shrink_s=0.0 if first_failure else 120.0)
         except FuzzFailure as e:
             first, _, rest = str(e).partition("\n")
             print(f"FAILURE (shrunk): {first}\n{rest.split('---- repro')[0]}", flush=True)
@@ -56,6 +57,10 @@ def fuzz(minutes: float, seed: int, include_known: bool = False, max_layers: int
                 with open(path, "w") as f:
                     f.write(rest.split("---- repro (python repro.py) ----\n", 1)[1])
                 print(f"repro written to {path}", flush=True)
+            if first_failure:
+                print(f"stopped at the first failure, case {case}, after {time.monotonic() - stats.started:.0f} s",
+                      flush=True)
+                break
         except BaseException as e:  # e.g. an ExceptionGroup of several failures: keep going
             if isinstance(e, KeyboardInterrupt):
                 raise
@@ -74,13 +79,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compile-share", type=int, default=configs.COMPILE_SHARE,
                    help="one free draw in N runs compiled stages (compile=aot_eager); 1: every case "
                         "(the forced draws compile where their pair asks for it)")
+    p.add_argument("--first-failure", action="store_true",
+                   help="stop at the first failure, unshrunk (tests/fuzz/mutants.py: time to kill)")
     p.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "pipesplit-fuzz"),
                    help="folder for the repro scripts of failures")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     configs.COMPILE_SHARE = args.compile_share
     coverage = Coverage(args.seed)
-    stats = fuzz(args.minutes, args.seed, args.include_known, args.max_layers, args.out, coverage)
+    stats = fuzz(args.minutes, args.seed, args.include_known, args.max_layers, args.out, coverage,
+                 args.first_failure)
     print("\n" + stats.summary())
     print(coverage.summary())
     print(f"\nKNOWN table ({len(KNOWN)} entries{', drawn anyway' if args.include_known else ', steered around'}); "

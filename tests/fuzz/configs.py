@@ -90,6 +90,8 @@ def draw_config(pick: Callable[[Any], Any], integer: Callable[[int, int], int], 
 MUST_REFUSE: list[tuple[frozenset[str], str]] = [
     (frozenset({"checkpoint", "buffer_write"}), "updates buffers in place"),
     (frozenset({"checkpoint", "clamp_w"}), "updates buffers in place"),  # a parameter clamped in forward
+    # time-major rows flattened: the microbatches' outputs cannot be joined into the batch's (pipe(x))
+    (frozenset({"layout_tflat", "joins_outputs"}), "cannot be joined"),
 ]
 
 
@@ -105,6 +107,8 @@ ALLOWED: list[tuple[str, frozenset[str], str]] = [
      "batch is)"),
     (r"is written in place by stage", frozenset({"inplace_input"}),
      "an input written in place by one stage and read by another that nothing orders after it"),
+    (r"looks up a sparse embedding", frozenset({"sparse_mesh"}),
+     "a sparse embedding's gradient is not summed over data-parallel replicas"),
     (r"written in place inside the forward", frozenset({"clamp_w"}),
      "a trainable weight written in place in forward, under a schedule with microbatches interleaved"),
 ]
@@ -135,5 +139,10 @@ def features(spec: ModelSpec, cfg: dict[str, Any], dist: str | None = None) -> s
              "no_zero_grad": cfg["no_zero_grad"], "eval_pipe": cfg["eval_pipe"] and cfg["eval"] == "pipe",
              "freeze_mid": cfg["freeze_mid"], "loss_param": cfg.get("loss_param", False),
              "compile": cfg.get("compile", False), "graphs": cfg.get("compile", False) and cfg.get("graphs", False),
-             "m>1": cfg["m"] > 1, "batch1": cfg["example_batch"] == 1, "multi_stage": cfg["stages"] > 1, "dist": dist is not None, "mesh": dist == "mesh"}
+             "m>1": cfg["m"] > 1, "batch1": cfg["example_batch"] == 1,
+             # pipe(x) joins microbatches' outputs (train mode: not with dropout, see harness.check_outputs)
+             # (more than one microbatch; one has nothing to join)
+             "joins_outputs": cfg["m"] > 1 and ((cfg["eval"] == "pipe" and not cfg["eval_pipe"]) or (
+                 cfg["eval"] == "train_forward" and not any(x.op == "dropout" and x.flag for x in spec.layers))),
+             "sparse_mesh": spec.tokens and spec.sparse and dist == "mesh", "multi_stage": cfg["stages"] > 1, "dist": dist is not None, "mesh": dist == "mesh"}
     return out | {name for name, on in flags.items() if on}

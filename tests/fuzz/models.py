@@ -46,11 +46,12 @@ class ModelSpec:
     table: bool = False  # a second positional input ``pos`` (T, D) without a batch dimension, added to v0
     table_grad: bool = False  # ... which requires grad (its gradient sums over the microbatches)
     aux: bool = False  # a tuple/dict output also carries a 0-dim scalar (an auxiliary loss term)
-    layout: str = "bt"  # every non-scalar output as (B, T, .) "bt", sequence-first (T, B, .) "tb", or "flat" (B * T, .)
+    layout: str = "bt"  # every non-scalar output as (B, T, .) "bt", sequence-first (T, B, .) "tb", "flat" (B * T, .),
+    # or "tflat" (T * B, .): sequence-first rows flattened, which microbatches cannot be joined along
     extra: tuple[str, ...] = field(default=())  # reserved for future features
 
 
-LAYOUT_DIM = {"bt": 0, "tb": 1, "flat": 0}  # the dimension that carries the batch in each output (and target)
+LAYOUT_DIM = {"bt": 0, "tb": 1, "flat": 0, "tflat": 0}  # the dimension that carries the batch in each output (and target)
 
 
 def _src(spec: ModelSpec, i: int, v: int) -> str:
@@ -152,6 +153,8 @@ def source(spec: ModelSpec) -> str:
         last, aux = f"{last}.transpose(0, 1)", f"{aux}.transpose(0, 1)"
     elif spec.layout == "flat":  # (B * T, features): the batch and the sequence flattened, batch-major
         last, aux = f"{last}.reshape(-1, {last}.shape[-1])", f"{aux}.reshape(-1, {D})"
+    elif spec.layout == "tflat":  # (T * B, features): time-major rows
+        last, aux = f"{last}.transpose(0, 1).reshape(-1, {last}.shape[-1])", f"{aux}.transpose(0, 1).reshape(-1, {D})"
     reg = f"v{max(0, n // 2)}.pow(2).mean()"  # a scalar each microbatch has its own of
     ret = {"tensor": last, "tuple": f"({last}, {aux}, {reg})" if spec.aux else f"({last}, {aux})",
            "dict": f"{{'out': {last}, 'aux': {aux}, 'reg': {reg}}}" if spec.aux else
@@ -267,14 +270,14 @@ def draw_model(pick: Callable[[Any], Any], integer: Callable[[int, int], int], o
         layers.append(Layer(op, src=integer(0, i - 1), arg=integer(0, i - 1), flag=pick((False, True)),
                             frozen=integer(0, 5) == 5))
 
-    def put(layer: Layer) -> None:  # at a drawn place, reading the value just before it
-        at = integer(0, len(layers))
-        layers.insert(at, Layer(layer.op, src=at, arg=layer.arg, flag=layer.flag))
+    def put(layer: Layer) -> None:  # last, reading the last value: on the way to the output, so it counts
+        layers.append(Layer(layer.op, src=len(layers), arg=layer.arg, flag=layer.flag))
 
     if "dropout" in force and not any(x.op == "dropout" and x.flag for x in layers):
         put(Layer("dropout", flag=True))
     if "buffer_write" in force and not writes_buffers(tuple(layers)):
-        put(Layer(pick(("ema", "batchnorm")), arg=0, flag=pick((False, True))))
+        op = pick(("ema", "batchnorm", "instancenorm"))  # each with running state it writes
+        put(Layer(op, arg=1 if op == "instancenorm" else 0, flag=pick((False, True))))
     shared = "shared" in force and pick(("tied_head", "shared_w", "wsum"))
     if shared in ("shared_w", "wsum"):
         if shared == "shared_w" and not any(x.op == "linear" for x in layers):
@@ -282,7 +285,8 @@ def draw_model(pick: Callable[[Any], Any], integer: Callable[[int, int], int], o
         layers.append(Layer(shared, src=len(layers), arg=integer(0, 7), flag=pick((False, True))))
     tokens = shared == "tied_head" or ("input_grad" not in force and pick((False, True)))
     sparse = tokens and "graphed" not in force and integer(0, 3) == 3
-    layout = pick(("tb", "flat")) if "non_batch_first" in force else ("bt", "bt", "bt", "tb", "flat")[integer(0, 4)]
+    layout = (pick(("tb", "flat", "tflat")) if "non_batch_first" in force else
+              ("bt", "bt", "bt", "bt", "tb", "flat", "tflat")[integer(0, 6)])
     return ModelSpec(tuple(layers), tokens=tokens, sparse=sparse,
                      padding_idx=tokens and pick((False, True)), tied_head=tokens and (shared == "tied_head" or pick(
                          (False, True))), kwarg=pick((False, True)),
