@@ -107,6 +107,8 @@ ALLOWED: list[tuple[str, frozenset[str], str]] = [
      "batch is)"),
     (r"is written in place by stage", frozenset({"inplace_input"}),
      "an input written in place by one stage and read by another that nothing orders after it"),
+    (r"not in a dimension of its own", frozenset({"layout_tflat"}),
+     "time-major rows flattened: pipe(x) refuses them even where one microbatch has nothing to join (eval_pipe)"),
     (r"looks up a sparse embedding", frozenset({"sparse_mesh"}),
      "a sparse embedding's gradient is not summed over data-parallel replicas"),
     (r"written in place inside the forward", frozenset({"clamp_w"}),

@@ -45,6 +45,11 @@ IMPOSSIBLE: dict[frozenset[str], str] = {
 }
 
 
+# Pairs whose cases must be refused (configs.MUST_REFUSE): tried first among equals, as they cost
+# nothing to run (refused at construction) and assert the refusal.
+ASSERTED = {frozenset({"checkpoint", "buffer_write"})}
+
+
 def all_pairs() -> list[frozenset[str]]:
     pairs = [frozenset(p) for p in itertools.combinations(FEATURES, 2)]
     pairs += [frozenset({s, f}) for s in SCHEDULE_FEATURES for f in FEATURES]
@@ -75,7 +80,7 @@ class Coverage:
         self.cases += 1
         if not self.unreached() and self.cases % self.free_share == 0:
             return frozenset()
-        first = min(PAIRS, key=lambda p: (self.count[p], self.tries[p], self.rng.random()))
+        first = min(PAIRS, key=lambda p: (self.count[p], self.tries[p], p not in ASSERTED, self.rng.random()))
         chosen = set(first)
         extra = [f for f in (*FEATURES, *SCHEDULE_FEATURES) if f not in chosen]
         self.rng.shuffle(extra)

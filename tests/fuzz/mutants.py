@@ -277,8 +277,8 @@ def fuzz_leg(mutant: Mutant, root: str, minutes: float, seed: int) -> tuple[bool
     text = out.stdout + out.stderr
     first = next((line for line in text.splitlines() if line.startswith(("FAILURE", "rank 0: FAILURE"))), "")
     cases = next((line.split(" cases checked")[0] for line in text.splitlines() if " cases checked" in line), "?")
-    return out.returncode != 0, (first[:240] or text.strip().splitlines()[-1][:240] if text.strip() else "") + \
-        f" [{cases} cases]"
+    tail = " | ".join(line[:200] for line in text.strip().splitlines()[-6:] if "Warning" not in line)
+    return out.returncode != 0, (first[:240] or tail) + f" [{cases} cases]"
 
 
 def main(argv: list[str] | None = None) -> int:
