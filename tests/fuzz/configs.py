@@ -105,6 +105,8 @@ ALLOWED: list[tuple[str, frozenset[str], str]] = [
      "a batch size other than the example's where the model specialises on it (an example of 1 pins it; a "
      "branch on the batch size pins it, and pipe(x) then cannot ask a second capture where a joined output's "
      "batch is)"),
+    (r"one tensor in the model .*in place", frozenset({"inplace"}),
+     "views of one tensor sent over a cut to a stage that writes one of them in place"),
     (r"is written in place by stage", frozenset({"inplace_input"}),
      "an input written in place by one stage and read by another that nothing orders after it"),
     (r"not in a dimension of its own", frozenset({"layout_tflat"}),
