@@ -5,7 +5,7 @@ model and ``torch.compile(model)`` with and without its own CUDA graphs, on the 
 Each pipeline's loss after its first step is checked against the plain model's (the "loss rel.
 diff." column) and its slots are counted (captures, replays, stages without graphs) before
 anything is timed. On a CPU (``--device cpu``, the script's own test) the replays are emulated
-(:class:`pipesplit.runtime.cuda_graphs.EmulatedCapture`): the code path runs, the times mean nothing.
+(:class:`pipesplit.runtime.graphs.cuda_graphs.EmulatedCapture`): the code path runs, the times mean nothing.
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ from typing import Any, Callable
 
 import torch
 
-from _gpu_parts import Result, ce, interleaved, sync  # noqa: E402
+from _gpu_common import Result, ce, interleaved, sync  # noqa: E402
 from common import markdown_table  # noqa: E402
 
 import pipesplit  # noqa: E402
 from pipesplit.models import gpt  # noqa: E402
-from pipesplit.runtime import cuda_graphs  # noqa: E402
+from pipesplit.runtime.graphs import cuda_graphs  # noqa: E402
 
 
 def part_cuda_graphs(args: argparse.Namespace, res: Result) -> None:

@@ -9,9 +9,7 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
-import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -27,60 +25,15 @@ except ImportError:  # a plain copy of the repository
     import pipesplit
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 import torch.utils._pytree as pytree  # noqa: E402
 
+from _gpu_common import Result, ce, interleaved, mse_tree, rel, sync  # noqa: E402
+from _gpu_graphs import part_cuda_graphs  # noqa: E402
 from common import markdown_table  # noqa: E402
 from pipesplit.models import gpt  # noqa: E402
 
 SCHEDULES = ("gpipe", "1f1b", "zb_h1", "looped_bfs", "interleaved_1f1b", "zb_v", "dualpipe_v")
 TWO_PER_RANK = ("looped_bfs", "interleaved_1f1b", "zb_v", "dualpipe_v")  # two stages per rank
-
-
-class Result:
-    """What a part found, written to ``path`` after every addition."""
-
-    def __init__(self, path: str):
-        self.path, self.data, self.sections = path, {}, {}  # type: ignore[var-annotated]
-
-    def add(self, key: str, value: Any, markdown: str | None = None) -> None:
-        self.data[key] = value
-        if markdown:  # one section per key: a later addition replaces it in place
-            self.sections[key] = markdown
-        with open(self.path, "w") as f:
-            json.dump({"data": self.data, "markdown": "\n\n".join(self.sections.values())}, f, indent=1, default=str)
-
-
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize(device)
-
-
-def mse_tree(out: Any, target: Any) -> torch.Tensor:
-    """Mean squared error over every float output leaf (any model's outputs: tensors, tuples, dicts)."""
-    pairs = [(o, t) for o, t in zip(pytree.tree_leaves(out), pytree.tree_leaves(target))
-             if isinstance(o, torch.Tensor) and o.is_floating_point()]
-    return sum(F.mse_loss(o.float(), t.float()) for o, t in pairs)  # type: ignore[return-value]
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach().double().cpu(), b.detach().double().cpu()
-    den = max(torch.linalg.vector_norm(a).item(), torch.linalg.vector_norm(b).item(), 1e-12)
-    return torch.linalg.vector_norm(a - b).item() / den
-
-
-def interleaved(fns: dict[str, Callable[[], Any]], rounds: int, device: str) -> dict[str, float]:
-    """Median seconds of each function over ``rounds`` rounds, every function once per round, the
-    order alternating (load that changes over time hits all alike)."""
-    samples: dict[str, list[float]] = {k: [] for k in fns}
-    for r in range(rounds):
-        for k in (list(fns) if r % 2 == 0 else list(reversed(fns))):
-            sync(device)
-            start = time.perf_counter()
-            fns[k]()
-            sync(device)
-            samples[k].append(time.perf_counter() - start)
-    return {k: statistics.median(v) for k, v in samples.items()}
 
 
 # ---------------------------------------------------------------------------- (a) the CUDA tests
@@ -173,10 +126,6 @@ def host_bound_gpt(quick: bool, dev: str) -> tuple[torch.nn.Module, torch.Tensor
     torch.manual_seed(0)
     model = gpt(layers=layers, dim=dim, vocab=vocab, seq=seq, heads=4).to(dev)
     return model, torch.randint(0, vocab, (batch, seq), device=dev), torch.randint(0, vocab, (batch, seq), device=dev)
-
-
-def ce(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(out.reshape(-1, out.shape[-1]).float(), y.reshape(-1))
 
 
 def part_overhead(args: argparse.Namespace, res: Result) -> None:
@@ -404,13 +353,7 @@ def part_memory(args: argparse.Namespace, res: Result) -> None:
                               "measured / estimate"], rows, "lrrrr"))
 
 
-def _cuda_graphs(args: argparse.Namespace, res: Result) -> None:
-    from _gpu_graphs import part_cuda_graphs  # its own file: it imports this one
-
-    part_cuda_graphs(args, res)
-
-
-PARTS = {"tests": part_tests, "exact": part_exact, "cuda_graphs": _cuda_graphs, "overhead": part_overhead,
+PARTS = {"tests": part_tests, "exact": part_exact, "cuda_graphs": part_cuda_graphs, "overhead": part_overhead,
          "compiled": part_compiled, "predict": part_predict, "oracle": part_oracle, "memory": part_memory}
 
 

@@ -8,7 +8,7 @@ rounds, each variant against baselines measured in the same run:
 - pipesplit's Pipeline with eager stages, and with ``compile=True`` (each stage's forward and
   the backward AOT autograd derives from it compiled by ``torch.compile``), at 1 stage (1f1b)
   and 4 stages (gpipe, 1f1b, zb_h1; zb_h1's stages run as compiled F, I and W graphs, see
-  ``pipesplit.runtime.stage_graphs``).
+  ``pipesplit.runtime.graphs.stage_graphs``).
 
 Models: a dispatch-bound GPT (12 blocks of width 8: the step is Python and dispatch) and a
 12 x 768 GPT (the step is matrix multiplies). Every variant's loss is checked against the plain

@@ -33,7 +33,7 @@ from pipesplit.passes.plan.step_planner import node_seconds  # noqa: E402
 from pipesplit.schedules import StageCost  # noqa: E402
 from pipesplit.models import gpt  # noqa: E402
 from pipesplit.passes.annotate.rates import device_rates  # noqa: E402
-from pipesplit.runtime.measure import measure_stage_costs  # noqa: E402
+from pipesplit.runtime.engine.measure import measure_stage_costs  # noqa: E402
 
 
 class SmallMLP(nn.Module):

@@ -30,7 +30,7 @@ from common import emit, header, markdown_table  # noqa: E402
 import pipesplit  # noqa: E402
 from pipesplit.models import gpt  # noqa: E402
 from pipesplit.passes.annotate.rates import device_rates, priced  # noqa: E402
-from pipesplit.runtime.measure import measure_stage_costs  # noqa: E402
+from pipesplit.runtime.engine.measure import measure_stage_costs  # noqa: E402
 
 
 def models(quick: bool) -> list[tuple[str, torch.nn.Module, torch.Tensor]]:

@@ -6,7 +6,7 @@ split turned into module paths by ``baselines.py``), so every method runs throug
 same split program, runtime and measurement:
 
 - measured bottleneck: ``max`` over stages of forward + backward (F + the fused B) of one
-  microbatch, timed by ``pipesplit.runtime.measure.measure_stage_costs``
+  microbatch, timed by ``pipesplit.runtime.engine.measure.measure_stage_costs``
   (``backward="fused"``, ``reduce="min"``) in several rounds; every round times every
   distinct split of the model once, in a rotating order, so that machine noise hits all
   methods alike; per stage the median over rounds is kept. On CPU the clock is the
@@ -56,7 +56,7 @@ from pipesplit.passes.plan.chain import build_chain, compute_nodes  # noqa: E402
 from pipesplit.passes.annotate.costs import annotate_costs  # noqa: E402
 from pipesplit.passes.plan.objective import CommModel, MemoryModel, in_flight_per_stage  # noqa: E402
 from pipesplit.passes.plan.step_planner import figures_for  # noqa: E402
-from pipesplit.runtime.measure import measure_stage_costs  # noqa: E402
+from pipesplit.runtime.engine.measure import measure_stage_costs  # noqa: E402
 from pipesplit.schedules import StageCost, get_schedule, simulate  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))

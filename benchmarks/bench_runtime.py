@@ -40,7 +40,7 @@ from common import emit, header, load_average, markdown_table, round_robin, usab
 
 import pipesplit  # noqa: E402
 from pipesplit.models import gpt  # noqa: E402
-from pipesplit.runtime.measure import measure_stage_costs  # noqa: E402
+from pipesplit.runtime.engine.measure import measure_stage_costs  # noqa: E402
 from pipesplit.schedules import ActionKind, StageCost, simulate  # noqa: E402
 
 SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zb_h1", "zb_v"]
@@ -116,7 +116,7 @@ def splits_backward(schedule: Any) -> bool:
 def bench_simulator(prog: Any, x: torch.Tensor, y: torch.Tensor, repeats: int, warmup: int,
                     schedules: list[str], n_mb: int) -> tuple[str, dict]:
     start = time.perf_counter()
-    # Two cost models (see pipesplit/runtime/measure.py): I and W as separate passes, for the
+    # Two cost models (see pipesplit/runtime/engine/measure.py): I and W as separate passes, for the
     # zero-bubble schedules; I + W = the one-pass full backward, for schedules with B actions.
     # The minimum over repeats is the stage's work on an undisturbed machine; three rounds,
     # alternating the two kinds, and the median over rounds, so that a burst of load from other

@@ -31,7 +31,7 @@ from common import emit, header, markdown_table  # noqa: E402
 import pipesplit  # noqa: E402
 from pipesplit.models import gpt  # noqa: E402
 from pipesplit.passes.annotate.rates import concurrent_slowdown  # noqa: E402
-from pipesplit.runtime.measure import measure_stage_costs  # noqa: E402
+from pipesplit.runtime.engine.measure import measure_stage_costs  # noqa: E402
 from pipesplit.schedules import StageCost, simulate  # noqa: E402
 from pipesplit.schedules.shared import simulate_shared  # noqa: E402
 
@@ -40,7 +40,7 @@ def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1))
 
 
-def beside(trace: pipesplit.runtime.trace.Trace, alone: list[StageCost]) -> dict[int, list[float]]:
+def beside(trace: pipesplit.runtime.engine.trace.Trace, alone: list[StageCost]) -> dict[int, list[float]]:
     """Per number of other ranks computing alongside (time-averaged, rounded): each action's time
     over its stage's time alone."""
     by_step = collections.defaultdict(list)

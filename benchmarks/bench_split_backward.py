@@ -4,7 +4,7 @@
 
 For each model, one stage holding the whole model: the step is forward, then either one
 fused backward (B), or I (input and weight-op-output gradients) followed by W (weight
-gradients through each weight op alone; runtime/weight_grads.py), or the old W (a second
+gradients through each weight op alone; runtime/engine/weight_grads.py), or the old W (a second
 backward from the stage outputs). CPU time, one thread, interleaved rounds, medians.
 """
 
@@ -21,7 +21,7 @@ import torch
 
 import pipesplit
 from pipesplit.models import gpt
-from pipesplit.runtime.weight_grads import input_grads, weight_backward, weight_graph
+from pipesplit.runtime.engine.weight_grads import input_grads, weight_backward, weight_graph
 
 
 def _mlp() -> torch.nn.Module:
@@ -54,7 +54,7 @@ def main() -> None:
     for name, (build, data) in MODELS.items():
         model = build()
         x = data()
-        prog = pipesplit.compile(model, x[:2], num_stages=1, progress=False)
+        prog = pipesplit.compile(model, x, num_stages=1, progress=False)  # the stage graph is called at x's batch
         stage = prog.stages[0].module
         wg = weight_graph(stage)
         params = [p for p in stage.parameters() if p.requires_grad]

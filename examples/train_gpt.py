@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 import pipesplit
 from pipesplit.models import gpt
-from pipesplit.runtime.distributed import init_device
+from pipesplit.runtime.comm.distributed import init_device
 
 
 def batch(n: int, seq: int, vocab: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:

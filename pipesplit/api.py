@@ -15,6 +15,8 @@ from torch import nn
 from pipesplit.agree import agree_on_plan
 from pipesplit.bench.refine import refine_plan
 from pipesplit.capture import as_args, capture
+from pipesplit.checks import known_keywords, name_list
+from pipesplit.dims import parse_dynamic_dims
 from pipesplit.errors import PlanError
 from pipesplit.devices import device_name, machine_devices
 from pipesplit.export import paused_gc
@@ -22,6 +24,8 @@ from pipesplit.passes.split.generalise import recapture_fn
 from pipesplit.passes.annotate.costs import annotate_costs
 from pipesplit.passes.annotate.calibrate import calibrate
 from pipesplit.passes.plan.advice import plan_warnings
+from pipesplit.passes.plan.checkpointing import Checkpoint
+from pipesplit.passes.plan.pricing import device_memory_cap, memory_warnings, price_given
 from pipesplit.passes.plan.chain import compute_nodes
 from pipesplit.passes.plan.objective import CommModel, MemoryModel
 from pipesplit.passes.plan.planner import (
@@ -61,12 +65,12 @@ def _default_device(model: nn.Module) -> str:
     return "cpu"
 
 
-def _check_devices_exist(devices: Any, num_stages: int | None) -> None:
+def check_devices_exist(devices: Any, num_stages: int | None) -> None:
     """Every device parses and exists on this machine (before the slow export, not at placement)."""
     if devices is None:
         return
     n = num_stages if num_stages is not None else "n"
-    if isinstance(devices, (str, torch.device)):
+    if isinstance(devices, (str, torch.device)) or not isinstance(devices, (list, tuple)):
         raise PlanError(f"devices takes one device per stage, got the single device {str(devices)!r}; "
                         f"pass a list, e.g. devices=[{str(devices)!r}] * {n}.")
     for s, d in enumerate(devices):
@@ -75,6 +79,10 @@ def _check_devices_exist(devices: Any, num_stages: int | None) -> None:
         except (RuntimeError, TypeError):  # torch's message lists every device type it knows, not what is here
             raise PlanError(f"devices[{s}]={d!r} is not a device; this machine has "
                             f"{', '.join(map(repr, machine_devices()))}.") from None
+        if dev.type == "meta":
+            raise PlanError(f"devices[{s}]='meta' holds no data, so a stage there computes nothing (its outputs are "
+                            f"meta tensors); give each stage a real device, e.g. devices=['cpu'] * {n}. A model built "
+                            "on meta is compiled as is and runs on the CPU, or on the devices given.")
         module = getattr(torch, dev.type, None)
         if dev.type == "cpu" or module is None or not hasattr(module, "device_count"):
             continue
@@ -110,6 +118,7 @@ def _one_way(fn: Callable[..., SplitProgram]) -> Callable[..., SplitProgram]:
 
 
 @num_keywords  # outermost: an old n_* keyword is renamed before the checks below see it
+@known_keywords
 @_one_way
 @_gc_paused
 def compile(
@@ -135,10 +144,12 @@ def compile(
     recompute: Recompute = "auto",
     order: Order = "auto",
     refine: int = 0,
+    checkpoint: Checkpoint = None,
     batch_dim: int = 0,
     unbatched: Sequence[str] = (),
     dynamic_batch: bool = False,
-    progress: bool = True,
+    dynamic_dims: Mapping[str, Any] | bool | None = None,
+    progress: bool | None = None,
 ) -> SplitProgram:
     """Split ``model`` into pipeline stages that compute exactly what it computes.
 
@@ -161,11 +172,14 @@ def compile(
             ``torch.distributed`` world every rank takes global rank 0's plan
             (:mod:`pipesplit.agree`): each rank must compile the same model alike.
         devices: one device per stage (stages may share one); default the model's device.
-        split_points: module paths (``"layers.4"``) where new stages start; bypasses the planner.
+        split_points: module paths (``"layers.4"``; one may be given as a bare string) where new
+            stages start; bypasses the planner.
         plan: a :class:`Plan` or the path of a saved one, reused instead of planning; the model is
             captured as the plan's was (``plan.capture``: ``"static"`` or ``"dynamic"``).
         max_stage_memory: bytes a stage may hold (parameters, gradients, activations; with
-            ``schedule``, optimizer state and every microbatch in flight too).
+            ``schedule``, optimizer state and every microbatch in flight too). On CUDA with a
+            ``schedule`` it defaults to the device's memory less 10%; a plan (or a given split)
+            predicted over the cap warns, naming the stage, its bytes and the fix.
         slack: fraction above the optimal bottleneck the planner may spend to send fewer bytes
             (without ``schedule``; with one, the simulated step time decides).
         schedule: plan for this schedule's step time (``"1f1b"``, ``"zb_h1"``, ...): stage
@@ -174,12 +188,18 @@ def compile(
             example input is taken to be one microbatch.
         num_ranks: ranks for multi-stage-per-rank schedules (interleaved, V-shaped).
         pins: ``{"module.path": stage}`` keeps that module whole in that stage.
-        no_split: module paths (wildcards allowed, ``"blocks.*"``) that no cut may enter.
+        no_split: module paths (wildcards allowed, ``"blocks.*"``) that no cut may enter. A
+            container never called itself (an ``nn.ModuleList`` ``"blocks"``) means each of its
+            children, as ``"blocks.*"``: cuts between the blocks stay allowed.
         comm: link latency and bandwidth for pricing boundaries (defaults per device kind).
-        memory: optimizer/gradient factors and checkpointing for the memory estimate.
-            ``MemoryModel(checkpoint=True)`` plans for activation checkpointing: a stage
-            holds its inputs per microbatch in flight plus one microbatch's activations,
-            its backward pays a second forward, and ``Pipeline`` checkpoints every stage.
+        memory: optimizer/gradient factors and checkpointing for the memory estimate
+            (``MemoryModel(checkpoint=True)`` is ``checkpoint=True``).
+        checkpoint: activation checkpointing, per stage: a checkpointed stage holds its inputs
+            per microbatch in flight plus one microbatch's activations, and its backward pays
+            a second forward. ``"auto"`` (with ``schedule``) chooses the stages with the cuts,
+            for the lowest simulated step under ``max_stage_memory``; True every stage, False
+            none, or a list of stage indices. ``prog.plan.checkpoint`` lists the stages, and
+            ``Pipeline`` checkpoints exactly those.
         recompute: ``"auto"`` rebuilds cheap input-derived values (masks, rotary tables) in
             each stage that needs them instead of sending them; ``"never"`` sends everything.
         order: ``"auto"`` also solves the order that computes each node as late as its
@@ -198,7 +218,15 @@ def compile(
             batch size (:mod:`pipesplit.passes.split.generalise`); until then it keeps a reference to ``model``.
         unbatched: names of forward() arguments without a batch dimension (a lookup table, a
             shared mask): kept at their example shape and given whole to every microbatch.
-        progress: show a progress bar while profiling.
+        dynamic_dims: other dimensions to capture dynamic from the start, with the batch: per
+            forward() argument a dimension, a list, or ``{dim: (low, high)}`` (``{"input_ids": 1}``,
+            ``{"input_ids": {1: (1, 4096)}}``), or ``True`` for every dimension of every batched
+            input. A declared dimension the model fixes (a reshape to a constant) or caps below
+            ``high`` (a position table) is refused, naming it and the model's limit. Without it,
+            the first call whose length differs captures the model once more with every dimension
+            dynamic (:mod:`pipesplit.passes.split.generalise`); the program keeps ``model`` until then.
+        progress: a progress bar while profiling (``cost="profile"``/``"hybrid"``, ``refine``): True
+            always, False never, None (default) only when stderr is a terminal.
 
     >>> import torch, pipesplit
     >>> model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)])
@@ -210,31 +238,35 @@ def compile(
     opts = planner_options(  # checks every option before the (slow) export
         planner, num_stages=num_stages, cost=cost, max_stage_memory=max_stage_memory, slack=slack, schedule=schedule,
         num_microbatches=num_microbatches, num_ranks=num_ranks, pins=pins, no_split=no_split, comm=comm, memory=memory,
-        recompute=recompute, order=order, refine=refine)
+        recompute=recompute, order=order, refine=refine, checkpoint=checkpoint)
     num_stages, cost, max_stage_memory, slack, schedule = (
         opts.num_stages, opts.cost, opts.max_stage_memory, opts.slack, opts.schedule)
     num_microbatches, num_ranks, pins, no_split, comm, memory = (
         opts.num_microbatches, opts.num_ranks, opts.pins, opts.no_split, opts.comm, opts.memory)
-    recompute, order, refine = opts.recompute, opts.order, opts.refine
-    _check_devices_exist(devices, num_stages)
+    recompute, order, refine, checkpoint = opts.recompute, opts.order, opts.refine, opts.checkpoint
+    check_devices_exist(devices, num_stages)
+    split_points = None if split_points is None else name_list("split_points", split_points, error=PlanError)
+    unbatched = name_list("unbatched", unbatched)
     devices = None if devices is None else [device_name(d) for d in devices]  # "cuda" is the current GPU from here on
     if refine and (plan is not None or split_points is not None):
         raise PlanError("refine= re-plans from measured stage times; it cannot change a given plan= or split_points=.")
     if plan is not None or split_points is not None:
-        _refuse_planner_options(
+        _refuse_planner_options(  # schedule=, max_stage_memory=, memory=, checkpoint=... price the split instead
             "plan=" if plan is not None else "split_points=",
-            max_stage_memory=(max_stage_memory, None), pins=(pins, None), no_split=(tuple(no_split), ()),
-            schedule=(schedule, None), slack=(slack, 0.05), order=(order, "auto"), num_microbatches=(num_microbatches, None),
-            num_ranks=(num_ranks, None), **({"memory": (memory, None), "comm": (comm, None)} if plan is not None else {}),
+            pins=(pins, None), no_split=(tuple(no_split), ()), slack=(slack, 0.05), order=(order, "auto"),
         )
     timings: dict[str, float] = {}
     if plan is not None and not isinstance(plan, Plan):
         plan = Plan.load(plan)
     if plan is not None and plan.capture == "dynamic":
         dynamic_batch = True  # its node names are those of a capture with a dynamic batch
+    if plan is not None and plan.capture == "every_dim" and dynamic_dims is None:
+        dynamic_dims = True  # its node names are those of a capture with every dimension dynamic
+    dims = None if dynamic_dims is None or dynamic_dims is False else parse_dynamic_dims(dynamic_dims, batch_dim, unbatched)
+    dynamic_batch = dynamic_batch or dims is not None
     with _timed("capture", timings):
         captured = capture(model, example_input, example_kwargs, batch_dim=batch_dim, unbatched=unbatched,
-                           dynamic=dynamic_batch)
+                           dynamic=dynamic_batch, dims=dims)
     device0 = str(devices[0]) if devices else _default_device(model)
     with _timed("annotate", timings):
         requires = [isinstance(x, torch.Tensor) and x.requires_grad for x in captured.example_flat]
@@ -250,19 +282,34 @@ def compile(
                 if recompute == "auto":
                     kind = torch.device(device0).type
                     chosen.recompute = sorted(cheap_to_recompute(gm, captured.mutated_targets, comm or CommModel(), kind))
-                chosen.checkpoint = bool(memory and memory.checkpoint)
+            sched = None if schedule is None else resolve_schedule(
+                schedule, chosen.num_stages, num_ranks, num_microbatches or 4 * chosen.num_stages)
+            price_given(gm, chosen, sched, cost=cost, comm=comm or CommModel(), memory=memory or MemoryModel(),
+                        max_stage_memory=max_stage_memory, checkpoint=checkpoint, device_kind=torch.device(device0).type,
+                        keep_saved=plan is not None)
         else:
             k = 1 if num_stages is None else num_stages
             sched = None
             if schedule is not None:
                 sched = resolve_schedule(schedule, k, num_ranks, num_microbatches or 4 * k)
-            def replan() -> Plan:
-                return plan_partition(
-                    gm, k, cost, max_stage_memory=max_stage_memory, slack=slack, module_paths=captured.module_paths,
-                    pins=pins, no_split=no_split, schedule=sched, comm=comm or CommModel(),
-                    memory=memory or MemoryModel(), recompute=recompute, mutated_targets=captured.mutated_targets,
-                    device_kind=torch.device(device0).type, order=order,
-                )
+            # on CUDA a schedule's plan fits the device's memory less a margin unless a cap is given
+            cap = max_stage_memory if max_stage_memory is not None or sched is None else device_memory_cap(
+                list(devices) if devices is not None else [device0])
+
+            def replan(cap: int | None = cap) -> Plan:
+                try:
+                    return plan_partition(
+                        gm, k, cost, max_stage_memory=cap, slack=slack, module_paths=captured.module_paths,
+                        pins=pins, no_split=no_split, schedule=sched, comm=comm or CommModel(),
+                        memory=memory or MemoryModel(), recompute=recompute, mutated_targets=captured.mutated_targets,
+                        device_kind=torch.device(device0).type, order=order, checkpoint=checkpoint,
+                    )
+                except PlanError:
+                    if cap is None or max_stage_memory is not None:
+                        raise
+                    unfit = replan(None)  # nothing fits the device: plan without, and warn stage by stage below
+                    unfit.max_stage_memory = cap
+                    return unfit
 
             chosen = replan()
             if refine:
@@ -273,20 +320,20 @@ def compile(
                     comm=comm or CommModel(), progress=progress,
                 )
             chosen = agree_on_plan(gm, chosen)  # measured costs differ between processes: all take rank 0's
-    chosen.capture = "dynamic" if dynamic_batch else "static"
+    chosen.capture = "every_dim" if captured.every_dim else "dynamic" if dynamic_batch else "static"
     k = chosen.num_stages
     devs = check_devices(list(devices) if devices is not None else [device0] * k, k)
     with _timed("split", timings):
         split = split_graph(gm, chosen.stages, devs, recompute=chosen.recompute)
         program = SplitProgram(captured, split, chosen, devs)
-        if captured.static_batch is not None:
-            program.recapture = recapture_fn(model, example_input, example_kwargs, batch_dim, unbatched)
+        if not captured.every_dim:  # a batch or a length that changes captures it again (generalise)
+            program.recapture = recapture_fn(model, example_input, example_kwargs, batch_dim, unbatched, dims)
     timings["export"] = captured.export_seconds
     program.timings = timings
     fn = cost_function(cost)[1]
-    for warning in plan_warnings(gm, chosen, {n.name: fn(n) for n in compute_nodes(gm)}):
+    for warning in plan_warnings(gm, chosen, {n.name: fn(n) for n in compute_nodes(gm)}) + memory_warnings(chosen):
         program.notes.append(warning)
-        log.warning("pipesplit: %s", warning)
+        log.warning("pipesplit: %s", warning, extra={"pipesplit_note": True})  # the CLI prints prog.notes
     return program
 
 

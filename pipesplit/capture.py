@@ -14,10 +14,13 @@ from torch import nn
 from torch.export import Dim
 
 from pipesplit.compat import EXPORTS_META_MODELS, is_concrete_int, pytree
+from pipesplit.distinct import distinct_inputs
+from pipesplit.dims import EVERY_DIM, DimSpec, check_declared, dims_for
 from pipesplit.errors import CaptureError
+from pipesplit.examples import blamed_on_input, check_example, check_input_dtypes, keyword_inputs
 from pipesplit.export import export_quietly, unlift
 from pipesplit.kv_cache import nested_cache_off, no_cache_kwargs
-from pipesplit.passes.lookups import indexed_by
+from pipesplit.passes.lookups import indexed_by, position_limits
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +50,8 @@ class InputInfo:
     batched: bool = False  # cut into microbatches: its batch dimension is dynamic, or captured at the example's batch
     # another input whose values index this one along the batch dimension (table[idx]): a table, never cut
     indexed_by: str | None = None
+    # per dynamic dimension the model bounds by a table's size, why (see pipesplit.passes.lookups.position_limits)
+    limits: dict[int, str] = field(default_factory=dict)
 
     def has_batch_dim(self, d: int) -> bool:
         """A tensor input with a dimension ``d`` that the user did not mark unbatched."""
@@ -84,6 +89,7 @@ class Captured:
 
     batch_dim: int = 0
     dynamic: bool = True  # the batch dimension was captured dynamic (False: at the example's size)
+    every_dim: bool = False  # every dimension of the batched inputs was captured dynamic where the model allows
 
     @property
     def example_batch(self) -> int | None:
@@ -122,19 +128,23 @@ def as_args(example_input: Any) -> tuple[Any, ...]:
 
 
 def _dynamic_shapes(
-    model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], batch_dim: int, unbatched: Collection[str] = ()
+    model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], batch_dim: int, unbatched: Collection[str] = (),
+    dims: DimSpec | None = None,
 ) -> dict[str, Any]:
     """Mark the batch dim of every tensor input ``Dim.AUTO`` (dynamic wherever the model allows),
-    except in the arguments named in ``unbatched``, which stay static."""
+    and the dimensions ``dims`` names (:mod:`pipesplit.dims`), except in the arguments named in
+    ``unbatched``, which stay static."""
     bound = inspect.signature(model.forward).bind(*args, **kwargs)
 
-    def spec(x: Any) -> Any:
+    def spec(name: str, x: Any) -> Any:
         if isinstance(x, torch.Tensor) and x.dim() > batch_dim:
-            return {batch_dim: Dim.AUTO}
+            more = dims_for(dims or {}, name, x.dim(), batch_dim)
+            return {batch_dim: Dim.AUTO, **{d: Dim.AUTO if r is None else Dim.AUTO(min=r[0], max=r[1]) for d, r in more.items()}}
         return None
 
     return {
-        name: pytree.tree_map(lambda x: None, value) if name in unbatched else pytree.tree_map(spec, value)
+        name: pytree.tree_map(lambda x: None, value) if name in unbatched
+        else pytree.tree_map(lambda x, name=name: spec(name, x), value)
         for name, value in bound.arguments.items()
     }
 
@@ -238,9 +248,17 @@ def _input_infos(
             infos.append(info)
         else:
             infos.append(InputInfo(node.name, False, None, None, example))
+    lengths = {size.node.expr for n in placeholders if isinstance(n.meta.get("val"), torch.Tensor)
+               for j, size in enumerate(n.meta["val"].shape) if j != batch_dim and static_dim(size) is None}
     for info, node in zip(infos, placeholders):
+        if info.batched and dynamic and node.meta["val"].shape[batch_dim].node.expr in lengths:
+            info.batched = False  # its dimension batch_dim is another input's length ((T, D) beside (B, T, D)): a table
         if info.batched:
             info.indexed_by = indexed_by(node, set(placeholders) - {node}, batch_dim)
+    for (i, dim), (rows, why) in position_limits(gm, placeholders).items():  # a table export does not bound
+        low, high = infos[i].ranges.get(dim, (2, None))
+        if high is None or rows < high:
+            infos[i].ranges[dim], infos[i].limits[dim] = (low, rows), why
     return infos
 
 
@@ -266,6 +284,7 @@ def capture(
     unbatched: Collection[str] = (),
     dynamic: bool = True,
     copy_state: bool = True,
+    dims: DimSpec | None = None,
 ) -> Captured:
     """Export ``model`` on the example inputs; the batch dimension is made dynamic where possible
     (``dynamic=False``: captured at the example's shapes, a faster export whose graph takes only
@@ -273,6 +292,9 @@ def capture(
 
     ``copy_state=False`` leaves the model's own tensors in the graph instead of the program's
     copies (a capture only read for its structure).
+
+    ``dims`` (:func:`pipesplit.dims.parse_dynamic_dims`) makes more dimensions dynamic with the
+    batch: a declared one the model fixes or bounds below its declared sizes raises CaptureError.
 
     ``unbatched`` names forward() arguments that have no batch dimension (a lookup table):
     they stay static and every microbatch gets them whole. A model whose ``forward`` takes
@@ -289,26 +311,35 @@ def capture(
         raise CaptureError(f"compile() takes an nn.Module, got {type(model).__name__}.")
     args = as_args(args)
     notes: list[str] = []
-    given = dict(kwargs or {})
+    given = keyword_inputs(kwargs)
+    check_example(model, args, given, batch_dim, unbatched)
     kwargs = no_cache_kwargs(model, given, notes)
     try:
         owners = _argument_of_each_leaf(model, args, kwargs)
-        dyn = _dynamic_shapes(model, args, kwargs, batch_dim, unbatched)
+        dyn = _dynamic_shapes(model, args, kwargs, batch_dim, unbatched, dims)
     except TypeError as e:
         raise CaptureError(
             f"the example inputs do not fit {type(model).__name__}.forward{inspect.signature(model.forward)}: {e}. "
             "Pass positional inputs as a tuple and keyword inputs as example_kwargs."
         ) from None
-    unknown = sorted(set(unbatched) - set(owners))
-    if unknown:  # before the (slow) export
-        raise CaptureError(
-            f"unbatched names {unknown}, which the example call does not pass; the arguments passed are "
-            f"{sorted(set(owners))}."
-        )
+    for what, named in (("unbatched", set(unbatched)), ("dynamic_dims", set(dims or {}) - {EVERY_DIM})):
+        unknown = sorted(named - set(owners))
+        if unknown:  # before the (slow) export
+            raise CaptureError(
+                f"{what} names {unknown}, which the example call does not pass; the arguments passed are "
+                f"{sorted(set(owners))}."
+            )
     _check_meta_export(model, args, kwargs)
-    with nested_cache_off(model, kwargs, notes):
-        ep, export_seconds = export_quietly(model, args, kwargs, dyn if dynamic else None)
+    args, kwargs, copied = distinct_inputs(args, kwargs)  # export would fold inputs that share memory into one
+    if copied:
+        log.debug("pipesplit: example inputs %s share memory with an earlier one: captured from copies", copied)
+    try:
+        with nested_cache_off(model, kwargs, notes):
+            ep, export_seconds = export_quietly(model, args, kwargs, dyn if dynamic else None)
+    except CaptureError as e:
+        raise blamed_on_input(e, model, args, kwargs) from e.__cause__
     gm, in_spec, out_spec = unlift(ep)  # flat in, flat out; the specs are kept here
+    check_input_dtypes(gm, type(model).__name__)
 
     entries, by_id = _state_entries(model)
     target_to_entry: dict[str, int] = {}
@@ -333,6 +364,13 @@ def capture(
 
     flat, _ = pytree.tree_flatten((args, kwargs))
     infos = _input_infos(gm, flat, ep, [o in unbatched for o in owners], batch_dim, dynamic)
+    if dims:
+        check_declared(dims, infos, owners, flat)
+        for info, owner in zip(infos, owners):
+            for d, declared in (dims.get(owner) or {}).items():
+                if declared is not None and declared[1] is not None and d not in info.limits:
+                    info.limits[d] = (f"compile(..., dynamic_dims=...) declared sizes {declared[0]}..{declared[1]} "
+                                      "(declare a larger range for more)")
     captured = Captured(
         gm=gm,
         in_spec=in_spec,
@@ -351,6 +389,7 @@ def capture(
         defaults={k: v for k, v in kwargs.items() if k not in given},
         batch_dim=batch_dim,
         dynamic=dynamic,
+        every_dim=dynamic and bool(dims) and EVERY_DIM in (dims or {}),
     )
     if captured.training_branches:
         notes.append(f"{', '.join(captured.training_branches[:3])} branch on self.training in Python: the graph "

@@ -8,8 +8,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -23,9 +25,9 @@ from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 __all__ = [
     "TORCH_FLOOR", "TORCH_VERSION", "HigherOrderOperator", "LazyGraphModule", "OpOverload", "OpOverloadPacket",
-    "EXPORTS_META_MODELS", "GROUP_NORM_WEIGHT_GRAD_ALONE_CRASHES", "STATE_MUTATIONS", "TORCH_LOGGERS", "FAKE_TENSOR_LOGGER", "fake_mode",
+    "EXPORTS_META_MODELS", "GROUP_NORM_WEIGHT_GRAD_ALONE_CRASHES", "data_dependent", "forward_hooks", "set_forward_hooks", "STATE_MUTATIONS", "TORCH_LOGGERS", "FAKE_TENSOR_LOGGER", "fake_mode",
     "has_compatible_shallow_copy_type",
-    "is_concrete_int", "make_fx", "optimization_hint", "pytree", "torch_csv_send_waits",
+    "is_concrete_int", "make_fx", "one_process_checkpoint", "optimization_hint", "pytree", "torch_csv_send_waits",
 ]
 
 TORCH_FLOOR = (2, 10)
@@ -60,10 +62,49 @@ def optimization_hint(x: torch.SymInt | int) -> int:
     ``symbolic_shapes.optimization_hint`` (absent in 2.10, and in 2.11 as issue 23 found; there
     in 2.13, 2.14.1, 2.15) or, before it, the shape environment's ``size_hint`` (there in all).
 
+    A size computed from values (``torch.nonzero``'s rows), which has no example value, takes
+    its largest possible value where export bounds it (every row of a fixed-size batch), so
+    costs price the op as if every row were kept; torch's fallback otherwise.
+
     >>> optimization_hint(7)
     7
     """
+    if isinstance(x, torch.SymInt) and data_dependent(x):
+        upper = x.node.shape_env.bound_sympy(x.node.expr).upper
+        if upper.is_finite and int(upper) < 2**31:
+            return int(upper)
     return int(_optimization_hint(x))
+
+
+def data_dependent(x: Any) -> bool:
+    """Whether a tensor's sizes (or a SymInt) hold a symbol torch.export made for a value computed while
+    running, not for an input's size (``torch.nonzero``'s row count): ``free_unbacked_symbols``, in every
+    release tested.
+
+    >>> data_dependent(torch.ones(2))
+    False
+    """
+    return bool(symbolic_shapes.free_unbacked_symbols(x))
+
+
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs",
+               "_forward_hooks_always_called")
+
+
+def forward_hooks(module: torch.nn.Module) -> tuple[Any, ...]:
+    """The forward hooks and pre-hooks on ``module`` (handle id, hook) and their flags, comparable with ``==``:
+    ``nn.Module``'s private dicts, the same in every release tested."""
+    return tuple(tuple(getattr(module, name, {}).items()) for name in _HOOK_DICTS)
+
+
+def set_forward_hooks(module: torch.nn.Module, hooks: tuple[Any, ...]) -> None:
+    """Make ``module``'s forward hooks and pre-hooks those :func:`forward_hooks` returned, in the same dicts
+    (a hook's handle holds its dict, so ``handle.remove()`` keeps working)."""
+    for name, items in zip(_HOOK_DICTS, hooks):
+        held = getattr(module, name, None)
+        if held is not None:
+            held.clear()
+            held.update(items)
 
 
 # OutputKind.PARAMETER_MUTATION: present in 2.10 (not in 2.6); the getattr keeps an older
@@ -75,7 +116,7 @@ STATE_MUTATIONS: tuple[OutputKind, ...] = tuple(
 
 EXPORTS_META_MODELS = TORCH_VERSION >= (2, 13)
 # GroupNorm's CPU backward over a channels_last input crashes the process when only the weight's gradient
-# is asked for (seen on 2.10 and 2.13; 2.15 is fine): see pipesplit.runtime.weight_grads._ALSO_INPUT
+# is asked for (seen on 2.10 and 2.13; 2.15 is fine): see pipesplit.runtime.engine.weight_grads._ALSO_INPUT
 GROUP_NORM_WEIGHT_GRAD_ALONE_CRASHES = TORCH_VERSION < (2, 15)
 """Whether torch.export captures a model built on the meta device from real (CPU) example inputs:
 2.10 and 2.12 fail in fake-tensor device propagation (``found two different devices meta, cpu``),
@@ -111,3 +152,14 @@ def torch_csv_send_waits() -> bool:
     from torch.distributed.pipelining import schedules
 
     return hasattr(schedules._ComputationType, "WAIT_SEND_F")
+
+
+@contextlib.contextmanager
+def one_process_checkpoint(alone: bool) -> Iterator[None]:
+    """``torch.distributed.checkpoint`` in one process (``alone``) without its UserWarning "torch.distributed
+    is disabled, unavailable or uninitialized, assuming the intent is to save in a single process": torch
+    2.10-2.15 give it even with ``no_dist=True``, where one process is what pipesplit asked for."""
+    with warnings.catch_warnings():
+        if alone:
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield

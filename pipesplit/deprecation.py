@@ -17,8 +17,14 @@ are still accepted until 0.3.
 from __future__ import annotations
 
 import functools
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import sys
 import warnings
-from typing import Any, Callable, TypeVar, cast
+from types import ModuleType
+from typing import Any, Callable, Sequence, TypeVar, cast
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -67,3 +73,44 @@ def renamed_attribute(old: str, new: str) -> Any:
         return getattr(self, new)
 
     return property(get, doc=f"Deprecated name of :attr:`{new}`.")
+
+
+class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Imports each old module path as the module now at its new path (see :func:`moved_modules`)."""
+
+    def __init__(self, moves: dict[str, str]):
+        self.moves = dict(moves)
+        self.specs: dict[str, Any] = {}
+
+    def find_spec(self, fullname: str, path: Sequence[str] | None,
+                  target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
+        return importlib.util.spec_from_loader(fullname, self) if fullname in self.moves else None
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
+        new = self.moves[spec.name]
+        warnings.warn(f"{spec.name} moved to {new}; import it from there (the old path works until 0.3).",
+                      DeprecationWarning, stacklevel=2)  # the import machinery's frames are skipped
+        module = importlib.import_module(new)
+        self.specs[spec.name] = module.__spec__
+        return module
+
+    def exec_module(self, module: ModuleType) -> None:
+        # the import system set the alias's spec on the module: give it back its own
+        module.__spec__ = self.specs.pop(cast(Any, module.__spec__).name)
+
+
+def moved_modules(moves: dict[str, str]) -> None:
+    """Keep each old module path (a key of ``moves``) importable as the module now at its new path
+    (its value), with a DeprecationWarning naming the new path, once per process. The old path
+    gives the very module object, so a name read, patched or pickled through either is the same;
+    nothing is left at the old path on disk.
+
+    >>> import sys, warnings
+    >>> moved_modules({"pipesplit.old_units_doctest": "pipesplit.units"})
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...     warnings.simplefilter("always")
+    ...     import pipesplit.old_units_doctest as old
+    >>> old is sys.modules["pipesplit.units"], old.__name__, str(caught[0].message)[:53]
+    (True, 'pipesplit.units', 'pipesplit.old_units_doctest moved to pipesplit.units;')
+    """
+    sys.meta_path.append(_MovedModules(moves))

@@ -93,8 +93,10 @@ def build_dot(
                 else:
                     ops = Counter(op_name(n.target) for n in nodes)
                     common = ", ".join(f"{o}×{c}" if c > 1 else o for o, c in ops.most_common(3))
-                    flops = sum(node_cost(n).total_flops for n in nodes if "pipesplit_cost" in n.meta)
-                    label = f"{key}\\n{len(nodes)} ops: {common}\\n{human_count(flops)} FLOPs"
+                    priced = [node_cost(n) for n in nodes if "pipesplit_cost" in n.meta]
+                    fwd, bwd = sum(c.fwd_flops for c in priced), sum(c.bwd_flops for c in priced)
+                    # the report's columns: forward FLOPs and backward FLOPs, each named
+                    label = f"{key}\\n{len(nodes)} ops: {common}\\nfwd {human_count(fwd)}, bwd {human_count(bwd)} FLOPs"
                 sub.node(gid, label, fillcolor="white")
                 for n in nodes:
                     where[(s, n.name)] = gid
@@ -134,6 +136,7 @@ def build_dot(
         elif head and tail:
             dot.edge(tail, head, label=_edge_label(bound), color="#d62728", fontcolor="#d62728", penwidth="2")
     dot.node("outputs", "outputs", shape="oval", fillcolor="#eeeeee")
+    dot.attr(label=_legend(prog, stage_times is not None), labelloc="b", fontsize="9")
     last = prog.stages[-1]
     for name in last.outputs:
         made = where.get((last.index, name))
@@ -142,6 +145,15 @@ def build_dot(
         if made:
             dot.edge(made, "outputs", style="dashed")
     return dot
+
+
+def _legend(prog: "SplitProgram", measured: bool) -> str:
+    """The picture's key, in the report's words (see :func:`pipesplit.report.boundary_summary`)."""
+    from pipesplit.report import boundary_summary
+
+    stage = "its measured time (forward + backward)" if measured else "the report's cost column"
+    return (boundary_summary(prog) + ": solid red arrows carry tensors, dashed grey ones sizes or scalars.\\n"
+            f"A stage's label gives {stage}; a box, the forward and the backward FLOPs of its ops.")
 
 
 def program_dot(

@@ -65,3 +65,14 @@ def did_you_mean(name: object, known: Iterable[str], *, n: int = 3, sentence: bo
     if not close:
         return ""
     return f"{' Did' if sentence else '; did'} you mean {', '.join(map(repr, close))}?"
+
+
+def nearest_names(name: object, known: Iterable[str], what: str = "modules") -> str:
+    """:func:`did_you_mean`, or where nothing is close, a few of ``known`` (the shallowest first) to
+    end a clause: ``"; the model's modules include '0', '1', '2'"``."""
+    known = list(known)
+    close = did_you_mean(name, known)
+    if close or not known:
+        return close
+    shown = sorted(known, key=lambda p: (p.count("."), p))[:6]
+    return f"; the model's {what} include {', '.join(map(repr, shown))}{f' and {len(known) - 6} more' if len(known) > 6 else ''}."

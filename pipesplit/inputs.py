@@ -26,8 +26,39 @@ def describe_structure(tree: tuple[Any, Any]) -> str:
     return f"args={args!r}, kwargs={kwargs!r}"
 
 
-def check_input(value: Any, info: InputInfo, free_dim: int | None = None) -> None:
-    """``value`` fits the captured input ``info``; a batched input's ``free_dim`` may take any size."""
+def ordered_like(tree: Any, template: Any) -> Any:
+    """``tree`` with every dict that has the same keys as ``template``'s dict at that place in the
+    template's key order (a pytree's structure includes the order of a dict's keys; a call names its
+    keyword arguments in any order). Other values come back as they are.
+
+    >>> ordered_like(((1,), {"labels": 2, "mask": 3}), ((None,), {"mask": None, "labels": None}))
+    ((1,), {'mask': 3, 'labels': 2})
+    """
+    if type(tree) is dict and type(template) is dict:
+        if tree.keys() != template.keys():
+            return tree
+        return {k: ordered_like(tree[k], template[k]) for k in template}
+    if type(tree) in (tuple, list) and type(tree) is type(template) and len(tree) == len(template):
+        return type(tree)(ordered_like(a, b) for a, b in zip(tree, template))
+    return tree
+
+
+def check_kind(value: Any, info: InputInfo, batch_dim: int) -> None:
+    """``value`` is a tensor of ``info``'s rank and dtype where one was captured: what no batch size
+    can change, checked before a call with another batch re-captures the model."""
+    if not info.is_tensor or not isinstance(value, torch.Tensor) or info.shape is None:
+        return
+    if value.dim() != len(info.shape):
+        check_input(value, info, batch_dim)  # says which rank it takes
+    if value.dtype != info.dtype:
+        raise _dtype_error(value, info)
+
+
+def check_input(value: Any, info: InputInfo, free_dim: int | None = None, fixed: str | None = None,
+                batch_dim: int = 0) -> None:
+    """``value`` fits the captured input ``info``; a batched input's ``free_dim`` may take any size.
+    ``fixed``: why a static dimension (besides ``batch_dim``) stays static in a capture that made every
+    dimension dynamic it could."""
     if not info.is_tensor:
         if isinstance(value, torch.Tensor):
             raise InputError(f"input {info.name!r} was compiled as a constant {info.example!r}, got a tensor.")
@@ -40,7 +71,9 @@ def check_input(value: Any, info: InputInfo, free_dim: int | None = None) -> Non
     if not isinstance(value, torch.Tensor):
         raise InputError(f"input {info.name!r} must be a tensor, got {type(value).__name__}.")
     assert info.shape is not None
-    expected = "(" + ", ".join("*" if d is None else str(d) for d in info.shape) + ")"
+    free = free_dim if info.batched else None  # a dimension any size fits
+    expected = ("(" + ", ".join("*" if d is None or i == free else str(d) for i, d in enumerate(info.shape))
+                + ("," if len(info.shape) == 1 else "") + ")")
     if value.dim() != len(info.shape):
         raise InputError(
             f"input {info.name!r} has shape {tuple(value.shape)} ({value.dim()} dimensions); "
@@ -48,7 +81,10 @@ def check_input(value: Any, info: InputInfo, free_dim: int | None = None) -> Non
         )
     for dim, (got, want) in enumerate(zip(value.shape, info.shape)):
         if want is not None and got != want and not (dim == free_dim and info.batched):
-            if free_dim is not None and dim != free_dim:
+            if fixed is not None and info.batched and dim != batch_dim:
+                hint = (f" The model fixes this dimension: captured with every dimension dynamic, torch.export "
+                        f"kept it at {want} ({fixed}).")
+            elif free_dim is not None and dim != free_dim:
                 hint = (
                     " The model fixes this dimension at compile time. If it holds the batch (an RNN's (layers, batch, "
                     "hidden) state, a (batch, seq) mask beside seq-first inputs): microbatches cut every input along "
@@ -74,7 +110,15 @@ def check_input(value: Any, info: InputInfo, free_dim: int | None = None) -> Non
     for dim in info.ranges:
         check_range(info, dim, int(value.shape[dim]))
     if value.dtype != info.dtype:
-        raise InputError(f"input {info.name!r} has dtype {value.dtype}; the program was compiled for {info.dtype}.")
+        raise _dtype_error(value, info)
+
+
+def _dtype_error(value: torch.Tensor, info: InputInfo) -> InputError:
+    return InputError(
+        f"input {info.name!r} has dtype {value.dtype}; the program was compiled for {info.dtype}, and its graph "
+        f"holds for that dtype only. Cast the input ({info.name}.to({info.dtype})), or compile again with an "
+        f"example of dtype {value.dtype} (and the model converted to it where its layers need that)."
+    )
 
 
 def check_range(info: InputInfo, dim: int, size: int, what: str = "") -> None:
@@ -87,6 +131,11 @@ def check_range(info: InputInfo, dim: int, size: int, what: str = "") -> None:
     """
     low, high = info.ranges[dim]
     low = min(low, 1) if low <= 2 else low
+    if high is not None and size > high and dim in info.limits:  # a table caps it: no other capture helps
+        raise InputError(
+            f"input {info.name!r} has size {size} in dimension {dim}{what}, but the program takes at most {high} there: "
+            f"{info.limits[dim]}. Pass at most {high} (cut or split the input)."
+        )
     if size < low or (high is not None and size > high):
         span = f"{low}..{high}" if high is not None else f">= {low}"
         raise InputError(

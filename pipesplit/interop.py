@@ -10,7 +10,7 @@ Sizes that cross a cut are recomputed from the microbatch size instead of sent.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal, Sequence
 
 import torch
 from torch import nn
@@ -66,6 +66,15 @@ class ChainStage(nn.Module):
             _input_batch_axis(prog, w) if kind == "input" else _batch_axis(prog, bounds[(n, w)])
             for n, kind, w in live_in
         ]
+        # per value, (dimension, symbol) of each dynamic size it carries (a sequence length): what sizes it tells
+        symbols: dict[int, list[tuple[int, Any]]] = {}
+        for where, d, sym in prog.size_symbols:
+            symbols.setdefault(where, []).append((d, sym))
+        self.size_axes = [
+            symbols.get(w, []) if kind == "input" else [] if bounds[(n, w)].kind != "tensor" else
+            [(i, e) for i, e in enumerate(bounds[(n, w)].sizes or ()) if not isinstance(e, int) and e.is_Symbol]
+            for n, kind, w in live_in
+        ]
         self.int_inputs = {
             (n, w): bounds[(n, w)]
             for n, kind, w in prog.stages[index].inputs
@@ -79,7 +88,8 @@ class ChainStage(nn.Module):
             if (name, where) in self.int_inputs:
                 if batch is None:
                     raise PipesplitError(f"stage {self.index} cannot recompute size {name!r}: no batched input.")
-                args.append(self.prog.resolve_value(self.int_inputs[(name, where)], batch))
+                sizes = {sym: int(v.shape[d]) for v, axes in zip(values, self.size_axes) for d, sym in axes}
+                args.append(self.prog.resolve_value(self.int_inputs[(name, where)], batch, sizes))
             elif kind == "input" and not self.prog.inputs[where].is_tensor:
                 args.append(self.prog.inputs[where].example)
             else:
@@ -130,14 +140,72 @@ def chain_modules(prog: SplitProgram) -> list[ChainStage]:
     return modules
 
 
-def to_pipeline_stage(prog: SplitProgram, stage_index: int, device: Any = None, group: Any = None) -> Any:
+def tied_across_stages(prog: SplitProgram) -> dict[int, list[int]]:
+    """Trainable state entries that several stages read (a head tied to the embedding): entry -> its stages."""
+    out: dict[int, list[int]] = {}
+    for s, entries in enumerate(prog.stage_entries):
+        for idx, t in entries.items():
+            if prog.state_entry(idx).is_param and t.requires_grad:
+                out.setdefault(idx, []).append(s)
+    return {idx: stages for idx, stages in sorted(out.items()) if len(stages) > 1}
+
+
+def to_pipeline_stage(prog: SplitProgram, stage_index: int, device: Any = None, group: Any = None, *,
+                      tied_grads: Literal["refuse", "sum"] = "refuse") -> Any:
     """A ``torch.distributed.pipelining.PipelineStage`` running stage ``stage_index``.
 
     Feed PyTorch's schedule the program's flat tensor inputs (``prog.flat_tensor_inputs(...)``)
     on stage 0; the last stage's output is the program's flat tensor outputs.
+
+    A weight that several stages read (a head tied to the token embedding) gets a share of its
+    gradient on each, and torch's schedules never add them up: such a program is refused unless
+    ``tied_grads="sum"``, which promises a call of :func:`sum_tied_grads` on every rank after each
+    schedule step, before the optimizer's.
     """
     from torch.distributed.pipelining import PipelineStage
 
+    if tied_grads not in ("refuse", "sum"):
+        raise PipesplitError(f"to_pipeline_stage(tied_grads={tied_grads!r}): pass 'refuse' (the default) or 'sum'.")
+    tied = tied_across_stages(prog)
+    if tied and tied_grads != "sum":
+        names = "; ".join(f"{'/'.join(prog.state_entry(i).aliases) or prog.state_entry(i).name} (stages "
+                          f"{', '.join(map(str, s))})" for i, s in tied.items())
+        raise PipesplitError(
+            f"the program ties weights across stages: {names}. Under torch's schedules each stage gets its own share of "
+            "such a weight's gradient and nothing adds them up, so the weight would train on part of its gradient. Pass "
+            "to_pipeline_stage(..., tied_grads='sum') and call pipesplit.interop.sum_tied_grads(prog, [stage]) on every "
+            "rank after each schedule step, before optimizer.step(); or run the program with pipesplit.Pipeline, which "
+            "sums them itself."
+        )
     module = chain_modules(prog)[stage_index]
     dev = concrete_device(device) if device is not None else prog.stages[stage_index].device
     return PipelineStage(module, stage_index, prog.num_stages, dev, group=group)
+
+
+def sum_tied_grads(prog: SplitProgram, stages: Sequence[Any], group: Any = None) -> None:
+    """Give each weight that several stages read its whole gradient: the sum of every stage's share, on the
+    first of this rank's ``stages`` (``PipelineStage`` objects or stage indices) that reads it.
+
+    Call it on every rank of ``group`` (the pipeline's ranks; default: every rank) once per
+    optimizer step, after the schedule steps whose gradients it takes (with ``zero_grad`` between
+    optimizer steps, as usual) and before ``optimizer.step()``: each rank then applies the same
+    update to its own copy. Without ``torch.distributed`` initialised, ``stages`` are every stage
+    that ran, in this process.
+    """
+    import torch.distributed as dist
+
+    local = sorted({int(getattr(s, "stage_index", s)) for s in stages})
+    distributed = dist.is_available() and dist.is_initialized()
+    for idx, readers in tied_across_stages(prog).items():
+        holders = list({id(t): t for t in (e[idx] for e in prog.stage_entries if idx in e)}.values())
+        first = next((prog.stage_entries[s][idx] for s in local if s in readers), None)
+        device = first.device if first is not None else getattr(stages[0], "device", holders[0].device)
+        total = torch.zeros(holders[0].shape, dtype=holders[0].dtype, device=device)
+        for t in holders:  # this process's shares: on its own stages, or moved to another holder by its hook
+            if t.grad is not None:
+                total += t.grad.to(device).to_dense()
+                t.grad = None
+        if distributed:
+            dist.all_reduce(total, group=group)
+        if first is not None:
+            first.grad = total

@@ -88,4 +88,4 @@ def _note(notes: list[str], what: str, asking: list[tuple[str, Any]]) -> None:
     paths = ", ".join(f"{p}.use_cache" for p, _ in asking)
     notes.append(f"{what}: {paths} asks for a KV cache, an object that cannot cross a pipeline stage; "
                  "pass use_cache= in example_kwargs to choose yourself")
-    log.info("pipesplit: %s", notes[-1])
+    log.debug("pipesplit: %s", notes[-1])  # the report prints prog.notes: logging it too said it twice

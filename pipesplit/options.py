@@ -15,7 +15,9 @@ import numbers
 from dataclasses import dataclass
 from typing import Any, Iterable, Literal, Mapping
 
+from pipesplit.checks import name_list, number
 from pipesplit.errors import PipesplitError, PlanError
+from pipesplit.passes.plan.checkpointing import Checkpoint, check_checkpoint
 from pipesplit.passes.plan.objective import CommModel, MemoryModel
 from pipesplit.passes.plan.planner import ORDER_CHOICES, RECOMPUTE_CHOICES, CostSpec, check_choice, cost_function
 from pipesplit.schedules import Schedule, schedule_info
@@ -80,24 +82,56 @@ class PlannerOptions:
     """``"auto"`` also tries the as-late-as-possible order of the nodes; ``"program"`` does not."""
     refine: int = 0
     """Rounds of re-planning from measured stage times (``cost="profile"`` or ``"hybrid"``)."""
+    checkpoint: Checkpoint = None
+    """Activation checkpointing: ``"auto"`` (chosen per stage with the cuts, to fit ``max_stage_memory``
+    at the lowest simulated step), True (every stage), False, or stage indices; None: as ``memory``."""
 
     def __post_init__(self) -> None:
         check_num_stages(self.num_stages)
-        object.__setattr__(self, "no_split", tuple(self.no_split))  # a list is kept as a tuple
+        # a bare string is one module path, not its characters; a list is kept as a tuple
+        object.__setattr__(self, "no_split", name_list("no_split", self.no_split, error=PlanError))
         if self.pins is not None:
-            object.__setattr__(self, "pins", dict(self.pins))  # the caller's dict may change later
-        if not isinstance(self.slack, (int, float)) or isinstance(self.slack, bool) or self.slack < 0:
+            object.__setattr__(self, "pins", _pins(self.pins))  # the caller's dict may change later
+        if (not isinstance(self.slack, (int, float)) or isinstance(self.slack, bool) or not self.slack >= 0
+                or self.slack == float("inf")):  # nan fails >= 0
             raise PlanError(f"slack must be a fraction >= 0 of the optimal bottleneck, got {self.slack!r}.")
+        number("max_stage_memory", self.max_stage_memory, above=True, integer=True, none=True, error=PlanError,
+               example="16 * 2**30 (bytes)")
+        number("num_microbatches", self.num_microbatches, minimum=1, integer=True, none=True, error=PlanError,
+               example="8")
+        number("num_ranks", self.num_ranks, minimum=1, integer=True, none=True, error=PlanError, example="2")
+        number("refine", self.refine, integer=True, error=PlanError, example="2 (rounds)")
+        for name, value, kind in (("comm", self.comm, CommModel), ("memory", self.memory, MemoryModel)):
+            if value is not None and not isinstance(value, kind):
+                raise PlanError(f"{name}= takes a pipesplit.{kind.__name__} or None, got {value!r}; "
+                                f"e.g. {name}=pipesplit.{kind.__name__}("
+                                + ("bandwidth=25e9)." if kind is CommModel else "checkpoint=True)."))
         if self.refine < 0 or (self.refine and not (isinstance(self.cost, str) and self.cost in ("profile", "hybrid"))):
             raise PlanError(
                 f"refine={self.refine!r}: refining corrects profiled times with measured ones, so it needs a number "
                 f"of rounds >= 0 and cost='profile' or 'hybrid' (got cost={self.cost!r})."
             )
+        check_checkpoint(self.checkpoint)
+        if isinstance(self.checkpoint, list):
+            object.__setattr__(self, "checkpoint", tuple(self.checkpoint))  # frozen: the caller's list may change
         check_choice("recompute", self.recompute, RECOMPUTE_CHOICES)
         check_choice("order", self.order, ORDER_CHOICES)
         cost_function(self.cost)  # an unknown cost name fails here, not after the capture
-        if isinstance(self.schedule, str):
+        if self.schedule is not None and not isinstance(self.schedule, Schedule):
             schedule_info(self.schedule)  # so does an unknown schedule
+
+
+def _pins(pins: Any) -> dict[str, int]:
+    """``pins`` as a dict of module path -> stage index, refused by entry otherwise."""
+    if not isinstance(pins, Mapping):
+        raise PlanError(f"pins takes a dict of module path -> stage, got {pins!r} ({type(pins).__name__}); "
+                        "e.g. pins={'layers.0': 0}.")
+    for path, stage in pins.items():
+        if not isinstance(path, str) or not path:
+            raise PlanError(f"pins: {path!r} is not a module path; write one as in model.named_modules(), "
+                            "e.g. pins={'layers.0': 0}.")
+        number(f"pins[{path!r}]", stage, integer=True, error=PlanError, example=f"pins={{{path!r}: 0}} (a stage index)")
+    return dict(pins)
 
 
 PlannerOptions.__init__ = num_keywords(PlannerOptions.__init__)  # type: ignore[method-assign]  # n_* until 0.3

@@ -7,6 +7,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from pipesplit.checks import file_target, path_arg
 from pipesplit.errors import PlanError
 from pipesplit.units import format_cost
 from pipesplit.deprecation import NUM_RENAMES, num_keywords, renamed_attribute
@@ -37,12 +38,17 @@ class Plan:
     num_microbatches: int | None = None
     predicted_step_s: float | None = None  # simulated step time of this plan under the schedule
     ideal_step_s: float | None = None  # a lower bound on the step time of any split
-    checkpoint: bool = False  # planned for activation checkpointing: Pipeline checkpoints every stage by default
+    # the stages that recompute their forward in the backward (activation checkpointing), chosen by
+    # compile(checkpoint=...): Pipeline checkpoints exactly these by default. A plan saved before
+    # per-stage checkpointing says true (every stage) or false (none)
+    checkpoint: list[int] = field(default_factory=list)
+    max_stage_memory: int | None = None  # the cap the plan was made (or priced) under, bytes per stage
     order: str = "program"  # the node order the chain was solved in: "program" or "late" (passes/plan/orders.py)
     measured_s: float | None = None  # compile(refine=...): measured bottleneck (or step with a schedule), seconds
     # the capture whose node names ``stages`` lists: "static" (at the example's batch, compile's default) or
-    # "dynamic" (a dynamic batch: dynamic_batch=True, or a program generalised); a saved plan without
-    # the field predates static capture, so it loads as "dynamic"
+    # "dynamic" (a dynamic batch: dynamic_batch=True) or "every_dim" (every dimension dynamic: a program
+    # generalised, or dynamic_dims=True); a saved plan without the field predates static capture, so it
+    # loads as "dynamic"
     capture: str = "static"
 
     n_microbatches = renamed_attribute("n_microbatches", "num_microbatches")
@@ -50,6 +56,12 @@ class Plan:
     @property
     def num_stages(self) -> int:
         return len(self.stages)
+
+    @property
+    def stage_memory_bytes(self) -> list[int]:
+        """The predicted peak bytes of each stage (with a schedule: parameters, gradients, optimizer
+        state and the activations or, checkpointed, the inputs of every microbatch in flight)."""
+        return list(self.stage_memory)
 
     @property
     def bottleneck_stage(self) -> int:
@@ -77,6 +89,8 @@ class Plan:
         if self.schedule is not None:
             step = "" if self.predicted_step_s is None else f", step {self.predicted_step_s * 1e3:.3g} ms"
             parts.append(f"schedule {self.schedule!r} x{self.num_microbatches}{step}")
+        if self.checkpoint:
+            parts.append(f"checkpoint {self.checkpoint}")
         parts.append(f"order {self.order!r}")
         parts.append(f"source {self.source!r}")
         return f"Plan({', '.join(parts)})"
@@ -108,30 +122,86 @@ class Plan:
         if unknown:
             raise PlanError(f"unknown plan fields {unknown}; known fields are {sorted(known)}.")
         data.setdefault("capture", "dynamic")
-        if data["capture"] not in ("static", "dynamic"):
-            raise PlanError(f"plan capture must be 'static' or 'dynamic', got {data['capture']!r}.")
+        if isinstance(data.get("checkpoint"), bool):  # saved before per-stage checkpointing: all or none
+            data["checkpoint"] = list(range(len(data["stages"]))) if data["checkpoint"] else []
+        if data["capture"] not in ("static", "dynamic", "every_dim"):
+            raise PlanError(f"plan capture must be 'static', 'dynamic' or 'every_dim', got {data['capture']!r}.")
+        check_fields(data)
         plan = cls(**data)
         plan.source = "loaded"
         return plan
 
     def save(self, path: str | os.PathLike[str]) -> None:
+        path = path_arg("Plan.save(path)", path, error=PlanError, takes="the path of the JSON file to write")
+        file_target("Plan.save(path)", path)
         with open(path, "w") as f:
             f.write(self.to_json())
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> "Plan":
+        path = path_arg("plan=", path, error=PlanError, takes="a pipesplit.Plan or the path of a saved one")
         try:
             with open(path) as f:
                 text = f.read()
         except FileNotFoundError:
-            raise PlanError(f"plan file {os.fspath(path)!r} does not exist ({os.path.abspath(path)}); save one with "
+            raise PlanError(f"plan file {path!r} does not exist ({os.path.abspath(path)}); save one with "
                             "prog.plan.save(path), or `pipesplit split ... --plan-out F`.") from None
+        except IsADirectoryError:
+            raise PlanError(f"plan file {path!r} is a folder; pass the JSON file that prog.plan.save(path) or "
+                            "`pipesplit split ... --plan-out F` wrote.") from None
         except (OSError, UnicodeDecodeError) as e:
-            raise PlanError(f"cannot read plan file {os.fspath(path)!r}: {e}") from None
+            raise PlanError(f"cannot read plan file {path!r}: {e}. A plan is the JSON text prog.plan.save(path) "
+                            "writes; save it again.") from None
         try:
             return cls.from_json(text)
         except PlanError as e:
-            raise PlanError(f"plan file {os.fspath(path)!r}: {e}") from None
+            raise PlanError(f"plan file {path!r}: {e}"
+                            + (" The file is empty or cut short, or not a plan: save it again with prog.plan.save(path)."
+                               if "not valid JSON" in str(e) else "")) from None
+
+
+# a saved plan's fields by the type of their value: a hand-edited file is checked field by field
+_NUMBERS = ("bottleneck", "lower_bound", "predicted_step_s", "ideal_step_s", "measured_s")
+_NUMBER_LISTS = ("stage_costs", "stage_memory", "sent_bytes")
+
+
+def check_fields(data: dict[str, Any]) -> None:
+    """Each field of a plan read from JSON has its type; refused by name and value otherwise."""
+    def bad(name: str, value: Any, want: str) -> PlanError:
+        return PlanError(f"field {name!r} must be {want}, got {value!r}.")
+
+    stages = data["stages"]
+    for s, names in enumerate(stages):
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise bad(f"stages[{s}]", names, "a list of node names (strings), as prog.plan.save() writes them")
+    ckpt = data.get("checkpoint", [])
+    if not isinstance(ckpt, list) or not all(
+            isinstance(i, int) and not isinstance(i, bool) and 0 <= i < len(stages) for i in ckpt):
+        raise bad("checkpoint", ckpt, f"a list of stage indices in 0..{len(stages) - 1} (true or false in plans saved "
+                                      "before per-stage checkpointing)")
+    cap = data.get("max_stage_memory")
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap <= 0):
+        raise bad("max_stage_memory", cap, "a whole number of bytes > 0 or null")
+    for name in _NUMBERS:
+        value = data.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise bad(name, value, "a number or null")
+    for name in _NUMBER_LISTS:
+        value = data.get(name, [])
+        if not isinstance(value, list) or any(isinstance(v, bool) or not isinstance(v, (int, float)) for v in value):
+            raise bad(name, value, "a list of numbers")
+    for name in ("cost_name", "source", "order"):
+        if name in data and not isinstance(data[name], str):
+            raise bad(name, data[name], "a string")
+    if not isinstance(data.get("recompute", []), list) or not all(isinstance(v, str) for v in data.get("recompute", [])):
+        raise bad("recompute", data["recompute"], "a list of node names")
+    m = data.get("num_microbatches")
+    if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
+        raise bad("num_microbatches", m, "a whole number >= 1 or null")
+    if data.get("schedule") is not None and not isinstance(data["schedule"], str):
+        raise bad("schedule", data["schedule"], "a schedule name or null")
+    if not isinstance(data.get("unknown_ops", {}), dict):
+        raise bad("unknown_ops", data["unknown_ops"], "an object of op name -> count")
 
 
 Plan.__init__ = num_keywords(Plan.__init__)  # type: ignore[method-assign]  # Plan(n_microbatches=...) until 0.3

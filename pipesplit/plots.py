@@ -49,7 +49,7 @@ def timelines_figure(predicted: "Timeline", measured: "Timeline", label: str = "
 
     def in_ms(t: Timeline) -> Timeline:
         events = tuple(tuple(e._replace(start=e.start * 1e3, end=e.end * 1e3) for e in rank) for rank in t.events)
-        return Timeline(t.schedule, events)
+        return Timeline(t.schedule, events, unit="ms")
 
     def title(t: Timeline, what: str) -> str:
         return f"{what} step {t.step_time * 1e3:.3g} ms, bubble {100 * t.bubble_fraction:.0f}%"
@@ -59,8 +59,8 @@ def timelines_figure(predicted: "Timeline", measured: "Timeline", label: str = "
     fig = _figure(max(7.0, 0.12 * longest), 2 * (0.55 * n + 1.3) + 0.3)
     top, bottom = fig.subplots(2, 1, sharex=True)  # one time scale: a slow measurement must look slow
     prefix = label + ": " if label else ""
-    in_ms(predicted).draw(top, xlabel="ms", title=prefix + title(predicted, "predicted"))
-    in_ms(measured).draw(bottom, xlabel="ms", title=measured_title or prefix + title(measured, "measured"))
+    in_ms(predicted).draw(top, title=prefix + title(predicted, "predicted"))
+    in_ms(measured).draw(bottom, title=measured_title or prefix + title(measured, "measured"))
     top.set_xlim(0, max(predicted.step_time, measured.step_time) * 1e3 or 1.0)  # draw() fitted each to its own
     top.tick_params(labelbottom=True)
     ratio = f"{measured.step_time / predicted.step_time:.2f}x" if predicted.step_time > 0 else "n/a"
@@ -85,7 +85,7 @@ def plot_balance(rows: Sequence["BenchRow"], path: str | os.PathLike[str], max_p
             ax.bar([s + offset for s in stages], rel, width=0.4, color=colour, label=what)
         ax.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
         ax.set_xticks(list(stages), [str(s) for s in stages])
-        ax.set_title(f"{r.label}\nbalance {r.predicted_balance:.2f} pred, {r.balance:.2f} meas", fontsize=8)
+        ax.set_title(f"{r.label}\ntime balance {r.predicted_balance:.2f} pred, {r.balance:.2f} meas", fontsize=8)
         ax.set_xlabel("stage", fontsize=8)
         ax.set_ylabel("time / mean", fontsize=8)
         ax.tick_params(labelsize=7)

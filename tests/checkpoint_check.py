@@ -21,9 +21,9 @@ from tests.launch import end_rank  # noqa: E402
 from tests.training import ce  # noqa: E402
 
 
-def pipe_for(stages, schedule, executor="auto"):
+def pipe_for(stages, schedule, executor="auto", dtype=torch.float32):
     torch.manual_seed(0)
-    model = CASE_BY_NAME["gpt_tied"].build()
+    model = CASE_BY_NAME["gpt_tied"].build().to(dtype)
     prog = pipesplit.compile(model, torch.randint(0, 64, (2, 16)), num_stages=stages, progress=False)
     return model, pipesplit.Pipeline(prog, schedule, num_microbatches=2, loss_fn=ce, timeout=60, executor=executor,
                                      num_ranks=2)
@@ -61,6 +61,14 @@ def main() -> int:
     ref_params = dict(ref.named_parameters())
     for name, p in pipe.named_parameters():
         assert_close(p.grad, ref_params[name].grad, name=f"rank {rank}: clipped gradient of {name}")
+    assert got.dtype == want.dtype, (got.dtype, want.dtype)
+    model64, pipe64 = pipe_for(2, "1f1b", dtype=torch.float64)  # the norm in the gradients' dtype, as torch's
+    ref64 = copy.deepcopy(model64)
+    pipe64.step(x, target=y)
+    sum(ce(ref64(xm), ym) / 2 for xm, ym in zip(x.chunk(2), y.chunk(2))).backward()
+    got64, want64 = pipe64.clip_grad_norm_(0.05), torch.nn.utils.clip_grad_norm_(ref64.parameters(), 0.05)
+    assert got64.dtype == want64.dtype == torch.float64, (got64.dtype, want64.dtype)
+    assert_close(got64, want64, name="total norm in float64")
     print(f"rank {rank}: ok clip ({float(got):.4f})", flush=True)
     pipe.zero_grad()
 

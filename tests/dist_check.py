@@ -22,7 +22,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import pipesplit  # noqa: E402
-from pipesplit.runtime.exchange import RankComm  # noqa: E402
+from pipesplit.runtime.comm.exchange import RankComm  # noqa: E402
 from tests.close import assert_close  # noqa: E402
 from tests.zoo import CASE_BY_NAME  # noqa: E402
 from tests.launch import end_rank  # noqa: E402

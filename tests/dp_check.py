@@ -12,7 +12,8 @@
 - ``bn_refused``: a buffer written in place in a way pipesplit cannot combine across replicas is
   refused when the Pipeline is built.
 - ``gather``: ``pipe(x)`` and ``pipe.eval(x)`` return the whole global batch's output, as the
-  plain model does.
+  plain model does; outputs without a batch dimension (a sum, max, mean, a cross-entropy with
+  ignored labels) too.
 
 Each prints ``rank R: ok <check>`` when every assertion of that check held on that rank.
 """
@@ -221,6 +222,26 @@ def gather(mesh):
         assert_close(got_eval, ref.eval()(x), name="pipe.eval(x)")
     else:
         assert got is None and got_eval is None
+    # outputs without a batch dimension: joined by their graph's rule over every replica's microbatches
+    model = Pooled()
+    prog = pipesplit.compile(model, (x[:2].float(), x[:2, 0]), num_stages=2, dynamic_batch=True, progress=False)
+    pipe = pipesplit.Pipeline(prog, "gpipe", num_microbatches=M, mesh=mesh, timeout=60)
+    feats, labels = torch.randn(16, 16, generator=torch.Generator().manual_seed(3)), x[:, 0] % 5
+    labels[:6] = -1  # replica 0 keeps 2 of its 8 labels, replica 1 all 8: a plain average is off
+    got = pipe.eval(feats, labels)
+    if pipe.rank == pipe.schedule.stage_to_rank[-1]:
+        for name, a, b in zip(("h", "sum", "max", "mean", "cross_entropy"), got, model(feats, labels)):
+            assert_close(a, b, name=f"pipe.eval(x) on a mesh: {name}")
+
+
+class Pooled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 8), nn.Linear(8, 5)
+
+    def forward(self, x, y):
+        h = self.b(torch.tanh(self.a(x)))
+        return h, h.sum(), h.amax(), h.mean(), nn.functional.cross_entropy(h, y, ignore_index=-1)
 
 
 CHECKS = {"tied_init": tied_init, "frozen_tied": frozen_tied, "bn_stats": bn_stats, "bn_refused": bn_refused,

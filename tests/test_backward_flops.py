@@ -1,5 +1,5 @@
 """The cost model's FLOPs against the real backward's: each stage's explicit F, I and W graphs
-(``pipesplit/runtime/stage_parts.py``, the joint graph AOT-style split) counted by torch's
+(``pipesplit/runtime/graphs/stage_parts.py``, the joint graph AOT-style split) counted by torch's
 ``FlopCounterMode``, against the forward, input-gradient and weight-gradient FLOPs the cost pass
 annotated on the same stage's nodes.
 
@@ -30,7 +30,7 @@ import pipesplit
 from pipesplit.passes.annotate.attention import fused_work
 from pipesplit.passes.annotate.costs import node_cost
 from pipesplit.passes.annotate.flops import op_name
-from pipesplit.runtime.stage_parts import Parts, part_flops
+from pipesplit.runtime.graphs.stage_parts import Parts, part_flops
 from tests.training import dot_loss
 from tests.zoo import CASE_BY_NAME
 

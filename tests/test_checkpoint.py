@@ -509,3 +509,16 @@ def test_optimizer_groups_saved_otherwise_and_list_state_are_refused(tmp_path):
     opt.state[named[0][1]]["history"] = [torch.zeros(1)]
     with pytest.raises(pipesplit.InputError, match=r"history is a list"):
         pipe.save(str(tmp_path / "list"), opt)
+
+
+def test_a_one_process_save_and_load_give_no_torch_distributed_warning(tmp_path):
+    """torch.distributed.checkpoint warns "torch.distributed is disabled ... assuming the intent is to save in a
+    single process" even with no_dist=True: in one process that is what pipesplit asked for, so it is noise."""
+    import warnings
+
+    pipe = _gpt_pipe(CASE_BY_NAME["gpt_tied"].build(), 2)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        pipe.save(tmp_path / "ckpt")
+        pipe.load(tmp_path / "ckpt")
+    assert not [w for w in seen if "torch.distributed is disabled" in str(w.message)], [str(w.message) for w in seen]

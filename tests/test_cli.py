@@ -46,7 +46,7 @@ def test_demo_succeeds_and_prints_the_report(demo):
     assert [int(r.split()[0]) for r in rows] == [0, 1]
     assert sum(" * " in f" {r} " for r in rows) == 1, "one bottleneck mark"
     assert any(line.startswith("bottleneck: stage") and "lower bound" in line for line in lines)
-    diff = re.search(r"max \|split - original\| on a batch of 3: (\S+)", done.stdout)
+    diff = re.search(r"max \|split - original\| on a batch of 3[^:]*: (\S+)", done.stdout)
     assert diff and float(diff.group(1)) == 0.0
 
 
@@ -55,6 +55,8 @@ def test_demo_writes_dot_and_plan(demo):
     assert done.returncode == 0, done.stderr
     dot = (out / "split.dot").read_text()
     assert dot.startswith("digraph") and "cluster_0" in dot and "cluster_1" in dot
+    boundaries = next(line for line in done.stdout.splitlines() if line.startswith("boundaries:"))
+    assert boundaries in dot, "the picture shows the program the report describes (issue 36: 3 edges vs 6)"
     plan = pipesplit.Plan.load(out / "plan.json")
     assert plan.num_stages == 2 and all(plan.stages)
     assert plan.source == "loaded" and len(plan.stage_costs) == 2
@@ -127,6 +129,10 @@ def test_demo_trains_and_benchmarks(demo):
     trained = re.search(r"pipeline training \(1f1b, 4 microbatches of 2\): loss (\S+) -> (\S+) over 3 steps",
                         done.stdout)
     assert trained and float(trained.group(2)) < float(trained.group(1))
+    # issue 36: "766 ms/step" beside a table of 211 ms: the first step (warm-up) is apart, and each says what it is
+    assert re.search(r"over 3 steps; step 1 \(warm-up: first run of every stage\) [\d.]+ m?s, "
+                     r"steps 2-3 median [\d.]+ m?s, optimizer included", done.stdout), done.stdout
+    assert "each row times 2 steps after 1 untimed warm-up step, without the optimizer" in done.stdout
     for schedule in ("gpipe", "1f1b", "zb_h1"):
         assert re.search(rf"^\| 2 \| {schedule} \| 4 \| flops \|", done.stdout, re.M), done.stdout
     assert "fastest:" in done.stdout
@@ -410,11 +416,11 @@ def test_a_stage_count_the_model_cannot_balance_is_warned(capsys, caplog):
     with caplog.at_level(logging.WARNING, logger="pipesplit"):
         assert main([*args, "--stages", "2"]) == 0
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
-    with caplog.at_level(logging.WARNING, logger="pipesplit"):
-        assert main([*args, "--stages", "12"]) == 0
-    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
-    assert any("num_stages=12 is more than this model can balance" in w and "in head" in w for w in warned), warned
     capsys.readouterr()
+    assert main([*args, "--stages", "12"]) == 0
+    out, err = capsys.readouterr()  # once, among the report's notes (issue 36: logged and printed, it came twice)
+    warned = [line for line in (out + err).splitlines() if "num_stages=12 is more than this model can balance" in line]
+    assert len(warned) == 1 and warned[0].startswith("note: ") and "in head" in warned[0], out + err
 
 
 def test_the_text_chart_explains_its_letters(capsys):

@@ -3,7 +3,7 @@
 The matrix runs AOT autograd's joint graph without code generation (``backend="aot_eager"``,
 seconds per stage); one test runs Inductor itself (~20-60 s on 2 cores). Under a schedule that
 splits the backward (zb_h1, zb_v, dualpipe_v) each stage runs as compiled F, I and W graphs
-(pipesplit/runtime/stage_graphs.py); a stage those or the whole-stage compile cannot take runs
+(pipesplit/runtime/graphs/stage_graphs.py); a stage those or the whole-stage compile cannot take runs
 eager and says why.
 """
 
@@ -18,7 +18,7 @@ import torch
 
 import pipesplit
 from pipesplit.models import GPT, GPTConfig, gpt
-from pipesplit.runtime.stage_parts import Parts
+from pipesplit.runtime.graphs.stage_parts import Parts
 from tests.launch import torchrun
 from tests.training import check_training, dot_loss
 from tests.zoo import CASE_BY_NAME
@@ -65,7 +65,7 @@ def test_checkpointing_and_a_new_batch_size_under_compile():
 @pytest.mark.parametrize("schedule,stages", [("zb_h1", 2), ("zb_v", 4), ("dualpipe_v", 2)])
 def test_split_backward_stages_run_compiled_forward_input_and_weight_graphs(schedule, stages):
     """A schedule that splits the backward runs each stage as three compiled graphs (F, I, W; see
-    pipesplit/runtime/stage_graphs.py), with no eager fallback, and trains like gradient accumulation:
+    pipesplit/runtime/graphs/stage_graphs.py), with no eager fallback, and trains like gradient accumulation:
     a tied GPT whose input requires grad, over two steps, then with a layer frozen (new graphs)."""
     c = CASE_BY_NAME["gpt_tied"]
     torch.manual_seed(0)
@@ -319,7 +319,7 @@ def test_a_stage_whose_compiled_code_fails_runs_eager_and_says_why(monkeypatch):
     later one eager, warned with torch's first line; the outputs are the model's. (Such a stage is now
     refused before it compiles; the check is turned off here to reach the fallback, which stays for the
     failures nobody has found yet.)"""
-    monkeypatch.setattr("pipesplit.runtime.compile_limits.noncontiguous_batchnorm", lambda node: None)
+    monkeypatch.setattr("pipesplit.runtime.graphs.compile_limits.noncontiguous_batchnorm", lambda node: None)
 
     torch.manual_seed(0)
     model = _TransposedNorm()
@@ -356,7 +356,7 @@ def test_a_stage_whose_compiled_f_graph_fails_runs_its_split_eager(monkeypatch):
     a zero-bubble stage's compiled F graph. That microbatch runs the whole stage eager, its W a second
     backward; the stage runs its split eager from then on; training equals gradient accumulation. (The
     check that now refuses such a stage before it compiles is turned off to reach the fallback.)"""
-    monkeypatch.setattr("pipesplit.runtime.compile_limits.noncontiguous_batchnorm", lambda node: None)
+    monkeypatch.setattr("pipesplit.runtime.graphs.compile_limits.noncontiguous_batchnorm", lambda node: None)
     torch.manual_seed(0)
     model = _TransposedNorm(track_running_stats=False)
     prog = pipesplit.compile(model, torch.randint(0, 16, (2, 4)), num_stages=1, progress=False)
@@ -394,3 +394,29 @@ def test_a_batchnorm_over_a_non_contiguous_input_runs_eager_before_anything_comp
     with pytest.warns(UserWarning, match=r"stage 0 runs eager: a BatchNorm reads a non-contiguous input"):
         check_training(model, pipe, [((x,), {})], m=2, steps=2, rtol=RTOL)
 
+
+
+def test_the_first_compiled_step_says_what_compiles_as_it_goes_and_the_total(capfd):
+    """Issue 36: compile=True's first step took 126-161 s on CPU and printed nothing, so it looked hung."""
+    c = CASE_BY_NAME["gpt_tied"]
+    torch.manual_seed(0)
+    args, _ = c.inputs(2)
+    prog = pipesplit.compile(c.build(), args, num_stages=2, progress=False)
+    (x,), y = c.inputs(4)[0], None
+    pipe = pipesplit.Pipeline(prog, "1f1b", num_microbatches=2, loss_fn=lambda out, _: out.sum(), loss_reduction="sum", compile=AOT)
+    capfd.readouterr()
+    pipe.step(x, target=y)
+    err = capfd.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("pipesplit: compile=True:")]
+    compiling = [line for line in lines if "compiling" in line]
+    assert [re.search(r"stage (\d)'s module, microbatches of 2, with gradients", line).group(1)  # type: ignore[union-attr]
+            for line in compiling] == ["0", "1"], err
+    assert all(re.search(r"\.\.\. [\d.]+ (s|ms)$", line) for line in compiling), err  # each with its time
+    total = [line for line in lines if "compiled 2 graphs" in line]
+    assert len(total) == 1 and re.search(r"the step took [\d.]+ (s|ms) in all", total[0]), err
+    pipe.step(x, target=y)
+    assert "compile=True" not in capfd.readouterr().err, "a later step compiles nothing and says nothing"
+    quiet = pipesplit.Pipeline(prog, "gpipe", num_microbatches=2, loss_fn=lambda out, _: out.sum(), loss_reduction="sum", compile=AOT,
+                               progress=False)
+    quiet.step(x, target=y)
+    assert "compile=True" not in capfd.readouterr().err

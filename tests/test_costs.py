@@ -754,3 +754,12 @@ def test_ranks_sharing_the_cpu_are_predicted_slower_while_they_compute_together(
     pairs = list(zip(alone.timeline.stage_costs(), shared.timeline.stage_costs()))
     assert all(a.backward * (1 - 1e-9) <= s.backward <= 1.5 * a.backward * (1 + 1e-9) for a, s in pairs)
     assert any(s.forward + s.backward < 1.5 * (a.forward + a.backward) * (1 - 1e-9) for a, s in pairs)
+
+
+def test_profiling_shows_no_progress_bar_unless_asked_or_on_a_terminal(capsys):
+    """cost="hybrid" drew its bar by default, into pipes and log files too: now only progress=True or a terminal."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+    pipesplit.compile(model, torch.randn(4, 8), num_stages=2, cost="hybrid")  # stderr is captured: no terminal
+    assert "profiling nodes" not in capsys.readouterr().err
+    pipesplit.compile(model, torch.randn(4, 8), num_stages=2, cost="hybrid", progress=True)
+    assert "profiling nodes" in capsys.readouterr().err

@@ -2,7 +2,7 @@
 
 A GPU is not needed for what can go wrong in pipesplit's part: which slot a microbatch replays in,
 what is copied in and out, when a slot is given back, when graphs are captured anew, and what
-falls back. :class:`~pipesplit.runtime.cuda_graphs.EmulatedCapture` stands in for
+falls back. :class:`~pipesplit.runtime.graphs.cuda_graphs.EmulatedCapture` stands in for
 ``torch.cuda.CUDAGraph``: a replay writes each output into the tensor the capture returned, as a
 CUDA graph does, so a slot handed to a second microbatch while the first still reads it gives a
 wrong gradient here (the first test below shows that it would). The capture itself and the speed
@@ -18,8 +18,8 @@ import pytest
 import torch
 
 import pipesplit
-from pipesplit.runtime import cuda_graphs
-from pipesplit.runtime.cuda_graphs import EmulatedCapture, capture_blocker, without_inductor_graphs
+from pipesplit.runtime.graphs import cuda_graphs
+from pipesplit.runtime.graphs.cuda_graphs import EmulatedCapture, capture_blocker, without_inductor_graphs
 from tests.test_compiled_stages import dropout_gpt_program
 from tests.training import check_training, dot_loss
 from tests.zoo import CASE_BY_NAME
@@ -198,7 +198,7 @@ def test_input_gradients_on_autograds_thread_never_wait_on_the_compile_gate():
     thread holds the gate, a non-blocking call runs the graph uncompiled at once."""
     import threading
 
-    from pipesplit.runtime.compiled import StageCompiler
+    from pipesplit.runtime.graphs.compiled import StageCompiler
 
     compiler = StageCompiler({"backend": "aot_eager"})
     module = torch.nn.Linear(3, 3)

@@ -58,7 +58,7 @@ def test_plans_saved_before_the_rename_still_load_and_every_constructor_takes_th
     import torch
 
     import pipesplit
-    from pipesplit.runtime.measure import measure_stage_costs
+    from pipesplit.runtime.engine.measure import measure_stage_costs
     from pipesplit.schedules import Schedule, get_schedule
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
@@ -84,3 +84,44 @@ def test_plans_saved_before_the_rename_still_load_and_every_constructor_takes_th
     with pytest.warns(DeprecationWarning, match=r"measure_stage_costs\(n_microbatches=...\)"):
         costs = measure_stage_costs(prog, x, n_microbatches=2, repeats=1, warmup=0)
     assert len(costs) == 2
+
+
+@pytest.mark.parametrize("old", ["pipesplit.runtime.pipeline", "pipesplit.runtime.checkpoint",
+                                 "pipesplit.runtime.distributed", "pipesplit.runtime.cuda_graphs",
+                                 "pipesplit.runtime.measure", "pipesplit.runtime.trace"])
+def test_the_runtime_modules_old_paths_still_work_and_say_where_they_went(old):
+    """The runtime's modules moved into rooms (engine, graphs, comm, state); each old path gives the
+    very module at its new one, with a DeprecationWarning naming it, and leaves that module's own
+    name and spec alone."""
+    import importlib
+    import sys
+
+    import pipesplit.runtime
+
+    new = pipesplit.runtime.MOVED[old]
+    module = importlib.import_module(new)
+    sys.modules.pop(old, None)
+    with pytest.warns(DeprecationWarning, match=f"{old} moved to {new}"):
+        assert importlib.import_module(old) is module
+    assert module.__name__ == module.__spec__.name == new
+    assert sys.modules[old] is module and importlib.import_module(old) is module  # warned once
+
+
+def test_every_old_runtime_path_is_kept():
+    import importlib
+    import warnings
+    from pathlib import Path
+
+    import pipesplit.runtime
+
+    folder = Path(pipesplit.runtime.__file__).parent
+    modules = {p.stem for p in folder.glob("*/*.py") if p.stem != "__init__"}
+    old_names = {old.rpartition(".")[2] for old in pipesplit.runtime.MOVED}
+    assert old_names <= modules  # every old name is a module of some room (new modules need no alias)
+    assert len(old_names) == 25
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        for old, new in pipesplit.runtime.MOVED.items():
+            assert importlib.import_module(old) is importlib.import_module(new)
+    from pipesplit.runtime.pipeline import Pipeline
+    assert Pipeline is pipesplit.Pipeline

@@ -67,11 +67,25 @@ def test_a_dead_rank_makes_the_others_fail_naming_it():
     assert time.monotonic() - start < 240
 
 
-def test_torch_pipelining_runs_pipesplit_stages_exactly():
-    result = launch.torchrun("interop_check.py", 2)
+@pytest.fixture(scope="module")
+def interop_run():
+    """One torchrun launch for the interop tests: an untied model, then the tied GPT."""
+    return launch.torchrun("interop_check.py", 2, "long_skip", "gpt_tied")
+
+
+def test_torch_pipelining_runs_pipesplit_stages_exactly(interop_run):
     for schedule in ("ScheduleGPipe", "Schedule1F1B"):
-        matched = set(re.findall(rf"rank (\d+): \d+ gradients match under torch {schedule}", result.stdout))
-        assert matched == {"0", "1"}, result.stdout
+        matched = set(re.findall(rf"rank (\d+): \d+ gradients match under torch {schedule}$", interop_run.stdout, re.M))
+        assert matched == {"0", "1"}, interop_run.stdout
+
+
+def test_torch_pipelining_trains_a_weight_tied_across_stages_on_its_whole_gradient(interop_run):
+    """Issue 38: the built-in GPT (head tied to the token embedding) under torch's Schedule1F1B gave rank 0's
+    tok.weight only its own share (0.998 off) and the head's copy on rank 1 no gradient at all. With
+    tied_grads='sum' and sum_tied_grads after the step, both ranks hold the whole gradient."""
+    for schedule in ("ScheduleGPipe", "Schedule1F1B"):
+        matched = set(re.findall(rf"rank (\d+): \d+ gradients match under torch {schedule} \(tied\)", interop_run.stdout))
+        assert matched == {"0", "1"}, interop_run.stdout
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zb_v"])  # zb_v: two stages per rank

@@ -19,7 +19,7 @@ MODULES = sorted({m.name for package in (pipesplit, pipesplit.passes)
 
 
 def test_the_walk_finds_every_part_of_the_package():
-    for part in ("pipesplit.passes.plan.planner", "pipesplit.schedules.issue", "pipesplit.runtime.pipeline"):
+    for part in ("pipesplit.passes.plan.planner", "pipesplit.schedules.issue", "pipesplit.runtime.engine.pipeline"):
         assert part in MODULES
 
 

@@ -109,6 +109,31 @@ def test_sizes_sent_between_stages_are_drawn_lightly():
     assert len(heavy) == sum(b.kind == "tensor" for b in gpt12.boundaries)
 
 
+def test_the_report_counts_the_edges_the_picture_draws():
+    """The report said "3 send/recv edges" where the SVG drew 6 (3 dashed sym_size_int integers too)."""
+    torch.manual_seed(0)
+    prog = pipesplit.compile(gpt(layers=12, dim=64), torch.randint(0, 512, (2, 64)), num_stages=4, dynamic_batch=True)
+    src = prog.to_dot()
+    drawn = [attrs for _, _, attrs in _EDGE.findall(src) if "penwidth" in (attrs or "")]  # stage-to-stage edges
+    dashed = [a for a in drawn if "style=dashed" in a]
+    line = next(x for x in prog.report().splitlines() if x.startswith("boundaries:"))
+    assert line == (f"boundaries: {len(drawn)} send/recv edges ({len(drawn) - len(dashed)} tensors, "
+                    f"{human_bytes(sum(b.nbytes for b in prog.boundaries if b.kind == 'tensor'))} per example batch; "
+                    f"{len(dashed)} integers: sizes)"), line
+    assert len(drawn) == len(prog.boundaries) and len(dashed) == 3
+    assert line in src  # the picture's key says the same
+
+
+def test_box_flops_say_forward_and_backward_as_the_report_does(gpt12):
+    """A box gave forward + backward FLOPs as "FLOPs" beside a report whose column is forward FLOPs."""
+    src = gpt12.to_dot(detail="module")
+    labels = re.findall(r'label="([^"]*\\n\d+ ops: [^"]*)"', src)
+    assert len(labels) == len(boxes(src)), labels
+    for label in labels:
+        assert re.search(r"\\nfwd \S+, bwd \S+ FLOPs$", label), label
+    assert "the forward and the backward FLOPs" in src  # and the key says so
+
+
 def test_module_view_is_compact_and_node_view_is_complete(gpt12):
     module_boxes = boxes(gpt12.to_dot(detail="module"))
     assert 12 <= len(module_boxes) <= 60, len(module_boxes)
@@ -164,6 +189,7 @@ def test_report(gpt12):
     summary = next(line for line in lines if line.startswith("bottleneck:"))
     assert f"stage {gpt12.plan.bottleneck_stage}" in summary
     assert re.search(r"lower bound \S+ FLOPs, gap \d+\.\d%", summary), summary
+    assert "cost balance" in summary and "the mean stage cost (forward + backward FLOPs)" in summary, summary
     assert f"boundaries: {len(gpt12.boundaries)} send/recv edges" in text
     nodes = [int(r.split()[3 if " *" in r else 2]) for r in rows]
     assert nodes == [len(s.nodes) for s in gpt12.stages]

@@ -414,12 +414,18 @@ class ScalesRows(nn.Module):
 def test_an_input_pinned_beside_a_free_batch_is_named_as_a_table():
     torch.manual_seed(0)
     model, x, bias = ScalesRows(), torch.randn(4, 4, 8), torch.randn(4, 8)
-    pipe = pipesplit.Pipeline(pipesplit.compile(model, (x, bias), num_stages=2), "1f1b", num_microbatches=2,
-                              loss_fn=lambda out, t: (out * t).sum())
-    with pytest.raises(pipesplit.InputError) as info:
-        pipe.step(x, bias, target=torch.randn(4, 4, 8))
-    msg = str(info.value)
-    assert "'bias' kept dimension 0 fixed while 'x' took any size" in msg and "unbatched=['bias']" in msg, msg
+    # a capture with a dynamic batch alone pins bias's dimension 0 and names it in a note; the program
+    # gives it whole to every microbatch, as it is (so does the capture with every dimension dynamic,
+    # which a static program takes at its first new size: it sees that dimension is x's length)
+    for dynamic in (True, False):
+        prog = pipesplit.compile(model, (x, bias), num_stages=2, dynamic_batch=dynamic)
+        pipe = pipesplit.Pipeline(prog, "1f1b", num_microbatches=2, loss_fn=lambda out, t: (out * t).sum(),
+                                  loss_reduction="sum")
+        t = torch.randn(4, 4, 8)
+        assert_close(pipe.step(x, bias, target=t), (model(x, bias) * t).sum().detach(), name="loss")
+        assert [i.batched for i in prog.inputs] == [True, False]
+        msg = " ".join(prog.notes)
+        assert not dynamic or "'bias' kept dimension 0 fixed while 'x' took any size" in msg and "unbatched=['bias']" in msg, msg
     # the fix it names works and trains as the model does
     prog = pipesplit.compile(model, (x, bias), num_stages=2, unbatched=["bias"])
     assert not prog.notes, prog.notes
@@ -663,10 +669,41 @@ def test_an_input_with_its_batch_in_another_dimension_is_named_as_such():
 
 
 def test_a_target_leaf_without_the_batch_goes_whole_and_one_with_it_is_refused():
-    from pipesplit.runtime.microbatch import split_target
+    from pipesplit.runtime.engine.microbatch import split_target
 
     labels, weights = torch.randn(6, 8), torch.randn(6)  # seq-first (T, B) labels and (T,) per-step weights
     parts = split_target((labels, weights), 4, batch_dim=1, batch=8, input_batch_dim=1)
     assert [tuple(p[0].shape) for p in parts] == [(6, 2)] * 4 and all(p[1] is weights for p in parts)
     with pytest.raises(pipesplit.InputError, match=r"shape \(8,\): no dimension 1"):
         split_target(torch.randn(8), 4, batch_dim=1, batch=8, input_batch_dim=1)
+
+
+def test_more_stages_than_blocks_are_warned_once_with_the_block_count(caplog):
+    """Issue 36: 40 stages for a 12-block GPT compiled without a word (cuts inside attention, 51 send/recv edges)."""
+    prog, warned = _gpt_warnings(3, caplog)  # 2 blocks
+    notes = [n for n in prog.notes if "repeated blocks" in n]
+    assert len(notes) == 1 and "num_stages=3 is more than the model's 2 repeated blocks (blocks.0 to blocks.1)" in \
+        notes[0] and "Compile with num_stages=2 or fewer" in notes[0], prog.notes
+    assert len(notes) == 1 and [w for w in warned if "repeated blocks" in w] == [f"pipesplit: {notes[0]}"], warned
+    prog, warned = _gpt_warnings(2, caplog)
+    assert not [n for n in prog.notes if "repeated blocks" in n] and not warned
+
+
+def test_the_blocks_of_a_hugging_face_llama_are_its_decoder_layers():
+    from pipesplit.passes.plan.advice import repeated_blocks
+    from tests.zoo import hf_llama
+
+    torch.manual_seed(0)
+    prog = pipesplit.compile(hf_llama(), torch.randint(0, 128, (2, 16)), num_stages=4)
+    notes = [n for n in prog.notes if "repeated blocks" in n]
+    assert len(notes) == 1 and "3 repeated blocks (model.layers.0 to model.layers.2)" in notes[0], prog.notes
+
+
+def test_the_cli_prints_a_plan_warning_once(capsys):
+    """Logged (stderr) and printed by the report's notes: the CLI said each plan warning twice."""
+    from pipesplit.cli import main
+
+    assert main(["split", "pipesplit.models:gpt", "--kwarg", "layers=2", "--kwarg", "dim=32", "--input-shape",
+                 "2x16:int64", "--stages", "3"]) == 0
+    out, err = capsys.readouterr()
+    assert (out + err).count("repeated blocks") == 1, out + err

@@ -81,3 +81,47 @@ def test_per_sample_indexing_by_another_input_is_not_taken_for_a_table(dynamic):
     assert all(i.indexed_by is None for i in prog.inputs), [(i.name, i.indexed_by) for i in prog.inputs]
     pipe = pipesplit.Pipeline(prog, "1f1b", num_microbatches=4, loss_fn=dot_loss, loss_reduction="sum")
     check_training(model, pipe, [((lengths, x), {})], m=4)
+
+
+class Keywords(nn.Module):
+    """Keyword inputs read differently, as a Hugging Face model reads ``labels`` and ``attention_mask``."""
+
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.a, self.b = nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x, labels=None, attention_mask=None, extra=None):
+        h = self.b(torch.tanh(self.a(x * attention_mask)))
+        return h, ((h - labels) ** 2).mean(-1) + (extra["w"] * extra["v"]).sum(-1)
+
+
+def test_keyword_inputs_in_another_order_than_the_example_are_matched_by_name():
+    """Issue 33 defect 3: ``prog(x, attention_mask=m, labels=y)`` after an example with ``labels`` first was
+    refused asking for "the same keyword names"; a dict input with its keys in another order too. Any
+    order now gives the model's result through ``prog``, ``pipe`` and ``pipe.step``."""
+    import copy
+
+    from tests.close import assert_close, assert_grads_close, assert_tree_close
+    from tests.training import accumulate_tree, make_target
+
+    torch.manual_seed(0)
+    model = Keywords()
+    ref = copy.deepcopy(model)
+
+    def call(b: int) -> dict:
+        return {"labels": torch.randn(b, 8), "attention_mask": torch.rand(b, 8),
+                "extra": {"w": torch.randn(b, 1), "v": torch.randn(b, 8)}}
+
+    prog = pipesplit.compile(model, torch.randn(4, 8), example_kwargs=call(4), num_stages=2, progress=False)
+    x, kw = torch.randn(8, 8), call(8)
+    shuffled = {"extra": {"v": kw["extra"]["v"], "w": kw["extra"]["w"]}, "attention_mask": kw["attention_mask"],
+                "labels": kw["labels"]}
+    assert_tree_close(prog(x, **shuffled), model(x, **kw))
+    pipe = pipesplit.Pipeline(prog, "1f1b", num_microbatches=2, loss_fn=dot_loss, loss_reduction="sum")
+    assert_tree_close(pipe(x, **shuffled), model(x, **kw))
+    with torch.no_grad():
+        target = make_target(ref(x, **kw))
+    assert_close(pipe.step(x, target=target, **shuffled), accumulate_tree(ref, (x,), kw, target, 2))
+    assert_grads_close(pipe.named_parameters(), ref)
+    with pytest.raises(pipesplit.InputError, match="another structure"):  # a missing name is still refused
+        prog(x, labels=kw["labels"], attention_mask=kw["attention_mask"], extra={"w": kw["extra"]["w"]})

@@ -142,3 +142,15 @@ def test_a_submodules_own_use_cache_is_left_alone():
     x = torch.randn(3, 8)
     got, want = prog(x), model(x)
     assert len(got[1]) == len(want[1]) == 2 and not any("use_cache" in n for n in prog.notes), prog.notes
+
+
+def test_the_cache_note_is_printed_once_by_the_cli(tmp_path, capsys, monkeypatch):
+    """The note went to the log (shown by the CLI) and into the report's notes: twice per `pipesplit split`."""
+    from pipesplit.cli import main
+
+    (tmp_path / "named_model.py").write_text(
+        "from tests.test_kv_cache import Named\n\ndef build():\n    return Named()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["split", str(tmp_path / "named_model.py") + ":build", "--input-shape", "2x8", "--stages", "2"]) == 0
+    out, err = capsys.readouterr()
+    assert (out + err).count("asks for a KV cache") == 1, out + err

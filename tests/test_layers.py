@@ -26,16 +26,21 @@ PACKAGES = {"pipesplit": ROOT / "pipesplit", "pipesplit.passes": ROOT / "passes"
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("torch: the one module that reaches into torch's private or recent APIs", ("pipesplit.compat",)),
     ("base: errors, node metadata, units, small data types", (
-        "pipesplit.errors", "pipesplit.deprecation", "pipesplit.devices", "pipesplit.meta", "pipesplit.units", "pipesplit.rng", "pipesplit.state",
+        "pipesplit.errors", "pipesplit.checks", "pipesplit.deprecation", "pipesplit.devices", "pipesplit.meta", "pipesplit.units", "pipesplit.rng", "pipesplit.state",
         "pipesplit.export", "pipesplit.models", "pipesplit.passes")),  # passes/__init__ imports nothing
     ("schedules: pure data", ("pipesplit.schedules",)),
     ("graph analyses", ("pipesplit.passes.aliasing", "pipesplit.passes.lookups")),
-    ("capture", ("pipesplit.capture", "pipesplit.inputs", "pipesplit.kv_cache")),
+    ("capture", ("pipesplit.capture", "pipesplit.dims", "pipesplit.distinct", "pipesplit.examples", "pipesplit.inputs",
+                 "pipesplit.structure", "pipesplit.kv_cache")),
     ("annotate", ("pipesplit.passes.annotate",)),
     ("plan", ("pipesplit.passes.plan", "pipesplit.plan", "pipesplit.options")),
     ("split", ("pipesplit.passes.split", "pipesplit.materialize", "pipesplit.dot", "pipesplit.report",
                "pipesplit.agree", "pipesplit.program")),  # pipesplit.program: the old path, kept for a while
-    ("execute", ("pipesplit.runtime",)),
+    # the runtime's rooms, bottom to top (runtime/__init__ re-exports Pipeline: it sits with the engine)
+    ("execute: compiled code", ("pipesplit.runtime.graphs",)),
+    ("execute: what crosses between ranks", ("pipesplit.runtime.comm",)),
+    ("execute: the state a step keeps and saves", ("pipesplit.runtime.state",)),
+    ("execute: the step engine", ("pipesplit.runtime", "pipesplit.runtime.engine")),
     ("measure and show", ("pipesplit.bench", "pipesplit.plots", "pipesplit.interop")),
     ("drivers", ("pipesplit", "pipesplit.api", "pipesplit.bench.run", "pipesplit.cli", "pipesplit.__main__")),
 ]
@@ -102,15 +107,22 @@ for _name, _path in MODULES.items():
 def test_every_module_is_in_a_layer():
     for module in MODULES:
         _layer(module)
-    for must in ("pipesplit.passes.plan.planner", "pipesplit.runtime.pipeline", "pipesplit.bench.run"):
+    for must in ("pipesplit.passes.plan.planner", "pipesplit.runtime.engine.pipeline", "pipesplit.bench.run"):
         assert must in MODULES
 
 
+# Packages whose ``__init__`` re-exports the names users import from them, as the root does
+# (``from pipesplit.runtime import Pipeline``): like the root, they are not counted as run by an
+# import of one of their parts; importing the package itself still counts at its own layer.
+FACADES = {"pipesplit.runtime"}
+
+
 def _runs(target: str) -> list[str]:
-    """``target`` and the subpackages importing it runs first (their ``__init__``), the root aside."""
+    """``target`` and the subpackages importing it runs first (their ``__init__``), the root and the
+    facades aside."""
     parts = target.split(".")
     return [".".join(parts[:i]) for i in range(2, len(parts))
-            if ".".join(parts[:i]) in MODULES] + [target]
+            if ".".join(parts[:i]) in MODULES and ".".join(parts[:i]) not in FACADES] + [target]
 
 
 def test_imports_point_down_the_flow():
@@ -134,7 +146,7 @@ def test_no_private_names_cross_modules():
 
 @pytest.mark.parametrize("source, expect", [
     ("from pipesplit.api import compile\n", "imports against the flow"),
-    ("def f():\n    from pipesplit.runtime.pipeline import Pipeline\n", "imports against the flow"),
+    ("def f():\n    from pipesplit.runtime.engine.pipeline import Pipeline\n", "imports against the flow"),
 ])
 def test_the_check_sees_an_upward_import(source, expect, tmp_path):
     """The check itself can fail: an import of the driver from the bottom layer, at the top of a
@@ -143,6 +155,33 @@ def test_the_check_sees_an_upward_import(source, expect, tmp_path):
     path.write_text(source)
     edges = _imports("pipesplit.errors", path)
     assert edges and all(_layer(target) > _layer("pipesplit.errors") for target, _, _ in edges), expect
+
+
+ROOMS = ("graphs", "comm", "state", "engine")  # bottom to top
+
+
+def test_every_runtime_module_is_in_a_room():
+    """pipesplit/runtime/ holds its rooms and its facade only; each room says in one line what lives there."""
+    loose = [m for m in MODULES if m.startswith("pipesplit.runtime.") and m.split(".")[2] not in ROOMS]
+    assert not loose, f"modules of pipesplit/runtime/ outside its rooms {ROOMS}: {loose}"
+    for room in ROOMS:
+        doc = ast.get_docstring(ast.parse(MODULES[f"pipesplit.runtime.{room}"].read_text()))
+        assert doc and "\n" not in doc.strip(), f"pipesplit/runtime/{room}/__init__.py needs a one-line docstring"
+    assert [_layer(f"pipesplit.runtime.{room}") for room in ROOMS] == sorted(_layer(f"pipesplit.runtime.{room}")
+                                                                           for room in ROOMS)
+
+
+@pytest.mark.parametrize("source", [
+    "from pipesplit.runtime.engine.pipeline import Pipeline\n",
+    "from pipesplit.runtime import Pipeline\n",  # the facade counts as the engine
+    "def f():\n    from pipesplit.runtime.state import checkpoint\n",
+])
+def test_the_check_sees_a_room_importing_a_room_above(source, tmp_path):
+    path = tmp_path / "transport.py"
+    path.write_text(source)
+    edges = _imports("pipesplit.runtime.comm.transport", path)
+    assert edges and all(_layer(b) > _layer("pipesplit.runtime.comm.transport")
+                         for target, _, _ in edges for b in _runs(target))
 
 
 def test_the_check_sees_a_package_that_pulls_in_a_driver():

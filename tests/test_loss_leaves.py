@@ -67,7 +67,7 @@ def test_a_loss_with_parameters_of_its_own_trains_like_accumulation(schedule, st
 def test_a_loss_with_parameters_of_its_own_is_refused_on_a_data_parallel_mesh(monkeypatch):
     """Replicas sum only the model's gradients: a loss's own tensors would drift apart, so a
     dp > 1 step refuses by name (the check runs in the last stage's forward, before any backward)."""
-    from pipesplit.runtime import pipeline as pipeline_mod
+    from pipesplit.runtime.engine import pipeline as pipeline_mod
 
     torch.manual_seed(0)
     model = gpt(layers=2, dim=16, vocab=32, seq=8, heads=2)
@@ -90,7 +90,7 @@ def test_a_loss_with_parameters_of_its_own_is_refused_on_a_data_parallel_mesh(mo
 
 
 def test_a_plain_loss_finds_nothing_to_train_and_walks_only_its_own_ops():
-    from pipesplit.runtime.loss_leaves import loss_leaves, output_nodes
+    from pipesplit.runtime.engine.loss_leaves import loss_leaves, output_nodes
 
     w = torch.randn(4, 4, requires_grad=True)
     out = torch.randn(2, 4, requires_grad=True) @ w

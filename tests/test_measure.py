@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import pipesplit
-from pipesplit.runtime.measure import measure_stage_costs
+from pipesplit.runtime.engine.measure import measure_stage_costs
 from pipesplit.schedules import StageCost, get_schedule, simulate
 
 

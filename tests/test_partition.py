@@ -515,3 +515,14 @@ def test_checkpointed_memory_limits_match_brute_force(problem):
     assert sol.cut_bytes == min(c for b, c, _ in feasible if b <= best)
     bounds = [*sol.starts, n]
     assert all(held(s, a, b) <= cap for s, (a, b) in enumerate(zip(bounds, bounds[1:])))
+
+
+def test_of_two_cuts_sending_the_same_bytes_the_one_with_fewer_tensors_wins():
+    """Issue 36: a cut inside attention sent several tensors where one between blocks carried as much."""
+    chain = make_chain([2, 1, 1, 2], cut_bytes=[200, 100, 100])
+    chain.cut_tensors = np.asarray([0, 2, 3, 1, 0], dtype=np.int64)  # position 2: three tensors, position 3: one
+    got = solve_chain(chain, 2, slack=0.5)
+    assert got.starts == (0, 3) and got.cut_bytes == 100, got
+    chain.cut_tensors = None  # not counted: the best bottleneck among the fewest bytes, as before
+    assert solve_chain(chain, 2, slack=0.5).starts == (0, 2)
+

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 import pipesplit
-from pipesplit.runtime import distributed
-from pipesplit.runtime.exchange import program_edges
-from pipesplit.runtime.rendezvous import RendezvousTransport
-from pipesplit.runtime.transport import LocalTransport, Parcel
+from pipesplit.runtime.comm import distributed
+from pipesplit.runtime.comm.exchange import program_edges
+from pipesplit.runtime.comm.rendezvous import RendezvousTransport
+from pipesplit.runtime.comm.transport import LocalTransport, Parcel
 from pipesplit.schedules.issue import issue, proven
 from pipesplit.schedules.rendezvous import Message, comm_plan
 from tests.training import check_training, dot_loss

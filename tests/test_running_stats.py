@@ -1,5 +1,5 @@
 """Which buffers a data-parallel step combines across replicas, and with what decay per microbatch
-(pipesplit.runtime.running_stats; the 4-rank checks are in test_dp_mesh)."""
+(pipesplit.runtime.comm.running_stats; the 4-rank checks are in test_dp_mesh)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import pipesplit
-from pipesplit.runtime.running_stats import RunningStats
+from pipesplit.runtime.comm.running_stats import RunningStats
 from tests.training import check_training, dot_loss
 
 

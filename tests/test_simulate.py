@@ -189,16 +189,47 @@ def test_simulate_validates_first() -> None:
 def test_to_text_gantt() -> None:
     t = simulate(get_schedule("gpipe", num_ranks=2, num_microbatches=2), 1.0)
     assert t.to_text(width=9).splitlines() == [
-        "gpipe: 2 ranks, 2 stages, 2 microbatches; step 9, bubble 33.3%",
+        "gpipe: 2 ranks, 2 stages, 2 microbatches; step 9 time units, bubble 33.3%",
         "rank 0 |Ff...BBbb|",
         "rank 1 |.FfBBbb..|",
     ]
     big = simulate(get_schedule("zb_v", num_ranks=4, num_microbatches=8), 0.5).to_text(width=60)
     lines = big.splitlines()
-    assert len(lines) == 5 and all(len(line) == len("rank 0 |") + 60 + 1 for line in lines[1:])
+    assert len(lines) == 5 and len({len(line) for line in lines[1:]}) == 1
+    assert len(lines[1]) <= len("rank 0 |") + 60 + 1
     assert set("".join(lines[1:])) <= set("rank0123 |FfIiWw.")
     with pytest.raises(ScheduleError, match="width must be an int >= 1"):
         simulate(get_schedule("gpipe", num_ranks=2, num_microbatches=2), 1.0).to_text(width=0)
+
+
+def test_to_text_draws_equal_actions_equally_wide() -> None:
+    """`pipesplit schedule zb_h1 --stages 4` drew 27 time units in 80 columns: some blocks 2 columns wide, others 3."""
+    import itertools
+
+    t = simulate(get_schedule("zb_h1", num_ranks=4, num_microbatches=8), 1.0)
+    text = t.to_text(width=80)
+    assert text.splitlines()[0].endswith("step 27 time units, bubble 11.1%")
+    runs: dict[str, set[int]] = {}
+    for line in text.splitlines()[1:]:
+        for letter, run in itertools.groupby(line.split("|")[1]):
+            if letter != ".":
+                runs.setdefault(letter.upper(), set()).add(len(list(run)))
+    assert runs == {"F": {2}, "I": {2}, "W": {2}}, runs  # 80 // 27 = 2 columns per time unit
+    assert len(text.splitlines()[1]) == len("rank 0 |") + 54 + 1
+
+
+def test_timelines_carry_their_unit(tmp_path) -> None:
+    """"step 0.217046" (seconds) and an axis saying "time": every figure now says its unit."""
+    import dataclasses
+
+    t = simulate(get_schedule("gpipe", num_ranks=2, num_microbatches=2), 0.0125)
+    assert "step 0.1125 time units" in t.to_text()
+    assert "step 112 ms," in dataclasses.replace(t, unit="s").to_text()
+    from matplotlib.figure import Figure
+
+    ax = Figure().add_subplot()
+    dataclasses.replace(t, unit="s").draw(ax)
+    assert ax.get_xlabel() == "time (s)"
 
 
 def test_plot_writes_png(tmp_path) -> None:

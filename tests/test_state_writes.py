@@ -1,5 +1,5 @@
 """A parameter written in place inside the forward (a weight clamp): trained exactly where its stage runs
-one microbatch at a time, refused by name elsewhere (pipesplit.runtime.state_writes; issue 22, defect 15)."""
+one microbatch at a time, refused by name elsewhere (pipesplit.runtime.state.state_writes; issue 22, defect 15)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from torch import nn
 
 import pipesplit
 from pipesplit.errors import PipesplitError
-from pipesplit.runtime.state_writes import overlapping_stages
+from pipesplit.runtime.state.state_writes import overlapping_stages
 from pipesplit.schedules import resolve_schedule
 from tests.training import check_training, dot_loss
 

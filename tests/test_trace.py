@@ -9,6 +9,7 @@ import torch
 
 import pipesplit
 from pipesplit.schedules import ActionKind
+from pipesplit.units import human_seconds
 from tests.zoo import MLP
 from tests.training import mse
 
@@ -163,3 +164,17 @@ def test_stage_costs_are_the_medians_of_each_stages_traced_actions(prog, batch, 
         else:
             assert (c.backward_input, c.backward_weight) == (tr.median(s, "I"), tr.median(s, "W"))
             assert c.backward_weight > 0
+
+
+def test_a_traced_timeline_is_in_seconds_and_says_so(prog, batch):
+    """tr.timeline().to_text() printed "step 0.217046": a number without its unit."""
+    x, y = batch
+    pipe = pipesplit.Pipeline(prog, "1f1b", num_microbatches=4, loss_fn=mse)
+    with pipe.trace() as tr:
+        pipe.step(x, target=y)
+    pipe.zero_grad()
+    timeline = tr.timeline()
+    assert timeline.unit == "s"
+    head = timeline.to_text().splitlines()[0]
+    assert f"step {human_seconds(timeline.step_time)}," in head
+    assert any(f" {u}," in head for u in ("s", "ms", "µs")), head

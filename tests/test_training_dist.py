@@ -18,3 +18,13 @@ def test_training_semantics_hold_across_processes():
                      "in-place ResNet"):
             ranks = set(re.findall(rf"rank (\d): ok \({re.escape(what)}[^)]*\b{schedule}\b", result.stdout))
             assert ranks == {"0", "1"}, f"{what} ({schedule}) not confirmed by both ranks:\n{result.stdout}"
+
+
+def test_lengths_that_change_train_exactly_across_processes():
+    """A GPT and a tiny Llama compiled at length 32 step at 32, 17, 48, 64, 17 on 2 ranks (1f1b, and
+    zb_v: two stages a rank), then the GPT with compiled stages; every rank's gradients equal
+    accumulation, and the last rank's pipe(x) in eval equals the model at length 40 (tests/lengths_check.py)."""
+    result = torchrun("lengths_check.py", 2, "--schedule", "1f1b,zb_v", "--compile", "aot_eager", "--timeout", "120")
+    for what in ("gpt, 1f1b", "gpt, zb_v", "hf_llama, 1f1b", "hf_llama, zb_v", "gpt, 1f1b, compiled"):
+        ranks = set(re.findall(rf"rank (\d): ok \(lengths {re.escape(what)}\)", result.stdout))
+        assert ranks == {"0", "1"}, f"lengths ({what}) not confirmed by both ranks:\n{result.stdout}"

@@ -1,5 +1,5 @@
 """Zero-bubble's W action computes linear, layer-norm and embedding weight gradients with the
-kernels autograd would call, without the autograd engine (pipesplit.runtime.weight_grads).
+kernels autograd would call, without the autograd engine (pipesplit.runtime.engine.weight_grads).
 
 Each test runs a stage's I then W both ways, direct and through autograd one op at a time as
 before, and compares them with each other and with the plain model's backward.
@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import pipesplit
-from pipesplit.runtime.weight_grads import WeightGraph, input_grads, weight_backward, weight_graph
+from pipesplit.runtime.engine.weight_grads import WeightGraph, input_grads, weight_backward, weight_graph
 
 aten = torch.ops.aten
 

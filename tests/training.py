@@ -70,6 +70,16 @@ def accumulate(model: torch.nn.Module, args: tuple, kwargs: dict, target: Any, m
     return total
 
 
+def accumulate_tree(model: torch.nn.Module, args: tuple, kwargs: dict, target: Any, m: int) -> torch.Tensor:
+    """:func:`accumulate` with every tensor cut, those nested in lists and dicts too (``dot_loss``)."""
+    total = torch.zeros(())
+    for (a, k), t in zip(chunk_tree((args, kwargs), m), chunk_tree(target, m)):
+        loss = dot_loss(model(*a, **k), t)
+        loss.backward(retain_graph=True)  # inputs computed outside share their graph between microbatches
+        total = total + loss.detach().float()
+    return total
+
+
 def check_training(model: torch.nn.Module, pipe: pipesplit.Pipeline, batches: list[tuple[tuple, dict]], *,
                    m: int, steps: int = 2, rtol: float | None = None, ref_kwargs: dict | None = None,
                    **cut: Any) -> None:

@@ -56,7 +56,7 @@ def calibrate(
     *,
     mutated_targets: set[str] = frozenset(),  # type: ignore[assignment]
     repeats: int = 3,
-    progress: bool = True,
+    progress: bool | None = None,
 ) -> Calibration:
     """Profile ``gm`` briefly, fit the device rates, and store calibrated times on every node.
 

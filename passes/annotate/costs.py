@@ -11,7 +11,7 @@ from typing import Any, Sequence
 import torch
 import torch.fx as fx
 
-from pipesplit.compat import pytree
+from pipesplit.compat import data_dependent, pytree
 from pipesplit.meta import NodeCost, node_cost, set_node_cost
 from pipesplit.passes.aliasing import storage_classes, written_operand
 from pipesplit.passes.annotate.flops import OpFlops, hint, op_flops, op_name
@@ -33,8 +33,10 @@ def _bytes(val: Any) -> int:
 
 
 def _is_sendable(val: Any) -> bool:
-    """Tensors, sizes and scalars may cross a stage boundary; tuples and lists may not."""
-    return isinstance(val, (torch.Tensor,) + _SCALAR_TYPES)
+    """Tensors, sizes and scalars may cross a stage boundary; tuples and lists may not, nor a value whose
+    size is computed from the inputs' values (``torch.nonzero``'s rows): a receiver sizes its buffer from
+    the batch size alone."""
+    return isinstance(val, (torch.Tensor,) + _SCALAR_TYPES) and not data_dependent(val)
 
 
 def _subgraph_flops(gm: fx.GraphModule, node: fx.Node) -> OpFlops | None:

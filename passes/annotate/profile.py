@@ -131,7 +131,7 @@ def profile_nodes(
     warmup: int = 2,
     repeats: int = 5,
     backward: bool = True,
-    progress: bool = True,
+    progress: bool | None = None,
 ) -> fx.GraphModule:
     """Run ``gm`` ``warmup + repeats`` times, node by node, on ``device``; store each node's times.
 
@@ -149,7 +149,8 @@ def profile_nodes(
     overhead = _grad_call_overhead(device) if backward else 0.0
     # random ops (dropout) draw from the default generators: the caller's streams must not move
     cuda = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
-    with tqdm(total=len(nodes) * max(repeats, 1), desc="profiling nodes", disable=not progress, leave=False) as bar, \
+    with tqdm(total=len(nodes) * max(repeats, 1), desc="profiling nodes",
+              disable=None if progress is None else not progress, leave=False) as bar, \
             torch.random.fork_rng(devices=cuda):
         written = set(mutated_targets) | written_get_attrs(gm.graph)  # through views too
         interp = _TimingInterpreter(gm, device, written, backward, bar)

@@ -1,8 +1,10 @@
-"""Warnings on a plan a user would want to hear of: more stages than the model can balance, empty stages."""
+"""Warnings on a plan a user would want to hear of: more stages than the model can balance or has
+blocks, empty stages."""
 
 from __future__ import annotations
 
 import math
+import re
 
 import torch.fx as fx
 
@@ -37,11 +39,19 @@ def plan_warnings(gm: fx.GraphModule, plan: Plan, node_costs: dict[str, float]) 
             out.append(
                 f"num_stages={k} is more than this model can balance: its largest op, {_describe(gm, name)}, costs "
                 f"{format_cost(biggest, unit)}, more than a 1/{k} share of the model's {format_cost(total, unit)} "
-                f"({format_cost(total / k, unit)}); no cut "
-                f"divides an op, so the bottleneck stage cannot cost less (balance {plan.bottleneck / (total / k):.2f}x "
-                f"the mean). At most {most} stage{'s' if most > 1 else ''} balance{'' if most > 1 else 's'}: "
+                f"({format_cost(total / k, unit)}); no cut divides an op, so the bottleneck stage cannot cost less "
+                f"(cost balance {plan.bottleneck / (total / k):.2f}x the mean). At most {most} stage{'s' if most > 1 else ''} balance{'' if most > 1 else 's'}: "
                 f"compile with num_stages={most}{' or fewer' if most > 1 else ''}."
             )
+    blocks = repeated_blocks(gm)
+    if plan.source == "planner" and blocks is not None and k > blocks[1]:
+        (prefix, n) = blocks
+        first, last = (f"{prefix}.0", f"{prefix}.{n - 1}") if prefix else ("0", str(n - 1))
+        out.append(
+            f"num_stages={k} is more than the model's {n} repeated blocks ({first} to {last}): {k - n} or more "
+            f"cut{'s' if k - n > 1 else ''} fall inside a block (in its attention or MLP), where more tensors cross "
+            f"than between two blocks. Compile with num_stages={n} or fewer to cut between blocks only."
+        )
     by_name = {n.name: n for n in compute_nodes(gm)}
     empty = [s for s, names in enumerate(plan.stages)
              if not any(node_cost(by_name[x]).total_flops for x in names if x in by_name)]
@@ -59,3 +69,22 @@ def _describe(gm: fx.GraphModule, name: str) -> str:
     paths = node_module_paths(node)
     target = getattr(node.target, "__name__", str(node.target)) if node.op != "call_function" else str(node.target)
     return f"{name!r} ({target}{f' in {paths[-1]}' if paths else ''})"
+
+
+_INDEXED = re.compile(r"^(?:(.*)\.)?(\d+)$")
+
+
+def repeated_blocks(gm: fx.GraphModule) -> tuple[str, int] | None:
+    """The model's repeated blocks: the most numerous children ``prefix.0``, ``prefix.1``, ... of one
+    class that its ops ran in (``("blocks", 12)`` for a 12-block GPT, ``("model.layers", 4)`` for a
+    Hugging Face Llama), outermost first on a tie; None without two such children."""
+    found: dict[tuple[str, str], set[int]] = {}
+    for node in compute_nodes(gm):
+        for path, kind in (node.meta.get("nn_module_stack") or {}).values():
+            m = _INDEXED.match(path or "")
+            if m:
+                found.setdefault((m.group(1) or "", str(kind)), set()).add(int(m.group(2)))
+    if not found:
+        return None
+    (prefix, _), indices = max(found.items(), key=lambda item: (len(item[1]), -item[0][0].count(".")))
+    return (prefix, len(indices)) if len(indices) > 1 else None

@@ -32,7 +32,10 @@ def sub_chain(chain: Chain, a: int, b: int) -> Chain:
     cut[0] = cut[-1] = 0
     allowed[0] = allowed[-1] = True
     act = None if chain.act is None else chain.act[a:b]
-    return Chain(chain.nodes[a:b], chain.cost[a:b], mem, cut, allowed, shared, act)
+    tensors = None if chain.cut_tensors is None else chain.cut_tensors[a : b + 1].copy()
+    if tensors is not None:
+        tensors[0] = tensors[-1] = 0
+    return Chain(chain.nodes[a:b], chain.cost[a:b], mem, cut, allowed, shared, act, tensors)
 
 
 def rebalance(chain: Chain, starts: Sequence[int], solve: Solve) -> tuple[int, ...]:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Collection
 
 import numpy as np
+import torch
 import torch.fx as fx
 
 from pipesplit.meta import COMPUTE_OPS, node_cost
@@ -36,6 +37,9 @@ class Chain:
     # Output bytes per node (the activation part of ``mem``): a schedule that keeps
     # several microbatches in flight on a stage holds this several times.
     act: np.ndarray | None = None
+    # Values live across each cut position (int64, n + 1): of two cuts carrying the same bytes the
+    # partition takes the one sending fewer tensors (one message each). None: not counted.
+    cut_tensors: np.ndarray | None = None
 
     @property
     def n(self) -> int:
@@ -52,11 +56,15 @@ class Chain:
         return int(self.mem.sum()) + sum(nbytes for nbytes, _ in self.shared)
 
 
+def _itemsize(value: object) -> int:
+    return value.element_size() if isinstance(value, torch.Tensor) else 4
+
+
 def build_chain(
     gm: fx.GraphModule,
     cost_fn: Callable[[fx.Node], float],
     *,
-    state_factor: float = 2.0,
+    state_factor: float | Callable[[int], float] = 2.0,
     recompute: Collection[str] = (),
     order: list[fx.Node] | None = None,
 ) -> Chain:
@@ -65,7 +73,8 @@ def build_chain(
     ``order`` is a topological order of the compute nodes (default: the program's).
 
     ``state_factor`` multiplies the bytes of trainable parameters (weights + gradients
-    by default; add optimizer state for training memory). Values named in
+    by default; add optimizer state for training memory), or gives that factor per element
+    size (``MemoryModel.state_factor_for``: bf16 weights with fp32 master weights and moments). Values named in
     ``recompute`` are rebuilt by each stage that needs them, so they never cross a cut.
     """
     nodes = compute_nodes(gm) if order is None else list(order)
@@ -74,14 +83,17 @@ def build_chain(
     cost = np.array([float(cost_fn(node)) for node in nodes], dtype=np.float64)
     mem = np.zeros(n, dtype=np.int64)
     live = np.zeros(n + 2, dtype=np.int64)
+    values = np.zeros(n + 2, dtype=np.int64)
     blocked = np.zeros(n + 2, dtype=np.int64)
     readers: dict[int, tuple[int, set[int]]] = {}  # id(tensor) -> (bytes, positions reading it)
     for node in gm.graph.nodes:
         uses = {pos[u] for u in node.users if u in pos}
         if node.op == "get_attr" and uses:
             c = node_cost(node)
-            key = id(operator.attrgetter(str(node.target))(gm))  # tied names share one tensor
-            nbytes = int(c.param_bytes * (state_factor if c.trainable else 1))
+            tensor = operator.attrgetter(str(node.target))(gm)
+            key = id(tensor)  # tied names share one tensor
+            factor = state_factor if not callable(state_factor) else state_factor(_itemsize(tensor))
+            nbytes = int(c.param_bytes * (factor if c.trainable else 1))
             readers.setdefault(key, (nbytes, set()))[1].update(uses)
     shared = []
     for nbytes, positions in readers.values():
@@ -96,12 +108,15 @@ def build_chain(
         if last > i and node.name not in recompute:
             live[i + 1] += c.out_bytes
             live[last + 1] -= c.out_bytes
+            values[i + 1] += 1
+            values[last + 1] -= 1
             if not c.sendable:
                 blocked[i + 1] += 1
                 blocked[last + 1] -= 1
     cut_bytes = np.cumsum(live)[: n + 1]
     allowed = np.cumsum(blocked)[: n + 1] == 0
-    cut_bytes[0] = cut_bytes[n] = 0
+    cut_tensors = np.cumsum(values)[: n + 1]
+    cut_bytes[0] = cut_bytes[n] = cut_tensors[0] = cut_tensors[n] = 0
     allowed[0] = allowed[n] = True
     act = np.array([node_cost(node).out_bytes for node in nodes], dtype=np.int64)
-    return Chain(nodes, cost, mem, cut_bytes, allowed, shared, act)
+    return Chain(nodes, cost, mem, cut_bytes, allowed, shared, act, cut_tensors)

@@ -9,18 +9,36 @@ from typing import Mapping, Sequence
 import numpy as np
 import torch.fx as fx
 
-from pipesplit.errors import PlanError, did_you_mean
+from pipesplit.errors import PlanError, nearest_names
 from pipesplit.meta import node_module_paths
 
 
-def _positions(nodes: Sequence[fx.Node], path: str) -> list[int]:
-    return [i for i, n in enumerate(nodes) if path in node_module_paths(n)]
+def _inside(path: str, paths: list[str]) -> bool:
+    """One of ``paths`` is the module ``path`` or a submodule of it."""
+    return any(p == path or p.startswith(path + ".") for p in paths)
+
+
+def module_positions(nodes: Sequence[fx.Node], path: str) -> list[int]:
+    """The operations run inside module ``path`` or its submodules: a container such as an
+    ``nn.ModuleList``, never called itself, has the operations of its children."""
+    return [i for i, n in enumerate(nodes) if _inside(path, node_module_paths(n))]
+
+
+def _whole_units(nodes: Sequence[fx.Node], path: str) -> list[str]:
+    """What ``no_split`` keeps whole for ``path``: the module itself where it is called, else (a
+    container, ``nn.ModuleList``/``ModuleDict``, whose forward never runs) each of its children."""
+    stacks = [node_module_paths(n) for n in nodes]
+    if any(path in paths for paths in stacks):
+        return [path]
+    depth = path.count(".") + 1
+    return sorted({p for paths in stacks for p in paths if p.startswith(path + ".") and p.count(".") == depth})
 
 
 def _resolve(pattern: str, known: set[str], what: str) -> list[str]:
     matched = sorted(p for p in known if fnmatch.fnmatchcase(p, pattern))
     if not matched:
-        raise PlanError(f"{what} {pattern!r} matches no module of the model" + (did_you_mean(pattern, known) or "."))
+        raise PlanError(f"{what} {pattern!r} matches no module of the model" + (nearest_names(pattern, known) or ".")
+                        + " Module names are those of model.named_modules().")
     return matched
 
 
@@ -37,15 +55,32 @@ def forbid_cuts_inside(
 ) -> np.ndarray:
     """A copy of ``allowed`` with every cut strictly inside the named modules removed.
 
-    Patterns may use shell wildcards: ``"blocks.*"`` keeps every block whole.
+    Patterns may use shell wildcards: ``"blocks.*"`` keeps every block whole. A container that
+    is never called itself (``"blocks"``, an ``nn.ModuleList``) means each of its children, as
+    ``"blocks.*"`` does: cuts between the blocks stay allowed.
     """
     out: np.ndarray = allowed.copy()
     for pattern in no_split:
         for path in _resolve(pattern, known, "no_split entry"):
-            pos = _positions(nodes, path)
-            if pos:
-                out[pos[0] + 1 : pos[-1] + 1] = False
+            for unit in _whole_units(nodes, path):
+                pos = module_positions(nodes, unit)
+                if pos:
+                    out[pos[0] + 1 : pos[-1] + 1] = False
     return out
+
+
+def check_pins_cuttable(nodes: Sequence[fx.Node], allowed: np.ndarray, pins: Mapping[str, int],
+                        no_split: Sequence[str]) -> None:
+    """Two modules pinned to different stages leave a cut the chain allows between them (``no_split``
+    may forbid every one); otherwise the two constraints contradict each other and neither is dropped."""
+    spans = sorted((pos[0], pos[-1], stage, path) for path, stage in pins.items() if (pos := module_positions(nodes, path)))
+    for (a0, a1, sa, pa), (b0, b1, sb, pb) in zip(spans, spans[1:]):
+        if sa != sb and a1 < b0 and not allowed[a1 + 1 : b0 + 1].any():
+            raise PlanError(
+                f"pins {pa!r} -> stage {sa} and {pb!r} -> stage {sb} need a cut between them (operations {a1}..{b0}), "
+                f"but no_split={list(no_split)!r} forbids every cut there. Pin both to one stage, or drop the "
+                "no_split entry that covers them."
+            )
 
 
 def pin_ranges(
@@ -63,7 +98,7 @@ def pin_ranges(
         if not isinstance(stage, int) or not 0 <= stage < num_stages:
             raise PlanError(f"pin {path!r} -> stage {stage!r}: stages are numbered 0..{num_stages - 1}.")
         _resolve(path, known, "pinned module")
-        pos = _positions(nodes, path)
+        pos = module_positions(nodes, path)
         if not pos:
             raise PlanError(f"pinned module {path!r} runs no operation in the captured graph.")
         spans.append((pos[0], pos[-1], stage, path))

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
+from pipesplit.checks import number
+from pipesplit.errors import PlanError
 from pipesplit.schedules import ActionKind, Schedule, StageCost, simulate
 
 # Sustained rates for turning FLOPs into seconds when nothing was profiled; only the
@@ -31,6 +33,11 @@ class CommModel:
     latency_s: float | None = None  # seconds per message
     bandwidth: float | None = None  # bytes per second
 
+    def __post_init__(self) -> None:
+        number("CommModel(latency_s=...)", self.latency_s, none=True, error=PlanError, example="1e-5 (10 us)")
+        number("CommModel(bandwidth=...)", self.bandwidth, above=True, none=True, error=PlanError,
+               example="25e9 (bytes per second)")
+
     def seconds(self, nbytes: float, src: str, dst: str, messages: int = 1) -> float:
         """Seconds to send ``nbytes`` in ``messages`` messages between devices of these kinds."""
         if nbytes <= 0 and messages == 0:
@@ -40,6 +47,12 @@ class CommModel:
         lat = self.latency_s if self.latency_s is not None else lat
         bw = self.bandwidth if self.bandwidth is not None else bw
         return messages * lat + nbytes / bw
+
+
+# Optimizer state per parameter, in moments (tensors the size of the parameter): SGD keeps none, SGD
+# with momentum one, Adam/AdamW two; Adafactor factors its second moment into a row and a column
+# (a few bytes per matrix row, counted as none) and keeps no first moment by default.
+OPTIMIZER_MOMENTS = {"sgd": 0.0, "momentum": 1.0, "adam": 2.0, "adamw": 2.0, "adafactor": 0.0}
 
 
 @dataclass(frozen=True)
@@ -52,29 +65,71 @@ class MemoryModel:
     and its W (:func:`activation_units_per_stage`). With checkpointing, only the stage
     inputs of in-flight microbatches are kept, plus one microbatch's full activations
     during its recompute.
+
+    ``optimizer`` names the optimizer instead of ``optimizer_factor`` (``"sgd"``,
+    ``"momentum"``, ``"adam"``, ``"adamw"``, ``"adafactor"``); ``master_weights`` is mixed
+    precision as trained in practice: bf16/fp16 weights and gradients, with an fp32 copy of
+    the weights and fp32 optimizer moments (AdamW: 2 + 2 + 4 + 8 = 16 bytes per parameter).
+
+    >>> MemoryModel(optimizer="adamw", master_weights=True).bytes_per_param(2)
+    16.0
+    >>> MemoryModel(optimizer="sgd").bytes_per_param(4), MemoryModel().bytes_per_param(4)
+    (8.0, 16.0)
     """
 
     optimizer_factor: float = 2.0  # Adam keeps two moments per parameter
     grad_factor: float = 1.0
     checkpoint: bool = False
+    optimizer: str | None = None
+    master_weights: bool = False
+
+    def __post_init__(self) -> None:
+        if self.optimizer is not None and self.optimizer not in OPTIMIZER_MOMENTS:
+            raise PlanError(f"MemoryModel(optimizer={self.optimizer!r}) is not one it knows the state of; use one of "
+                            f"{sorted(OPTIMIZER_MOMENTS)}, or optimizer_factor= (state bytes per parameter byte).")
+        number("MemoryModel(optimizer_factor=...)", self.optimizer_factor, error=PlanError, example="2.0 for Adam")
+        number("MemoryModel(grad_factor=...)", self.grad_factor, error=PlanError, example="1.0")
+        if not isinstance(self.checkpoint, bool):
+            raise PlanError(f"MemoryModel(checkpoint=...) must be True or False, got {self.checkpoint!r}.")
 
     @property
     def state_factor(self) -> float:
-        """Bytes held per byte of trainable parameter: the weight, its gradient, optimizer state."""
-        return 1.0 + self.grad_factor + self.optimizer_factor
+        """Bytes held per byte of trainable parameter: the weight, its gradient, optimizer state
+        (for fp32 parameters; :meth:`state_factor_for` for others)."""
+        return self.state_factor_for(4)
+
+    def state_factor_for(self, itemsize: int) -> float:
+        """Bytes held per byte of a trainable parameter of ``itemsize`` bytes an element."""
+        return self.bytes_per_param(itemsize) / itemsize
+
+    def bytes_per_param(self, itemsize: int = 4) -> float:
+        """Training state per trainable parameter of ``itemsize`` bytes: weight, gradient, master copy, moments."""
+        if self.optimizer is None and not self.master_weights:
+            return itemsize * (1.0 + self.grad_factor + self.optimizer_factor)
+        moments = OPTIMIZER_MOMENTS[self.optimizer] if self.optimizer is not None else self.optimizer_factor
+        master = 4.0 if self.master_weights else 0.0
+        return itemsize * (1.0 + self.grad_factor) + master + moments * (4.0 if self.master_weights else itemsize)
+
+    def training_state_factor(self, with_optimizer: bool) -> "float | Callable[[int], float]":
+        """What ``build_chain`` multiplies trainable parameter bytes by: per element size, with or without
+        the optimizer's state (planning without a schedule counts weights and gradients only)."""
+        if with_optimizer:
+            return self.state_factor_for
+        return lambda itemsize: 1.0 + self.grad_factor
 
     def stage_bytes(self, param_bytes: float, act_bytes: float, input_bytes: float, in_flight: int,
                     units: int | None = None) -> float:
         return self.held_bytes(param_bytes * self.state_factor, act_bytes, input_bytes, in_flight, units)
 
     def held_bytes(self, state_bytes: float, act_bytes: float, input_bytes: float, in_flight: int,
-                   units: int | None = None) -> float:
+                   units: int | None = None, checkpointed: bool | None = None) -> float:
         """Like :meth:`stage_bytes` with ``state_bytes`` already counting gradients and optimizer state.
 
         ``units``: one microbatch's activations' worth of memory the stage holds at its peak
-        (:func:`activation_units_per_stage`); ``in_flight`` when not given.
+        (:func:`activation_units_per_stage`); ``in_flight`` when not given. ``checkpointed``:
+        whether this stage recomputes its forward (default ``self.checkpoint``).
         """
-        if self.checkpoint:
+        if self.checkpoint if checkpointed is None else checkpointed:
             return state_bytes + input_bytes * in_flight + act_bytes
         return state_bytes + act_bytes * (in_flight if units is None else units)
 

@@ -4,7 +4,8 @@ The chain problem (split a sequence into ``k`` contiguous non-empty parts minimi
 the largest part) is solved exactly: bisection over integer bottlenecks with a greedy
 feasibility test that is optimal for non-negative weights. Among cuts within
 ``slack`` of that optimum, a dynamic programme over cut positions picks the ones that
-carry the fewest bytes, then the smallest bottleneck that keeps those bytes.
+carry the fewest bytes (of equal bytes, the fewest tensors), then the smallest bottleneck
+that keeps those bytes.
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ __all__ = [
 ]
 
 _INF = np.iinfo(np.int64).max // 4
+# what a tensor crossing a cut adds to the fewest-bytes objective: 2**-20 byte, so 2**20 tensors over
+# all cuts still weigh less than one byte, and float64 keeps it exact up to 2**32 bytes at a cut
+_PER_TENSOR = 2.0**-20
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,8 @@ class _Solver:
         self.mem_lo = _memory_starts(chain, self.mem_cap)
         self.allowed = chain.allowed
         self.cut_bytes = chain.cut_bytes.astype(np.float64)
+        if chain.cut_tensors is not None:  # the tie-break: equal bytes, fewer tensors (below one byte in all)
+            self.cut_bytes += chain.cut_tensors * _PER_TENSOR
         # prev_allowed[j]: the largest allowed cut position <= j.
         idx = np.where(chain.allowed, np.arange(self.n + 1), -1)
         self.prev_allowed = np.maximum.accumulate(idx)
@@ -91,12 +97,14 @@ class _Solver:
         base = np.maximum(np.searchsorted(P, P - cap, side="left"), self.mem_lo)
         tail = np.where(j < n, self.cut_bytes, 0.0)
         ranged = limits is not None and limits.start_lo is not None and limits.start_hi is not None
-        per_stage = limits is not None and (limits.mem_lo is not None or ranged)
+        scaled = limits is not None and limits.cost_scale is not None
+        per_stage = limits is not None and (limits.mem_lo is not None or ranged or scaled)
 
         def window(s: int) -> tuple[np.ndarray, np.ndarray]:
             if not per_stage:
                 return base, j - 1
-            lo = base if limits.mem_lo is None else np.maximum(base, limits.mem_lo[s])  # type: ignore[union-attr]
+            lo = self.cost_starts(cap, limits, s)  # type: ignore[arg-type]
+            lo = lo if limits.mem_lo is None else np.maximum(lo, limits.mem_lo[s])  # type: ignore[union-attr]
             hi = j - 1
             if ranged and s > 0:
                 lo = np.maximum(lo, limits.start_lo[s])  # type: ignore[union-attr,index]
@@ -123,6 +131,14 @@ class _Solver:
             pos = int(lo[pos]) + int(np.argmin(prev[lo[pos] : hi[pos] + 1]))
             starts.append(pos)
         return float(dp[n]), sorted(set(starts[1:]) | {0})
+
+    def cost_starts(self, cap: int, limits: "StageLimits", s: int) -> np.ndarray:
+        """Per end ``j``: the first start whose stage ``s`` costs at most ``cap`` (its cost scaled by
+        ``limits.cost_scale[s]``: a checkpointed stage runs its forward twice) and fits ``mem_cap``."""
+        scale = 1.0 if limits.cost_scale is None else limits.cost_scale[s]
+        room = cap if scale == 1.0 else int(cap / scale)
+        lo: np.ndarray = np.maximum(np.searchsorted(self.P, self.P - room, side="left"), self.mem_lo)
+        return lo
 
 
 def _memory_starts(chain: Chain, cap: int, mem: np.ndarray | None = None) -> np.ndarray:
@@ -264,13 +280,15 @@ class StageLimits:
     stage ``s`` starting at ``i`` ends at ``end_hi[s][i]`` or earlier; it expresses limits
     whose feasible starts are no interval (checkpointing: the stage's inputs are held per
     microbatch in flight, and their size depends on where it starts). Stage ``s`` must
-    start within ``[start_lo[s], start_hi[s]]``.
+    start within ``[start_lo[s], start_hi[s]]``. ``cost_scale[s]`` multiplies stage ``s``'s
+    cost against the bottleneck (a checkpointed stage runs its forward twice).
     """
 
     mem_lo: tuple[np.ndarray, ...] | None = None
     start_lo: np.ndarray | None = None
     start_hi: np.ndarray | None = None
     end_hi: tuple[np.ndarray, ...] | None = None
+    cost_scale: tuple[float, ...] | None = None
 
 
 def stage_memory_limits(chain: Chain, cap: int, in_flight: Sequence[int]) -> tuple[np.ndarray, ...]:
@@ -291,14 +309,15 @@ def solve_candidates(
     *,
     limits: StageLimits = StageLimits(),
     mem_cap: int | None = None,
+    precision: int = 20,
 ) -> list[ChainSplit]:
     """Splits to choose from: for each slack, the fewest cut bytes within that much of the best bottleneck.
 
     With per-stage limits the best bottleneck is found by bisection on the exact DP
-    (to a relative precision of 1e-6); without them, exactly (see :func:`solve_chain`).
+    (to a relative precision of ``2**-precision``, 1e-6); without them, exactly (see :func:`solve_chain`).
     """
     solver = _checked_solver(chain, num_stages, mem_cap)
-    if not any(x is not None for x in (limits.mem_lo, limits.start_lo, limits.end_hi)):
+    if not any(x is not None for x in (limits.mem_lo, limits.start_lo, limits.end_hi, limits.cost_scale)):
 
         def feasible(cap: int) -> tuple[float, list[int]] | None:
             return solver.fewest_bytes(num_stages, cap)
@@ -310,7 +329,7 @@ def solve_candidates(
             return solver.fewest_bytes(num_stages, cap, limits)
 
         lo = solver.min_bottleneck(num_stages)  # a bound: limits only remove splits
-        total = int(solver.P[-1])
+        total = int(solver.P[-1] * max(limits.cost_scale or (1.0,))) + 1  # a scaled stage may hold it all
         if feasible(total) is None:
             raise PlanError(
                 f"no split into {num_stages} stages meets the per-stage limits (memory with microbatches in flight, "
@@ -322,7 +341,7 @@ def solve_candidates(
         while feasible(hi) is None:  # gallop up, then bisect
             lo, hi = hi + 1, min(total, hi + step)
             step *= 2
-        while hi - lo > (hi >> 20):  # exact for small integers, to 1e-6 for large ones
+        while hi - lo > (hi >> precision):  # exact for small integers, to 1e-6 for large ones
             mid = (lo + hi) // 2
             if feasible(mid) is None:
                 lo = mid + 1

@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import difflib
+import inspect
+import math
+import numbers
 import operator
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence, Union
 
 import torch.fx as fx
 
-from pipesplit.errors import CostError, PlanError, did_you_mean
+from pipesplit.compat import data_dependent
+from pipesplit.errors import CostError, PlanError, did_you_mean, nearest_names
 from pipesplit.meta import NodeCost, node_cost, node_module_paths
 from pipesplit.passes.plan.chain import Chain, build_chain, compute_nodes
-from pipesplit.passes.plan.constraints import forbid_cuts_inside, pin_ranges
+from pipesplit.passes.plan.constraints import check_pins_cuttable, forbid_cuts_inside, module_positions, pin_ranges
 from pipesplit.passes.annotate.costs import unknown_ops
 from pipesplit.passes.plan.objective import DEFAULT_FLOPS_PER_S, CommModel, MemoryModel
 from pipesplit.passes.annotate.rates import DeviceRates, device_rates, largest_matmul
@@ -20,7 +24,9 @@ from pipesplit.passes.plan.orders import candidate_orders
 from pipesplit.passes.plan.balance import rebalance
 from pipesplit.passes.plan.partition import StageLimits, largest_stage, solve_candidates, solve_chain
 from pipesplit.passes.plan.recompute import recomputable
-from pipesplit.passes.plan.step_planner import TIE, best_for_schedule, node_seconds
+from pipesplit.passes.plan.checkpoint_search import best_with_checkpointing
+from pipesplit.passes.plan.checkpointing import Checkpoint, check_checkpoint, fixed_set
+from pipesplit.passes.plan.step_planner import TIE, node_seconds
 from pipesplit.plan import Plan
 from pipesplit.schedules import Schedule
 
@@ -63,10 +69,41 @@ def cost_function(cost: CostSpec) -> tuple[str, CostFn]:
             raise CostError(f"unknown cost {cost!r}; choose one of {sorted(BUILTIN_COSTS)} or pass a cost object.{hint}")
         return cost, BUILTIN_COSTS[cost]
     if hasattr(cost, "node_cost"):
-        return type(cost).__name__, lambda node: float(cost.node_cost(node, node_cost(node)))
+        name = type(cost).__name__
+        _check_arity(f"cost={name}'s node_cost", cost.node_cost, 2)
+        return name, _checked_cost(f"cost={name}'s node_cost", lambda node: cost.node_cost(node, node_cost(node)))
     if callable(cost):
-        return getattr(cost, "__name__", "custom"), lambda node: float(cost(node))
+        name = getattr(cost, "__name__", "custom")
+        _check_arity(f"cost={name}", cost, 1)
+        return name, _checked_cost(f"cost={name}", cost)
     raise CostError(f"cost must be a name, a callable or an object with node_cost(); got {type(cost).__name__}.")
+
+
+def _check_arity(what: str, fn: Callable[..., Any], n: int) -> None:
+    """``fn`` can be called with ``n`` positional arguments (refused before the capture otherwise)."""
+    try:
+        inspect.signature(fn).bind(*([None] * n))
+    except TypeError:
+        takes = "node" if n == 1 else "node, costs"
+        raise CostError(f"{what} must take {n} argument(s) ({takes}) and return a number, but its signature is "
+                        f"{inspect.signature(fn)}; e.g. cost=lambda node: 1.0.") from None
+    except ValueError:  # a builtin without a signature: called as is
+        pass
+
+
+def _checked_cost(what: str, fn: Callable[[fx.Node], Any]) -> CostFn:
+    """``fn``'s cost of a node as a finite number >= 0; its failure or another value is a CostError naming the node."""
+    def checked(node: fx.Node) -> float:
+        try:
+            value = fn(node)
+        except Exception as e:
+            raise CostError(f"{what} raised on node {node.name!r} ({node.target}): {type(e).__name__}: {e}") from e
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value < 0:
+            raise CostError(f"{what} returned {value!r} for node {node.name!r} ({node.target}); a cost is a finite "
+                            "number >= 0 (FLOPs, seconds, or any unit the stages share).")
+        return float(value)
+
+    return checked
 
 
 def evaluate(gm: fx.GraphModule, stages: list[list[str]], cost_name: str, cost_fn: CostFn, source: str) -> Plan:
@@ -123,6 +160,7 @@ def plan_partition(
     device_kind: str = "cpu",
     flops_per_s: float | None = None,
     order: str = "auto",
+    checkpoint: Checkpoint = None,
 ) -> Plan:
     """The balanced plan.
 
@@ -135,7 +173,12 @@ def plan_partition(
     ``order="auto"`` solves the chain for the program's order of the nodes and for the
     order that runs every node as late as possible (see :mod:`pipesplit.passes.plan.orders`),
     and keeps the better; ``"program"`` solves the program's order only.
+
+    ``checkpoint`` (with ``schedule``): ``"auto"`` chooses the stages that recompute their forward
+    together with the cuts (:mod:`pipesplit.passes.plan.checkpoint_search`); True, False or stage
+    indices fix them (None: as ``memory.checkpoint``).
     """
+    check_checkpoint(checkpoint)
     name, fn = cost_function(cost)
     rate = flops_per_s or DEFAULT_FLOPS_PER_S.get(device_kind, DEFAULT_FLOPS_PER_S["cpu"])
     # a schedule's step time prices the default cost at this device's measured rates (unless a FLOP
@@ -151,11 +194,13 @@ def plan_partition(
     orders = candidate_orders(program) if order == "auto" else [("program", program)]
     solved: list[_Solved] = []
     for i, (label, nodes) in enumerate(orders):
+        # the other orders take the checkpointed stages the program's order chose (the search is the slow part)
+        chosen = solved[0].extra.get("checkpoint", checkpoint) if solved and checkpoint == "auto" else checkpoint
         try:
             solved.append(_solve_order(
                 gm, nodes, label, fn, name, rate, num_stages, rebuild, max_stage_memory=max_stage_memory,
                 slack=slack, known=module_paths or set(), pins=pins or {}, no_split=no_split, schedule=schedule,
-                comm=comm, memory=memory, device_kind=device_kind, rates=rates,
+                comm=comm, memory=memory, device_kind=device_kind, rates=rates, checkpoint=chosen,
             ))
         except PlanError:
             if i == 0:  # the program's order: the user's error
@@ -165,7 +210,9 @@ def plan_partition(
     stages = [[n.name for n in best.chain.nodes[a:b]] for a, b in zip(bounds, bounds[1:])]
     plan = evaluate(gm, stages, name, fn, "planner")
     plan.recompute = sorted(rebuild)
-    plan.checkpoint = memory.checkpoint
+    fixed = fixed_set(checkpoint, num_stages, memory.checkpoint)
+    plan.checkpoint = sorted(fixed or ())  # with a schedule, the choice made (in best.extra)
+    plan.max_stage_memory = max_stage_memory
     plan.order = best.label
     for key, value in best.extra.items():
         setattr(plan, key, value)
@@ -202,22 +249,24 @@ def _solve_order(
     gm: fx.GraphModule, nodes: list[fx.Node], label: str, fn: CostFn, name: str, rate: float, num_stages: int,
     rebuild: set[str], *, max_stage_memory: int | None, slack: float, known: set[str], pins: Mapping[str, int],
     no_split: Sequence[str], schedule: Schedule | None, comm: CommModel, memory: MemoryModel, device_kind: str,
-    rates: DeviceRates | None = None,
+    rates: DeviceRates | None = None, checkpoint: Checkpoint = None,
 ) -> _Solved:
-    state_factor = 1.0 + memory.grad_factor + (memory.optimizer_factor if schedule is not None else 0.0)
+    state_factor = memory.training_state_factor(with_optimizer=schedule is not None)
     chain = build_chain(gm, fn, state_factor=state_factor, recompute=rebuild, order=nodes)
     if no_split:
         chain.allowed = forbid_cuts_inside(chain.nodes, chain.allowed, no_split, known)
     ranges = pin_ranges(chain.nodes, pins, num_stages, known)
+    if no_split and pins:
+        check_pins_cuttable(chain.nodes, chain.allowed, pins, no_split)
     limits = StageLimits(None, ranges.start_lo, ranges.start_hi) if ranges else StageLimits()
     if schedule is not None:
         seconds = node_seconds(chain.nodes, name, fn, rate, rates)
-        best, ideal = best_for_schedule(
+        best, ideal, ckpt = best_with_checkpointing(
             chain, seconds, schedule, comm=comm, memory=memory, mem_cap=max_stage_memory,
-            limits=limits, device_kind=device_kind,
+            limits=limits, device_kind=device_kind, checkpoint=fixed_set(checkpoint, num_stages, memory.checkpoint),
         )
         extra = dict(schedule=schedule.name, num_microbatches=schedule.num_microbatches,
-                     predicted_step_s=best.step_s, ideal_step_s=ideal)
+                     predicted_step_s=best.step_s, ideal_step_s=ideal, checkpoint=sorted(ckpt))
         return _Solved(label, chain, best.starts, largest_stage(chain, best.starts), best.cut_bytes, best.step_s,
                        [int(m) for m in best.figures.memory], extra)
     if ranges is not None:
@@ -269,8 +318,9 @@ def plan_from_split_points(
     for point in split_points:
         if point not in module_paths:
             raise PlanError(f"split point {point!r} names no module of the model"
-                            + (did_you_mean(point, module_paths) or "."))
-        first = next((i for i, n in enumerate(nodes) if point in node_module_paths(n)), None)
+                            + (nearest_names(point, module_paths) or ".")
+                            + " Split points are module names of model.named_modules(), e.g. split_points=['layers.2'].")
+        first = next(iter(module_positions(nodes, point)), None)
         if first is None:
             raise PlanError(f"split point {point!r} is a module that runs no operation in the captured graph.")
         if first <= starts[-1]:
@@ -297,7 +347,8 @@ def check_plan(gm: fx.GraphModule, plan: Plan) -> None:
             raise PlanError(f"stage {s} of the plan is empty; every stage needs at least one operation.")
         for name in stage:
             if name in seen:
-                raise PlanError(f"node {name!r} is in stage {seen[name]} and again in stage {s}.")
+                raise PlanError(f"node {name!r} is in stage {seen[name]} and again in stage {s}; each node runs in "
+                                "exactly one stage: remove it from one of them.")
             seen[name] = s
     unknown = sorted(set(seen) - names)
     if unknown:
@@ -321,10 +372,24 @@ def check_plan(gm: fx.GraphModule, plan: Plan) -> None:
                     "values may only flow to the same or a later stage."
                 )
             if a < b and not node_cost(arg).sendable:
+                what = f"a {type(arg.meta.get('val')).__name__}, not a tensor,"
+                if data_dependent(arg.meta.get("val")):
+                    source = _size_source(arg)
+                    what = (f"a value whose size depends on the inputs' values (made by {source.name!r}, "
+                            f"{source.target}) and")
                 raise PlanError(
-                    f"{arg.name!r} (stage {a}) is a {type(arg.meta.get('val')).__name__}, not a tensor, and cannot "
-                    f"be sent to {node.name!r} in stage {b}; keep them in one stage."
+                    f"{arg.name!r} (stage {a}) is {what} cannot be sent to {node.name!r} in stage {b}; keep them in "
+                    "one stage (a cut before it, or after the value is reduced to a fixed size)."
                 )
+
+
+def _size_source(node: fx.Node) -> fx.Node:
+    """The op that made ``node``'s data-dependent size: the first one up its inputs whose own inputs have none."""
+    while True:
+        up = next((a for a in node.all_input_nodes if data_dependent(a.meta.get("val"))), None)
+        if up is None:
+            return node
+        node = up
 
 
 __all__ = [

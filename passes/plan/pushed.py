@@ -82,12 +82,13 @@ def pushed_bytes(solver: Any, k: int, cap: int, limits: Any) -> tuple[float, lis
     n, P = solver.n, solver.P
     j = np.arange(n + 1)
     tail = np.where(j < n, solver.cut_bytes, 0.0)
-    base = np.searchsorted(P, P + cap, side="right") - 1  # cost: the last end within cap
-    base = np.minimum(base, np.searchsorted(solver.mem_lo, j, side="right") - 1)
+    mem_end = np.searchsorted(solver.mem_lo, j, side="right") - 1
 
     def reach(s: int) -> tuple[np.ndarray, np.ndarray]:
         """Per start i of stage s: is it a start stage s may take, and the last end it reaches."""
-        end = base
+        scale = 1.0 if limits.cost_scale is None else limits.cost_scale[s]
+        room = cap if scale == 1.0 else int(cap / scale)  # a checkpointed stage runs its forward twice
+        end = np.minimum(np.searchsorted(P, P + room, side="right") - 1, mem_end)  # the last end within cap
         if limits.mem_lo is not None:
             end = np.minimum(end, np.searchsorted(limits.mem_lo[s], j, side="right") - 1)
         if limits.end_hi is not None:

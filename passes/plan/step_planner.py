@@ -14,7 +14,7 @@ input-gradient path) is reported too.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Collection, Sequence
 
 import numpy as np
 import torch.fx as fx
@@ -26,11 +26,13 @@ from pipesplit.passes.plan.objective import (
     CommModel, MemoryModel, StageFigures, activation_units_per_stage, in_flight_per_stage, step_time,
 )
 from pipesplit.passes.plan.balance import Solve, rebalance
-from pipesplit.passes.plan.partition import StageLimits, checkpointed_memory_ends, solve_candidates, stage_memory_limits
+from pipesplit.passes.plan.checkpointing import checkpoint_limits, recompute_scale
+from pipesplit.passes.plan.partition import StageLimits, solve_candidates
 from pipesplit.passes.annotate.rates import DeviceRates, priced
 from pipesplit.schedules import Schedule, StageCost
 
 SLACKS = (0.0, 0.01, 0.02, 0.05, 0.1, 0.2, 0.35)
+QUICK_SLACKS = (0.0, 0.05, 0.2)
 
 
 def node_seconds(
@@ -80,20 +82,26 @@ class Candidate:
 def figures_for(
     chain: Chain, starts: Sequence[int], seconds: np.ndarray, in_flight: Sequence[int],
     memory: MemoryModel, comm: CommModel, device_kind: str, units: Sequence[int] | None = None,
+    checkpoint: Collection[int] | None = None,
 ) -> StageFigures:
+    """Per-stage figures of the split at ``starts``; ``checkpoint``: the stages that recompute their
+    forward (default: every stage under ``MemoryModel(checkpoint=True)``, else none)."""
     bounds = list(starts) + [chain.n]
     act = chain.act if chain.act is not None else np.zeros(chain.n, dtype=np.int64)
+    if checkpoint is None:
+        checkpoint = range(len(starts)) if memory.checkpoint else ()
     costs, mem = [], []
     for s, (a, b) in enumerate(zip(bounds, bounds[1:])):
         f, i, w = seconds[a:b].sum(axis=0)
+        ck = s in checkpoint
         # a checkpointed stage runs its forward again before its backward
-        costs.append(StageCost(float(f), float(i + f if memory.checkpoint else i), float(w)))
+        costs.append(StageCost(float(f), float(i + f if ck else i), float(w)))
         # chain.mem already counts trainable state x (1 + grad + optimizer): see plan_partition
         state = float((chain.mem[a:b] - act[a:b]).sum())
         state += sum(nbytes for nbytes, pos in chain.shared if any(a <= p < b for p in pos))
         inputs = float(chain.cut_bytes[a]) if a > 0 else 0.0
         mem.append(memory.held_bytes(state, float(act[a:b].sum()), inputs, in_flight[s],
-                                     None if units is None else units[s]))
+                                     None if units is None else units[s], checkpointed=ck))
     comm_s = [comm.seconds(float(chain.cut_bytes[c]), device_kind, device_kind) for c in starts[1:]]
     return StageFigures(costs, comm_s, mem, list(in_flight))
 
@@ -108,24 +116,35 @@ def best_for_schedule(
     mem_cap: int | None,
     limits: StageLimits,
     device_kind: str,
+    checkpoint: frozenset[int] | None = None,
+    quick: bool = False,
 ) -> tuple[Candidate, float]:
-    """The candidate split with the lowest simulated step time, and a lower bound on any split's."""
+    """The candidate split with the lowest simulated step time, and a lower bound on any split's.
+
+    ``checkpoint``: the stages that recompute their forward (default: all under
+    ``MemoryModel(checkpoint=True)``, else none); their memory counts their inputs per microbatch
+    in flight, and their cost their second forward (see :mod:`pipesplit.passes.plan.checkpointing`).
+    ``quick``: fewer slacks and no re-split of the sides (:func:`rebalance`), to compare sets quickly.
+    """
     k = schedule.num_stages
     in_flight = in_flight_per_stage(schedule)
+    units = activation_units_per_stage(schedule)
+    ckpt = (frozenset(range(k)) if memory.checkpoint else frozenset()) if checkpoint is None else checkpoint
     # what multiplies one microbatch's activations: its inputs' count when checkpointed, else the units
-    held = in_flight if memory.checkpoint else activation_units_per_stage(schedule)
-    if mem_cap is not None:
-        limits = _memory_limits(chain, mem_cap, held, memory.checkpoint, limits.start_lo, limits.start_hi)
+    held = [in_flight[s] if s in ckpt else units[s] for s in range(k)]
+    scale = recompute_scale(seconds)
+    limits = checkpoint_limits(chain, mem_cap, in_flight, units, ckpt, limits.start_lo, limits.start_hi, scale)
     try:
-        splits = solve_candidates(chain, k, SLACKS, limits=limits)
+        splits = solve_candidates(chain, k, QUICK_SLACKS if quick else SLACKS, limits=limits,
+                                  precision=10 if quick else 20)
     except PlanError as e:
         if mem_cap is None:
             raise
-        raise PlanError(_memory_message(chain, schedule, in_flight, mem_cap, limits, memory.checkpoint, held)) from e
+        raise PlanError(_memory_message(chain, schedule, in_flight, mem_cap, limits, len(ckpt) == k, held)) from e
     base = list(dict.fromkeys(split.starts for split in splits))
     starts = list(base)
-    for side_slack in REBALANCE_SLACKS:
-        solve = _side_solver(limits, mem_cap, held, memory.checkpoint, side_slack)
+    for side_slack in () if quick else REBALANCE_SLACKS:
+        solve = _side_solver(chain, limits, mem_cap, in_flight, units, ckpt, scale, side_slack)
         for split in base:
             try:
                 starts.append(rebalance(chain, split, solve))
@@ -133,9 +152,9 @@ def best_for_schedule(
                 continue
     cands = []
     for st in dict.fromkeys(starts):
-        fig = figures_for(chain, st, seconds, in_flight, memory, comm, device_kind, held)
+        fig = figures_for(chain, st, seconds, in_flight, memory, comm, device_kind, units, ckpt)
         cands.append(Candidate(st, fig, step_time(schedule, fig), int(sum(chain.cut_bytes[list(st[1:])]))))
-    return choose(cands), step_lower_bound(seconds, schedule, memory.checkpoint)
+    return choose(cands), step_lower_bound(seconds, schedule, len(ckpt) == k)
 
 
 # Each side of the bottleneck is re-split exactly for balance, and for the fewest bytes within 5% of it.
@@ -157,19 +176,9 @@ def choose(cands: Sequence[Candidate]) -> Candidate:
     return min(ties, key=lambda c: (balance(c), c.cut_bytes, c.step_s))
 
 
-def _memory_limits(
-    chain: Chain, cap: int, in_flight: Sequence[int], checkpoint: bool,
-    start_lo: np.ndarray | None = None, start_hi: np.ndarray | None = None,
-) -> StageLimits:
-    """Per-stage memory limits: all activations x microbatches in flight, or with checkpointing,
-    the stage inputs x microbatches in flight plus one microbatch's activations."""
-    if checkpoint:
-        return StageLimits(None, start_lo, start_hi, checkpointed_memory_ends(chain, cap, in_flight))
-    return StageLimits(stage_memory_limits(chain, cap, in_flight), start_lo, start_hi)
-
-
 def _side_solver(
-    limits: StageLimits, mem_cap: int | None, in_flight: Sequence[int], checkpoint: bool, slack: float
+    chain: Chain, limits: StageLimits, mem_cap: int | None, in_flight: Sequence[int], units: Sequence[int],
+    ckpt: frozenset[int], scale: float, slack: float,
 ) -> Solve:
     """``rebalance``'s solver under the plan's limits: pins shifted to the side, memory per stage in flight."""
 
@@ -178,9 +187,10 @@ def _side_solver(
         if limits.start_lo is not None and limits.start_hi is not None:
             lo = np.maximum(limits.start_lo[first_stage : first_stage + k] - first_pos, 0)
             hi = limits.start_hi[first_stage : first_stage + k] - first_pos
-        side = StageLimits(None, lo, hi)
-        if mem_cap is not None:
-            side = _memory_limits(sub, mem_cap, in_flight[first_stage : first_stage + k], checkpoint, lo, hi)
+        stages = range(first_stage, first_stage + k)
+        side_ckpt = frozenset(s - first_stage for s in ckpt if s in stages)
+        side = checkpoint_limits(sub, mem_cap, [in_flight[s] for s in stages], [units[s] for s in stages],
+                                 side_ckpt, lo, hi, scale)
         return solve_candidates(sub, k, [slack], limits=side)[-1].starts
 
     return solve

@@ -8,6 +8,15 @@ the model once more with a dynamic batch, carries the plan over to the new graph
 in the new stage graphs. The parameters, buffers, their gradients and any optimizer over
 them stay the same tensors. ``torch.compile`` does alike: static first, dynamic at the first
 new shape. ``compile(..., dynamic_batch=True)`` captures dynamically from the start.
+
+Another dimension (a sequence length, an image size) goes the same way: that one capture makes
+every dimension of the batched inputs dynamic where the model allows (``Dim.AUTO``), so a
+program captures at most twice however its batch and lengths change. A dimension it keeps
+static is one the model fixes (a reshape to a constant), and a call that changes it is refused
+saying so. Where the model cannot be captured with every dimension dynamic and only the batch
+changed, the batch alone is made dynamic, as before. ``compile(..., dynamic_dims=...)``
+declares the dimensions up front; a program compiled with ``dynamic_batch=True`` keeps the
+model until a length changes.
 """
 
 from __future__ import annotations
@@ -25,12 +34,15 @@ import torch.fx as fx
 from torch import nn
 
 from pipesplit.capture import Captured, capture, rebind, static_dim
-from pipesplit.errors import InputError, PlanError
+from pipesplit.compat import data_dependent
+from pipesplit.dims import EVERY_DIM, DimSpec
+from pipesplit.errors import CaptureError, InputError, PlanError
 from pipesplit.export import paused_gc
 from pipesplit.meta import COMPUTE_OPS, META_KEY, node_cost, set_node_cost
 from pipesplit.passes.annotate.costs import annotate_costs
 from pipesplit.passes.plan.recompute import recomputable
 from pipesplit.passes.split import split_graph
+from pipesplit.structure import Structure, hooks_as_compiled
 
 if TYPE_CHECKING:
     from pipesplit.passes.split.program import SplitProgram
@@ -40,14 +52,28 @@ log = logging.getLogger(__name__)
 
 def recapture_fn(
     model: nn.Module, args: Any, kwargs: dict[str, Any] | None, batch_dim: int, unbatched: Collection[str],
-) -> Callable[[], Captured]:
-    """Captures ``model`` again with a dynamic batch, as it is compiled now: every submodule in the
-    training mode it has now (their flags are put back after), the same grad mode, outside any
-    autocast or inference mode the call that needs it runs in, without copying the model's state."""
+    dims: DimSpec | None = None,
+) -> Callable[[bool], Captured]:
+    """Captures ``model`` again with a dynamic batch (and the ``dims`` it was compiled with; with
+    ``every_dim``, every dimension of its batched inputs), as it was compiled: every submodule in the
+    training mode and with the forward hooks it had then (its own put back after), the same grad
+    mode, outside any autocast or inference mode the call that needs it runs in, without copying
+    the model's state. A model whose modules, parametrizations or state names changed since is
+    refused, naming the change."""
     grad_enabled = torch.is_grad_enabled()
     compiled = [(m, m.training) for m in model.modules()]
+    structure = Structure.of(model)
 
-    def recapture() -> Captured:
+    def recapture(every_dim: bool = False) -> Captured:
+        changed = structure.changes(Structure.of(model))
+        if changed:
+            raise CaptureError(
+                f"{type(model).__name__} changed since it was compiled: {'; '.join(changed)}. The program captures "
+                "the model again for a new batch size or length and would capture the changed model, not the one it "
+                "holds. Put the model back as it was, or compile it again (pipesplit.compile) to run the changed "
+                "model; compile(..., dynamic_batch=True, dynamic_dims=True) captures once and never again. (Changed "
+                "weight values are fine: the program holds its own.)"
+            )
         modes = [(m, m.training) for m in model.modules()]
         for m, mode in compiled:
             m.training = mode
@@ -58,7 +84,9 @@ def recapture_fn(
                 for device_type in ("cpu", "cuda"):
                     if torch.is_autocast_enabled(device_type):
                         scope.enter_context(torch.autocast(device_type, enabled=False))
-                return capture(model, args, kwargs, batch_dim=batch_dim, unbatched=unbatched, copy_state=False)
+                scope.enter_context(hooks_as_compiled(structure))  # not one added since (transformers' recorders)
+                return capture(model, args, kwargs, batch_dim=batch_dim, unbatched=unbatched, copy_state=False,
+                               dims={EVERY_DIM: {}} if every_dim else dims)
         finally:
             for m, mode in modes:
                 m.training = mode
@@ -68,20 +96,23 @@ def recapture_fn(
 
 UNMERGEABLE = -1  # an output that carries the batch where microbatches cannot be joined (seq * batch, flattened)
 UNKNOWN = -2  # static capture: an output computed from the batch, not with the batch's size at batch_dim
+DATA_DEPENDENT = -3  # a size computed from the inputs' values (torch.nonzero, a boolean mask): joined by no rule
 
 
 def output_batch_dims(captured: Captured) -> list[int | None]:
     """Per flat output: the dimension that carries the batch (microbatches' outputs concatenate
     there), None for an output without one, or ``UNMERGEABLE``.
 
-    Dynamic capture: the dimension whose size is the batch symbol (the inputs' batch dimension
-    first); a first dimension that is a multiple of it is a flattened batch-first batch
+    Dynamic capture: the dimension whose size is the batch symbol (two such dimensions, ``h @ h.T``,
+    are ``UNMERGEABLE``); a first dimension that is a multiple of it is a flattened batch-first batch
     (``(batch * seq, vocab)`` logits: contiguous per sample, as the targets' rule takes it) where
     the inputs carry the batch first; any other use of the symbol is ``UNMERGEABLE``. Static
     capture: the inputs' batch dimension where the output depends on a batched input and has the
-    example's batch size there; ``UNKNOWN`` for another output that depends on one (sizes alone
+    example's batch size there and nowhere else; ``UNKNOWN`` for another output that depends on one (sizes alone
     cannot tell a (seq, batch) output or flattened rows from a count that happens to have the
-    batch's size): the dynamic capture decides, if the microbatches' values need joining.
+    batch's size): the dynamic capture decides, if the microbatches' values need joining. Either
+    capture: ``DATA_DEPENDENT`` for an output with a size computed from the inputs' values
+    (``h[torch.nonzero(mask)]``), which no rule joins.
     """
     d, static = captured.batch_dim, captured.static_batch
     placeholders = [n for n in captured.gm.graph.nodes if n.op == "placeholder"]
@@ -94,12 +125,15 @@ def output_batch_dims(captured: Captured) -> list[int | None]:
         val = v.meta.get("val") if isinstance(v, fx.Node) else None
         if not isinstance(val, torch.Tensor) or val.dim() == 0:
             result.append(None)
+        elif data_dependent(val):
+            result.append(DATA_DEPENDENT)
         elif static is None:
             result.append(_symbolic_batch_dim(val.shape, symbols, d, _flattened_from(v)))
         elif not _depends_on(v, batched_in):
             result.append(None)
         else:
-            result.append(d if val.dim() > d and int(val.shape[d]) == static else UNKNOWN)
+            sized = [j for j, size in enumerate(val.shape) if int(size) == static]
+            result.append(d if sized == [d] else UNKNOWN)  # (B, B): one batch dimension, or two? dynamic decides
     return result
 
 
@@ -121,16 +155,27 @@ def _symbolic_batch_dim(shape: Any, symbols: set[Any], d: int, source: Any = Non
     the batch first (``(B, T, V).reshape(-1, V)``, not ``(T, B, V).reshape(-1, V)``)."""
     exprs = [None if static_dim(s) is not None else s.node.expr for s in shape]
     at = [j for j, e in enumerate(exprs) if e is not None and e in symbols]
+    if len(at) > 1:
+        return UNMERGEABLE  # (batch, batch): an in-batch similarity, each microbatch holds only its diagonal block
     if at:
-        return d if d in at else at[0]
+        return at[0]
     uses = [j for j, e in enumerate(exprs) if e is not None and e.free_symbols & {x for s in symbols for x in s.free_symbols}]
     if not uses:
         return None
     first = source.shape[0] if isinstance(source, torch.Tensor) and source.dim() else None
     batch_first = first is not None and static_dim(first) is None and first.node.expr in symbols  # type: ignore[attr-defined]
-    if d == 0 and uses == [0] and batch_first and any((exprs[0] / s).is_Integer for s in symbols):
+    if d == 0 and uses == [0] and batch_first and any(_per_sample(exprs[0] / s, symbols) for s in symbols):
         return 0  # (batch * seq, ...): batch-first, flattened
     return UNMERGEABLE
+
+
+def _per_sample(rows: Any, symbols: set[Any]) -> bool:
+    """``rows`` (a flattened first dimension over the batch) is a count per sample: a whole number, or
+    an expression of other sizes (a sequence length) without the batch's and without a fraction."""
+    if rows.is_Integer:
+        return True
+    batch = {x for s in symbols for x in s.free_symbols}
+    return not (rows.free_symbols & batch) and bool(rows.is_polynomial()) and rows.as_numer_denom()[1] == 1
 
 
 def _depends_on(node: fx.Node, sources: set[fx.Node]) -> bool:
@@ -217,10 +262,13 @@ def _signature(n: fx.Node, gm: fx.GraphModule) -> str:
     return f"{n.target}({attrs})" if attrs else str(n.target)
 
 
-def generalise(prog: "SplitProgram", why: str) -> None:
-    """Capture the model again with a dynamic batch and swap the program's stage graphs for it."""
+def generalise(prog: "SplitProgram", why: str, lengths: bool = False) -> None:
+    """Capture the model again with every dimension of its batched inputs dynamic where the model
+    allows (the batch, a sequence length) and swap the program's stage graphs for it; ``lengths``:
+    a dimension besides the batch changed. Where that capture fails and only the batch changed, one
+    with a dynamic batch alone is taken instead (and no length can change after it)."""
     static = prog.static_batch
-    if prog.batch_pinned is not None:  # found by an earlier attempt: not worth another export
+    if prog.batch_pinned is not None and not lengths:  # found by an earlier attempt: not worth another export
         raise InputError(f"{why}: {prog.batch_pinned}")
     if prog.recapture is None:
         raise InputError(
@@ -228,18 +276,36 @@ def generalise(prog: "SplitProgram", why: str) -> None:
             f"model to capture again. Use batches of {static}, or compile with dynamic_batch=True."
         )
     start = time.perf_counter()
-    log.info("pipesplit: %s: capturing the model again with a dynamic batch dimension (once)", why)
+    log.info("pipesplit: %s: capturing the model again with every dimension dynamic (once)", why)
+    what = "a dynamic batch and every other dimension dynamic where the model allows"
+    recapture = prog.recapture
     with paused_gc():
-        _swap_in_dynamic_capture(prog, why)
+        try:
+            _swap_in_dynamic_capture(prog, why, True, lengths)
+        except (CaptureError, PlanError, InputError) as e:  # InputError: that capture pinned the batch
+            if lengths or static is None:
+                prog.recapture = None
+                raise
+            prog.recapture, prog.batch_pinned = recapture, None
+            said = str(e).splitlines()[0]
+            log.info("pipesplit: capturing with every dimension dynamic failed (%s); the batch alone", said)
+            _swap_in_dynamic_capture(prog, why, False, lengths)
+            prog.recapture = None  # a length cannot become dynamic: that capture failed
+            what = f"a dynamic batch dimension (every dimension dynamic failed: {said})"
     seconds = time.perf_counter() - start
-    prog.notes.append(f"{why}: captured again with a dynamic batch dimension ({seconds:.2f} s, once)")
-    prog.timings["generalise"] = seconds
+    prog.notes.append(f"{why}: captured again with {what} ({seconds:.2f} s, once)")
+    prog.timings["generalise"] = prog.timings.get("generalise", 0.0) + seconds
 
 
-def _swap_in_dynamic_capture(prog: "SplitProgram", why: str) -> None:
+def _swap_in_dynamic_capture(prog: "SplitProgram", why: str, every_dim: bool, lengths: bool) -> None:
     static = prog.static_batch
     assert prog.recapture is not None
-    captured = prog.recapture()
+    captured = prog.recapture(every_dim)
+    if lengths and not captured.batch_dynamic:
+        prog.recapture = None
+        raise InputError(f"{why}: the model pins the batch dimension ({'; '.join(captured.notes)}), so pipesplit cannot "
+                         "capture it with other dimensions dynamic either. Make the model read the batch size from "
+                         "its input, or keep this dimension at its example's size.")
     if not captured.batch_dynamic:
         prog.batch_pinned = (
             f"the model pins the batch dimension to {static} (e.g. a reshape with a literal batch size; "
@@ -265,7 +331,8 @@ def _swap_in_dynamic_capture(prog: "SplitProgram", why: str) -> None:
     carry_times(prog.captured_gm, gm, renamed)
     keep = recomputable(gm, captured.mutated_targets)
     recompute = [renamed[r] for r in prog.plan.recompute if renamed.get(r) in keep]
-    plan = dataclasses.replace(prog.plan, stages=stages, recompute=recompute, capture="dynamic")
+    plan = dataclasses.replace(prog.plan, stages=stages, recompute=recompute,
+                               capture="every_dim" if captured.every_dim else "dynamic")
     split = split_graph(gm, stages, [str(s.device) for s in prog.stages], recompute=recompute)
     prog.respecialise(captured, split, plan)
-    prog.recapture = None  # the model is no longer needed
+    prog.recapture = None  # the last capture: the model is no longer needed

@@ -15,14 +15,16 @@ from pipesplit.compat import pytree
 from pipesplit.devices import concrete_device
 from pipesplit.errors import InputError, PipesplitError, PlanError, partial_program
 from pipesplit.passes.split.generalise import output_batch_dims
-from pipesplit.inputs import Shown, shown, describe_structure, batch_sizes, check_input, check_range
+from pipesplit.passes.split.merges import output_merges
+from pipesplit.inputs import Shown, shown, describe_structure, batch_sizes, check_input, check_kind, check_range, ordered_like
 from pipesplit.passes.split.devices import capture_device, retarget
 from pipesplit.passes.split.modes import eval_module
-from pipesplit.passes.split import Boundary, SplitGraph, StagePiece
+from pipesplit.passes.split import Boundary, SplitGraph
 from pipesplit.plan import Plan
 from pipesplit.rng import seeded
-from pipesplit.passes.split.program_state import ProgramState
-from pipesplit.state import Placement, Tied, attach
+from pipesplit.passes.split.placing import StatePlacing
+from pipesplit.state import Placement, Tied
+from pipesplit.passes.split.sizes import input_symbols, sizes_of, substitute
 
 
 @dataclass
@@ -64,7 +66,7 @@ class Stage:
         return out
 
 
-class SplitProgram(ProgramState):
+class SplitProgram(StatePlacing):
     """Stage modules with explicit send/recv boundaries, exact against the original model.
 
     Calling it runs the stages in order on their devices (the reference semantics
@@ -82,7 +84,7 @@ class SplitProgram(ProgramState):
         self.export_seconds = captured.export_seconds
         self.batch_dim = captured.batch_dim  # the dimension microbatches are cut along
         # captures the model again with a dynamic batch (set by compile() for a static capture)
-        self.recapture: Callable[[], Captured] | None = None
+        self.recapture: Callable[[bool], Captured] | None = None
         self.batch_pinned: str | None = None  # why the batch cannot change, once a re-capture found out
         self.timings: dict[str, float] = {}  # seconds per compile phase (set by compile)
         # bumped whenever the stage graphs are swapped (respecialise): whatever was built on them
@@ -100,15 +102,7 @@ class SplitProgram(ProgramState):
         self.stage_entries: list[dict[int, torch.Tensor]] = []  # per stage: state index -> its tensor
         for piece, device_name in zip(split.stages, devices):
             device = concrete_device(device_name)
-            entries: dict[int, torch.Tensor] = {}
-            self.stage_entries.append(entries)
-
-            def take(idx: int, device: torch.device = device, entries: dict[int, torch.Tensor] = entries) -> Any:
-                if idx not in entries:  # a model built on "meta" stays there until materialize()
-                    t = captured.state[idx].tensor
-                    entries[idx] = placement.take(idx, t, t.device if t.is_meta else device)
-                return entries[idx]
-
+            take = self._taker(captured, placement, device)
             module = fx.GraphModule(self._holder(piece, take), piece.graph, class_name=f"Stage{piece.index}")
             cost = plan.stage_costs[piece.index] if plan.stage_costs else 0.0
             self.stages.append(
@@ -117,19 +111,7 @@ class SplitProgram(ProgramState):
             )
             if self.capture_device.type != "meta":  # a meta model's stages move at materialize()
                 self.stages[-1].place_graphs(device)
-        for idx, state in enumerate(captured.state):  # state no op reads (an unused head): stage 0 keeps it, so
-            # state_dict and checkpoints have it; on meta it stays unheld (nothing could give it values)
-            if state.aliases and placement.owner(idx) is None and self.stages and not state.tensor.is_meta:
-                self.stage_entries[0][idx] = placement.take(idx, state.tensor, self.stages[0].device)
-        self._owner: list[torch.Tensor | None] = [placement.owner(idx) for idx in range(len(captured.state))]
-        self.uninitialised: set[int] = set()  # state entries given storage by materialize() and no values yet
-        for idx, copies in enumerate(placement.copies):
-            if len(copies) > 1 and captured.state[idx].name in captured.mutated_names:
-                raise PlanError(
-                    f"buffer {captured.state[idx].name!r} is updated in place by stages on different devices "
-                    f"({', '.join(map(str, copies))}); put those stages on one device."
-                )
-        self._tie(placement.ties())
+        self._hold_the_rest(captured, placement)
         self._build_root(split)
 
     def _set_graph(self, captured: Captured, split: SplitGraph, plan: Plan) -> None:
@@ -157,24 +139,10 @@ class SplitProgram(ProgramState):
             and static_dim(v.meta["val"].shape[d]) is None
         }
         self.output_batch_dims = output_batch_dims(captured)  # where microbatches' outputs join (None: no batch)
+        self.output_merges = output_merges(captured, self.output_batch_dims)  # how (passes/split/merges.py)
+        self.size_symbols = input_symbols(captured.gm)  # (flat input, dimension, symbol): every dynamic size
+        self.every_dim = captured.every_dim  # every dimension captured dynamic where the model allows
         self.random_ops = sum(n.target is seeded for p in split.stages for n in p.graph.nodes)  # dropout & co.
-
-    def _holder(self, piece: StagePiece, take: Callable[[int], torch.Tensor]) -> nn.Module:
-        """A module holding what stage ``piece``'s graph reads: state tensors (``take(idx)``) under
-        their targets, and submodules (the bodies of higher-order ops)."""
-        holder = nn.Module()
-        for target, obj in piece.attrs.items():
-            idx = self.target_to_entry.get(target)
-            if idx is None:  # a submodule, e.g. the body of a higher-order op
-                attach(holder, target, obj)
-            else:
-                attach(holder, target, take(idx), self._state[idx].persistent)
-        if piece.index == 0:
-            used = set(self.target_to_entry.values())
-            for idx, entry in enumerate(self._state):
-                if idx not in used and entry.aliases:  # unused state stays with stage 0
-                    attach(holder, entry.name, take(idx), entry.persistent)
-        return holder
 
     def _build_root(self, split: SplitGraph) -> None:
         root = nn.Module()
@@ -278,7 +246,9 @@ class SplitProgram(ProgramState):
         calls :meth:`ensure_batch` with the microbatch size itself.
         """
         kwargs = {**kwargs, **{k: v for k, v in self.defaults.items() if k not in kwargs}}
-        flat, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
+        template = pytree.tree_unflatten([None] * self.in_spec.num_leaves, self.in_spec)
+        call = ordered_like((tuple(args), dict(kwargs)), template)  # keywords match by name, in any order
+        flat, spec = pytree.tree_flatten(call)
         if spec != self.in_spec:
             got = describe_structure(pytree.tree_map(shown, (tuple(args), dict(kwargs))))
             raise InputError(
@@ -286,8 +256,11 @@ class SplitProgram(ProgramState):
                 f"  expected: {self._expected_structure()}\n  got:      {got}\n"
                 "Pass the same positional arguments and keyword names as the example."
             )
+        for value, info in zip(flat, self.inputs):  # a rank or dtype no batch size changes: named before a re-capture
+            check_kind(value, info, self.batch_dim)
         if self.batch_shared:  # checked before a re-capture, as Pipeline.step checks it
             batch_sizes(flat, self.inputs, self.batch_dim)
+        self.ensure_sizes(flat)
         free: int | None = None
         if self.static_batch is not None and whole_batch:
             free = self.batch_dim
@@ -296,9 +269,33 @@ class SplitProgram(ProgramState):
                           if i.batched and isinstance(v, torch.Tensor) and v.dim() > self.batch_dim), None)
             if batch is not None:
                 self.ensure_batch(int(batch))
+        fixed = "a reshape to a constant, a weight of that size, or an example of size 1" if self.every_dim else None
         for value, info in zip(flat, self.inputs):
-            check_input(value, info, free)
+            check_input(value, info, free, fixed, self.batch_dim)
         return flat
+
+    def ensure_sizes(self, flat: list[Any]) -> bool:
+        """Make the stage graphs take the sizes of ``flat`` besides the batch: the first time a batched
+        input's other dimension (a sequence length, an image size) differs from what the graphs fix,
+        the model is captured again with every dimension dynamic where it allows, once
+        (:mod:`pipesplit.passes.split.generalise`). True if the graphs changed."""
+        if self.every_dim or self.recapture is None:
+            return False
+        changed = [f"input {info.name!r} dimension {d} of {got} (captured at {want})"
+                   for value, info in zip(flat, self.inputs)
+                   if info.batched and isinstance(value, torch.Tensor) and info.shape and value.dim() == len(info.shape)
+                   for d, (got, want) in enumerate(zip(value.shape, info.shape))
+                   if d != self.batch_dim and want is not None and got != want]
+        if not changed:
+            return False
+        from pipesplit.passes.split.generalise import generalise
+
+        generalise(self, changed[0], lengths=True)
+        return True
+
+    def sizes_of(self, flat: list[Any]) -> dict[Any, int]:
+        """The sizes besides the batch's that a microbatch's flat inputs give the graphs' symbols."""
+        return sizes_of(flat, self.size_symbols, self.batch_symbols)
 
     def ensure_batch(self, size: int, what: str = "") -> bool:
         """Make the stage graphs take batches of ``size``: a program captured at the example's batch
@@ -338,9 +335,10 @@ class SplitProgram(ProgramState):
         by_name = dict(zip(self.stages[-1].outputs, last_stage_outputs))
         return [by_name[v] if kind == "value" else v for kind, v in self._outputs]
 
-    def resolve_value(self, boundary: Boundary, batch: int) -> Any:
+    def resolve_value(self, boundary: Boundary, batch: int, sizes: Mapping[Any, int] | None = None) -> Any:
         """The value of a non-tensor that crosses a boundary (a size, or a float or bool derived
-        from sizes, such as ``x.shape[0] ** -0.5``) for a given (micro)batch size."""
+        from sizes, such as ``x.shape[0] ** -0.5``) for a given (micro)batch size and, where the
+        graphs have other dynamic sizes, their values (:meth:`sizes_of`)."""
         self._check_batch(batch)
         if boundary.sizes is None:
             raise PlanError(
@@ -351,24 +349,19 @@ class SplitProgram(ProgramState):
         expr = boundary.sizes[0]
         if isinstance(expr, (bool, int, float)):
             return expr
-        free = expr.free_symbols
-        if not free <= self.batch_symbols:
-            raise InputError(
-                f"a boundary value {expr} depends on {sorted(map(str, free - self.batch_symbols))}, not only on the "
-                "batch size; only the batch dimension may vary between calls."
-            )
-        value = expr.subs({sym: batch for sym in free})
+        value = substitute(expr, self._size_env(expr, batch, sizes, "value"))
         if boundary.kind == "float":
             return float(value)
         if boundary.kind == "bool":
             return bool(value)
         return int(value)
 
-    def resolve_shape(self, boundary: Boundary, batch: int) -> tuple[int, ...]:
-        """A boundary tensor's concrete shape for a given (micro)batch size."""
+    def resolve_shape(self, boundary: Boundary, batch: int, sizes: Mapping[Any, int] | None = None) -> tuple[int, ...]:
+        """A boundary tensor's concrete shape for a given (micro)batch size and other sizes (see resolve_value)."""
         self._check_batch(batch)
         assert boundary.sizes is not None
-        return tuple(self._eval_size(d, batch) for d in boundary.sizes)
+        return tuple(d if isinstance(d, int) else int(substitute(d, self._size_env(d, batch, sizes, "size")))
+                     for d in boundary.sizes)
 
     def _check_batch(self, batch: int) -> None:
         if self.static_batch is not None and batch != self.static_batch:
@@ -377,16 +370,16 @@ class SplitProgram(ProgramState):
                 f"prog.ensure_batch({batch}) first (it captures the model again with a dynamic batch)."
             )
 
-    def _eval_size(self, expr: Any, batch: int) -> int:
-        if isinstance(expr, int):
-            return expr
-        free = expr.free_symbols
-        if not free <= self.batch_symbols:
+    def _size_env(self, expr: Any, batch: int, sizes: Mapping[Any, int] | None, what: str) -> dict[Any, int]:
+        env = {**(sizes or {}), **{sym: batch for sym in self.batch_symbols}}
+        unknown = expr.free_symbols - set(env)
+        if unknown:
+            read = {str(sym): f"input {self.inputs[i].name!r} dimension {d}" for i, d, sym in self.size_symbols}
             raise InputError(
-                f"a boundary size {expr} depends on {sorted(map(str, free - self.batch_symbols))}, not only on the "
-                "batch size; only the batch dimension may vary between calls."
+                f"a boundary {what} {expr} depends on {', '.join(read.get(str(s), str(s)) for s in sorted(unknown, key=str))}"
+                ", besides the batch size: pass the microbatch's sizes (prog.sizes_of(its flat inputs))."
             )
-        return int(expr.subs({sym: batch for sym in free}))
+        return env
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         flat = self.flatten_inputs(args, kwargs)

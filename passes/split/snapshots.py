@@ -20,7 +20,7 @@ def snapshot_state_reads(graph: fx.Graph, is_buffer: Callable[[str], bool]) -> i
     at the read holds the value accumulation reads, and the writes still reach the buffer in microbatch order.
     Reads are the users of the buffer's storage class that neither write it nor alias it (those pass it on to
     their own users), and the graph's output. Parameters are left alone: a parameter written in place needs its
-    gradient (see :mod:`pipesplit.runtime.state_writes`). Graphs without such buffers are not changed.
+    gradient (see :mod:`pipesplit.runtime.state.state_writes`). Graphs without such buffers are not changed.
     """
     classes = storage_classes(graph)
     roots = {classes.root(n) for n in graph.nodes

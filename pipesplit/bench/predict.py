@@ -22,7 +22,7 @@ from pipesplit.passes.annotate.gpu_rates import gpu_slowdown
 from pipesplit.passes.annotate.rates import concurrent_slowdown, device_rates, largest_matmul, priced
 from pipesplit.passes.plan.step_planner import node_seconds
 from pipesplit.passes.split.program import SplitProgram
-from pipesplit.runtime.weight_grads import split_overhead_s, weight_graph
+from pipesplit.runtime.engine.weight_grads import split_overhead_s, weight_graph
 from pipesplit.schedules import ActionKind, Schedule, StageCost, Timeline, simulate
 from pipesplit.schedules.shared import simulate_shared
 
@@ -210,7 +210,7 @@ def weight_ops(module: torch.nn.Module) -> int:
 
 def split_backward(prog: SplitProgram, schedule: Schedule, costs: list[StageCost]) -> list[StageCost]:
     """Stage times with the W of every stage the schedule splits (I, then W) charged the split's
-    fixed cost per weight op (:func:`~pipesplit.runtime.weight_grads.split_overhead_s`)."""
+    fixed cost per weight op (:func:`~pipesplit.runtime.engine.weight_grads.split_overhead_s`)."""
     split = {a.stage for actions in schedule.actions for a in actions if a.kind is ActionKind.BACKWARD_WEIGHT}
     out = []
     for c, s in zip(costs, prog.stages):
@@ -247,5 +247,7 @@ def step_timeline(prog: SplitProgram, schedule: Schedule, costs: Sequence[StageC
     The ranks of each of ``groups`` share one resource (:func:`sharing_groups`, :func:`predict`)."""
     comm_s = cut_seconds(prog, batch, schedule.num_microbatches, comm)
     if groups:
-        return comm_s, simulate_shared(schedule, list(costs), comm_s if comm_s else 0.0, groups=groups)
-    return comm_s, simulate(schedule, list(costs), comm_cost=comm_s if comm_s else 0.0)
+        timeline = simulate_shared(schedule, list(costs), comm_s if comm_s else 0.0, groups=groups)
+    else:
+        timeline = simulate(schedule, list(costs), comm_cost=comm_s if comm_s else 0.0)
+    return comm_s, dataclasses.replace(timeline, unit="s")

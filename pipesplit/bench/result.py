@@ -39,8 +39,10 @@ class BenchRow:
     """The stage with the largest measured forward + backward time."""
     predicted_bottleneck_stage: int
     balance: float
-    """Measured bottleneck stage time over the mean stage time (1.0 = perfectly balanced)."""
+    """Time balance: the measured bottleneck stage's forward + backward seconds over the mean stage's
+    (1.0 = perfectly balanced); not the report's cost balance, which is of the plan's cost (FLOPs)."""
     predicted_balance: float
+    """Time balance as predicted: the cost model's stage seconds at one microbatch, as the simulated step ran them."""
     boundary_bytes: int
     """Bytes crossing stage boundaries in one step (activations forward, gradients back)."""
     predicted_step_s: float
@@ -93,7 +95,7 @@ _COLUMNS = [  # (header, cell) for the printed and Markdown tables
     ("meas step ms", lambda r: f"{_ms(r.measured_step_s)} ± {_ms(r.measured_step_spread_s)}"),
     ("meas/pred", lambda r: f"{r.step_ratio:.2f}"),
     ("bubble pred/meas", lambda r: f"{100 * r.predicted_bubble:.0f}% / {100 * r.measured_bubble:.0f}%"),
-    ("balance pred/meas", lambda r: f"{r.predicted_balance:.2f} / {r.balance:.2f}"),
+    ("time balance pred/meas", lambda r: f"{r.predicted_balance:.2f} / {r.balance:.2f}"),
     ("bottleneck pred/meas", lambda r: f"{r.predicted_bottleneck_stage} / {r.bottleneck_stage}"),
     ("boundary/step", lambda r: human_bytes(r.boundary_bytes)),
     ("peak mem (max stage)", lambda r: human_bytes(max(r.peak_memory_bytes, default=0))
@@ -114,7 +116,7 @@ class RunDetail:
 
     program: Any  # SplitProgram
     prediction: Any  # pipesplit.bench.predict.Prediction
-    trace: Any  # pipesplit.runtime.trace.Trace
+    trace: Any  # pipesplit.runtime.engine.trace.Trace
     median_step: int  # index of the traced step whose time is the median
 
 
@@ -178,6 +180,11 @@ class BenchmarkResult:
                            "this run cannot rank them.")
         return out
 
+    @property
+    def notes(self) -> list[str]:
+        """What compiling the benchmarked programs noted (``prog.notes``), each once."""
+        return list(dict.fromkeys(n for d in self.details for n in d.program.notes))
+
     def best(self) -> BenchRow:
         """The configuration with the lowest measured step time."""
         if not self.rows:
@@ -210,6 +217,7 @@ class BenchmarkResult:
             lines.append(f"\nfastest: {b.label}: {_ms(b.measured_step_s)} ms per step, {b.throughput:.4g} samples/s")
         lines += [f"skipped {what}: {why}" for what, why in self.skipped]
         lines += [f"warning: {w}" for w in self.warnings]
+        lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 
     def to_markdown(self, per_stage: bool = True) -> str:
@@ -276,7 +284,9 @@ class BenchmarkResult:
         step = (f"measured: step {k + 1} of {n} (closest to the median), {_ms(measured.step_time)} ms, "
                 f"bubble {100 * measured.bubble_fraction:.0f}%")
         summary = (f"{r.label}: measured step {_ms(r.measured_step_s)} ms (median of {n}) / predicted "
-                   f"{_ms(r.predicted_step_s)} ms = {r.step_ratio:.2f}x")
+                   f"{_ms(r.predicted_step_s)} ms = {r.step_ratio:.2f}x\n"
+                   f"drawn below: the prediction, and measured step {k + 1} of {n} ({_ms(measured.step_time)} ms)"
+                   + ("" if n == 1 else ", the one closest to the median"))
         return d.prediction.timeline, measured, r.label, {"measured_title": step, "summary": summary}
 
     def to_chrome_trace(self, path: str | os.PathLike[str], row: BenchRow | int | None = None) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import inspect
 import itertools
 import logging
 import platform
@@ -14,7 +15,8 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from pipesplit.api import compile as compile_model
+from pipesplit.api import check_devices_exist, compile as compile_model
+from pipesplit.checks import keywords_of
 from pipesplit.bench.load import load_summary, machine_load
 from pipesplit.bench.predict import Prediction, boundary_bytes_per_step, predict
 from pipesplit.bench.result import BenchmarkResult, BenchRow, RunDetail
@@ -24,9 +26,9 @@ from pipesplit.devices import device_name
 from pipesplit.errors import InputError, PipesplitError, ScheduleError
 from pipesplit.passes.plan.planner import BUILTIN_COSTS, cost_function
 from pipesplit.passes.split.program import SplitProgram
-from pipesplit.runtime.microbatch import batch_size
-from pipesplit.runtime.pipeline import Pipeline
-from pipesplit.runtime.trace import Trace
+from pipesplit.runtime.engine.microbatch import batch_size
+from pipesplit.runtime.engine.pipeline import Pipeline
+from pipesplit.runtime.engine.trace import Trace
 from pipesplit.schedules import schedule_info
 from pipesplit.deprecation import num_keywords
 
@@ -52,6 +54,7 @@ def _devices_for(devices: Sequence[str | torch.device] | None, k: int) -> list[s
     """Stage s runs on devices[s % len(devices)] (None: the model's device)."""
     if devices is None:
         return None
+    check_devices_exist(devices, k)
     devs = [device_name(d) for d in devices]
     if not devs:
         raise PipesplitError("benchmark: devices is empty; pass None for the model's device or a list of devices.")
@@ -149,7 +152,14 @@ def _row(prog: SplitProgram, pipe: Pipeline, cost_name: str, batch: int, pred: P
     return row, median_step
 
 
+def _keywords() -> list[str]:
+    """What ``benchmark`` takes by name: its own keywords and, passed on, ``compile``'s."""
+    own = [p.name for p in inspect.signature(benchmark).parameters.values() if p.kind is not p.VAR_KEYWORD]
+    return own + [p.name for p in inspect.signature(compile_model).parameters.values()]
+
+
 @num_keywords
+@keywords_of("benchmark", [], extra=_keywords)
 def benchmark(
     model: nn.Module | SplitProgram,
     example_input: Any = (),
@@ -164,7 +174,7 @@ def benchmark(
     devices: Sequence[str | torch.device] | None = None,
     warmup: int = 2,
     repeats: int = 5,
-    progress: bool = True,
+    progress: bool | None = None,
     **compile_options: Any,
 ) -> BenchmarkResult:
     """Compile, predict and time every combination of the given options; one row each.
@@ -182,11 +192,14 @@ def benchmark(
         devices: stage ``s`` runs on ``devices[s % len(devices)]``; default the model's.
         warmup, repeats: untimed then timed (and traced) steps per configuration; step
             times are medians, with the spread of the repeats.
-        progress: show a progress bar over the configurations.
+        progress: a progress bar over the configurations: True always, False never, None
+            (default) only when stderr is a terminal.
         compile_options: passed on to :func:`pipesplit.compile` (e.g. ``slack``).
 
     Each stage count and cost gets one split (the balanced plan ``pipesplit.compile``
-    makes), which then runs under every schedule and microbatch count.
+    makes), which then runs under every schedule and microbatch count; it is captured with a
+    dynamic batch (``dynamic_batch=True`` unless given), so that running microbatches of any
+    size captures nothing more.
     Predicted times come from the cost model the split was planned with, scaled from
     the example batch to one microbatch; measured times come from the pipelined steps
     (each stage's compute, waits excluded). Memory is the CUDA allocator's peak per
@@ -220,12 +233,17 @@ def benchmark(
     dim = given.batch_dim if given is not None else int(compile_options.get("batch_dim", 0))
     _check(scheds, [] if is_prog else costs, stage_counts, micro, _example_batch(args, kwargs, dim), warmup, repeats)
     configs = list(itertools.product(stage_counts, costs, scheds, micro))
+    if given is None and "dynamic_batch" not in compile_options and any(m > 1 for m in micro):
+        # the steps run microbatches, not the example's batch: capture the batch dynamic once, not the
+        # example's shapes first and then once more at the microbatch size, for every stage count
+        compile_options = {**compile_options, "dynamic_batch": True}
     rows, details, skipped = [], [], []
     load_before = machine_load()
-    bar = tqdm(total=len(configs), desc="pipesplit benchmark", unit="config", disable=not progress, leave=False)
+    bar = tqdm(total=len(configs), desc="pipesplit benchmark", unit="config",
+               disable=None if progress is None else not progress, leave=False)
     # log lines printed while the bar is drawn go through tqdm.write, above it, not into it
     redirect = contextlib.ExitStack()
-    if progress:
+    if not bar.disable:
         redirect.enter_context(logging_redirect_tqdm())
     try:
         for (k, c), group in itertools.groupby(configs, key=lambda x: x[:2]):

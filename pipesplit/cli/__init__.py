@@ -85,6 +85,10 @@ def traceback_helps(e: BaseException) -> bool:
     return e.__cause__ is not None and not isinstance(e.__cause__, PipesplitError)
 
 
+def _not_a_note(record: logging.LogRecord) -> bool:
+    return not getattr(record, "pipesplit_note", False)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -94,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     # the compile phases as they finish (INFO); --debug adds what torch.export printed on a failed capture
     ours = logging.getLogger("pipesplit")
     level = ours.level
+    noting = logging.getLogger("pipesplit.api")  # a plan's warnings are prog.notes, which every command prints
+    noting.addFilter(_not_a_note)
     ours.setLevel(logging.DEBUG if args.debug else logging.WARNING if args.quiet else logging.INFO)
     try:
         return int(args.run(args))
@@ -105,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     finally:
         ours.setLevel(level)
+        noting.removeFilter(_not_a_note)
 
 
 __all__ = ["CLIError", "build_parser", "main", "traceback_helps"]

@@ -9,6 +9,7 @@ from typing import Any, Callable
 
 import torch
 
+from pipesplit.checks import file_target, folder_target
 from pipesplit.cli.factory import CLIError, check_fits, default_int_high, load_model, make_inputs, parse_kwargs
 from pipesplit.devices import device_name, machine_devices
 from pipesplit.passes.plan.planner import cost_function
@@ -24,7 +25,31 @@ def int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected integers separated by commas, got {text!r}") from None
     if not values:
         raise argparse.ArgumentTypeError("expected at least one integer")
+    if any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected whole numbers >= 1, got {text!r}")
     return values
+
+
+def positive_int(text: str) -> int:
+    """argparse type: a whole number >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {value}")
+    return value
+
+
+def count(text: str) -> int:
+    """argparse type: a whole number >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {value}")
+    return value
 
 
 def name_list(text: str) -> list[str]:
@@ -50,7 +75,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input-shape", action="append", required=True, metavar="SHAPE",
                    help="(required) shape of one positional input, e.g. 8x64 or 8x64:int64 (repeat for "
                         "several inputs); the first dimension is the batch")
-    p.add_argument("--int-high", type=int, default=None, metavar="N",
+    p.add_argument("--int-high", type=positive_int, default=None, metavar="N",
                    help="integer inputs are drawn from [0, N) (default: the smallest num_embeddings of the "
                         "model's nn.Embedding modules, i.e. its vocabulary)")
     p.add_argument("--kwarg", action="append", default=[], metavar="KEY=VALUE",
@@ -75,6 +100,7 @@ def _write_text(path: str, text: str) -> None:
 
 
 def _write(path: str, fn: Callable[[str], Any]) -> None:
+    file_target(path, path)
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     fn(path)
@@ -86,6 +112,9 @@ def run_split(args: argparse.Namespace) -> int:
     import pipesplit
 
     cost_function(args.cost)  # unknown names fail before the model is built
+    for flag, path in (("--dot", args.dot), ("--svg", args.svg), ("--plan-out", args.plan_out)):
+        if path:
+            file_target(flag, path)  # before the (slow) compile
     if args.schedule is not None:
         pipesplit.schedules.schedule_info(args.schedule)
     model, inputs = _model_and_inputs(args)
@@ -110,11 +139,11 @@ def add_split(sub: Any, debug: Callable[[argparse.ArgumentParser], None]) -> Non
     p = sub.add_parser("split", help="compile a model into pipeline stages and print the per-stage report",
                        description="Compile MODULE:FACTORY into pipeline stages; print the report, write DOT/SVG/plan.")
     add_model_arguments(p)
-    p.add_argument("--stages", type=int, default=2, help="number of pipeline stages (default 2)")
+    p.add_argument("--stages", type=positive_int, default=2, help="number of pipeline stages (default 2)")
     p.add_argument("--cost", default="flops",
                    help="cost model: flops (default), params, profile, hybrid or uniform")
     p.add_argument("--schedule", default=None, help="plan for this schedule's simulated step time (e.g. 1f1b)")
-    p.add_argument("--microbatches", type=int, default=None, help="microbatches per step for --schedule")
+    p.add_argument("--microbatches", type=positive_int, default=None, help="microbatches per step for --schedule")
     p.add_argument("--plan", default=None, metavar="F", help="reuse a saved plan (JSON) instead of planning")
     p.add_argument("--dot", metavar="F", help="write the split graph as DOT text (no graphviz needed)")
     p.add_argument("--svg", metavar="F", help="render the split graph as SVG (needs graphviz's `dot`)")
@@ -128,10 +157,11 @@ def add_split(sub: Any, debug: Callable[[argparse.ArgumentParser], None]) -> Non
 def run_bench(args: argparse.Namespace) -> int:
     import pipesplit
 
+    folder_target("--out", args.out)  # before the (slow) benchmark
     model, inputs = _model_and_inputs(args)
     res = pipesplit.benchmark(model, inputs, num_stages=args.stages, schedules=args.schedules,
                               num_microbatches=args.microbatches, cost=args.cost, devices=args.devices,
-                              warmup=args.warmup, repeats=args.repeats, progress=not args.no_progress)
+                              warmup=args.warmup, repeats=args.repeats, progress=False if args.no_progress else None)
     print(res)
     out = args.out
     os.makedirs(out, exist_ok=True)
@@ -160,10 +190,10 @@ def add_bench(sub: Any, debug: Callable[[argparse.ArgumentParser], None]) -> Non
                    help="microbatches per step (default 4); each must divide the batch")
     p.add_argument("--cost", type=name_list, default=["flops"], metavar="C[,C...]",
                    help="cost models to plan with (default flops; also params, profile, hybrid, uniform)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps per configuration (default 2)")
-    p.add_argument("--repeats", type=int, default=5, help="timed steps per configuration (default 5)")
+    p.add_argument("--warmup", type=count, default=2, help="untimed steps per configuration (default 2)")
+    p.add_argument("--repeats", type=positive_int, default=5, help="timed steps per configuration (default 5)")
     p.add_argument("--out", default="bench_out", help="folder for the results (default bench_out)")
-    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bar (shown only when stderr is a terminal)")
     debug(p)
     p.set_defaults(run=run_bench)
 
@@ -186,6 +216,8 @@ def run_schedule(args: argparse.Namespace) -> int:
     timeline = simulate(sched, StageCost(args.forward, i, i if args.backward_weight is None else args.backward_weight))
     print(timeline.to_text(width=args.width))
     print(TEXT_LEGEND)
+    w = i if args.backward_weight is None else args.backward_weight
+    print(f"time units: those of --forward {args.forward:g}, --backward-input {i:g}, --backward-weight {w:g}")
     print(f"simulated bubble: {100 * timeline.bubble_fraction:.1f}% of rank time idle; "
           f"peak activations per rank: {list(timeline.peak_activations)}")
     if args.png:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import importlib
 import importlib.util
+import math
 import os
 import sys
 from typing import Any, Sequence
@@ -117,7 +118,20 @@ def parse_shape(text: str) -> tuple[tuple[int, ...], torch.dtype]:
         shape = ()
     if not shape or any(d < 1 for d in shape):
         raise CLIError(f"--input-shape {text!r} is not a shape", "write sizes separated by x, e.g. 8x64 or 8x64:int64")
+    nbytes = math.prod(shape) * dtype.itemsize
+    memory = _physical_memory()
+    if nbytes >= 2**62 or (memory is not None and nbytes > memory):
+        raise CLIError(f"--input-shape {text!r} is {nbytes / 2**30:.4g} GiB, more than this machine's "
+                       f"{(memory or 0) / 2**30:.4g} GiB of memory", "pass a smaller example, e.g. --input-shape 8x64")
     return shape, dtype
+
+
+def _physical_memory() -> int | None:
+    """Bytes of memory this machine has, None where the system does not say."""
+    try:
+        return int(os.sysconf("SC_PHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def make_inputs(shapes: Sequence[str], int_high: int = 2, seed: int = 0) -> tuple[torch.Tensor, ...]:

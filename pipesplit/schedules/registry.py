@@ -150,6 +150,9 @@ def schedule_info(name: str) -> RegisteredSchedule:
 
 
 def _lookup(name: str) -> RegisteredSchedule:
+    if not isinstance(name, str):
+        raise ScheduleError(f"a schedule is given by name (a str, e.g. '1f1b') or as a built Schedule, got {name!r} "
+                            f"({type(name).__name__}). Known schedules: {', '.join(list_schedules())}.")
     if name in _REGISTRY:
         return _REGISTRY[name]
     hint = did_you_mean(name, _REGISTRY, n=1, sentence=True)

@@ -12,6 +12,7 @@ from pipesplit.errors import ScheduleError
 from pipesplit.schedules.actions import Action, ActionKind
 from pipesplit.schedules.costs import StageCost
 from pipesplit.schedules.schedule import Schedule
+from pipesplit.units import human_seconds
 
 TEXT_LEGEND = "F forward, B backward, I input grad, W weight grad, . idle; lower case: odd microbatches (1, 3, ...)"
 """What the letters of :meth:`Timeline.to_text` mean."""
@@ -41,6 +42,9 @@ class Timeline:
     """The schedule that was simulated."""
     events: tuple[tuple[TimedAction, ...], ...]
     """Per rank, every action (compute and communication) with its start and end, in order."""
+    unit: str = ""
+    """What the times are in: ``"s"`` (a trace, a prediction), ``"ms"``, or ``""``: the unit of the
+    stage costs :func:`~pipesplit.schedules.simulate` was given (printed as "time units")."""
 
     @cached_property
     def step_time(self) -> float:
@@ -65,7 +69,7 @@ class Timeline:
 
     def stage_costs(self) -> list[StageCost]:
         """Per stage, the mean span of its F, I and W actions in this timeline: what an action
-        took as simulated (or as traced, for a :meth:`~pipesplit.runtime.trace.Trace.timeline`).
+        took as simulated (or as traced, for a :meth:`~pipesplit.runtime.engine.trace.Trace.timeline`).
         Means, so that a stage's microbatches times its F + B is the time it computed."""
         spans = ((e.action, e.end - e.start) for rank in self.events for e in rank if e.action.is_compute)
         return StageCost.of_spans(self.schedule.num_stages, spans, statistics.fmean)
@@ -101,8 +105,18 @@ class Timeline:
                     return event
         raise ScheduleError(f"{wanted} is not in schedule {self.schedule.name!r}.")
 
+    def format_time(self, t: float) -> str:
+        """``t`` with its unit: ``217 ms`` for seconds, ``27 time units`` for a simulation's own unit."""
+        if self.unit == "s":
+            return human_seconds(t)
+        return f"{t:.4g} {self.unit or 'time units'}"
+
     def to_text(self, width: int = 80) -> str:
-        """ASCII Gantt chart, one line per rank, ``width`` columns spanning the step.
+        """ASCII Gantt chart, one line per rank, at most ``width`` columns spanning the step.
+
+        When every action starts and ends on a multiple of the shortest one (a simulation with
+        whole-number costs), each such quantum gets the same whole number of columns, so equal
+        actions are drawn equally wide; otherwise the ``width`` columns split the step evenly.
 
         Letters are the action kinds (F, B, I, W), upper case for even and lower case for
         odd microbatches so neighbours stay distinguishable; ``.`` is idle.
@@ -110,7 +124,7 @@ class Timeline:
         >>> from pipesplit.schedules import get_schedule, simulate
         >>> print(simulate(get_schedule("gpipe", num_ranks=2, num_microbatches=2), 1.0).to_text(width=9))
         ... # doctest: +NORMALIZE_WHITESPACE
-        gpipe: 2 ranks, 2 stages, 2 microbatches; step 9, bubble 33.3%
+        gpipe: 2 ranks, 2 stages, 2 microbatches; step 9 time units, bubble 33.3%
         rank 0 |Ff...BBbb|
         rank 1 |.FfBBbb..|
         """
@@ -119,12 +133,25 @@ class Timeline:
         s = self.schedule
         lines = [
             f"{s.name}: {s.num_ranks} ranks, {s.num_stages} stages, {s.num_microbatches} microbatches; "
-            f"step {self.step_time:g}, bubble {100 * self.bubble_fraction:.1f}%"
+            f"step {self.format_time(self.step_time)}, bubble {100 * self.bubble_fraction:.1f}%"
         ]
+        width = self._grid_width(width)
         label = len(str(s.num_ranks - 1))
         for rank, events in enumerate(self.events):
             lines.append(f"rank {rank:>{label}} |{self._row(events, width)}|")
         return "\n".join(lines)
+
+    def _grid_width(self, width: int) -> int:
+        """``width``, or fewer columns that give each quantum (the shortest action) the same whole number."""
+        spans = [e.end - e.start for rank in self.events for e in rank if e.action.is_compute and e.end > e.start]
+        if not spans or self.step_time <= 0:
+            return width
+        quantum = min(spans)
+        times = [t for rank in self.events for e in rank if e.action.is_compute for t in (e.start, e.end)]
+        units = self.step_time / quantum
+        if any(abs(t / quantum - round(t / quantum)) > 1e-6 for t in times + [self.step_time]) or units > width:
+            return width
+        return int(width // round(units)) * round(units)
 
     def _row(self, events: tuple[TimedAction, ...], width: int) -> str:
         if self.step_time <= 0:
@@ -171,8 +198,8 @@ class Timeline:
         fig.savefig(out, format="png", dpi=120)
         return out
 
-    def draw(self, ax: Any, *, title: str | None = None, xlabel: str = "time") -> None:
-        """Draw the Gantt chart onto a matplotlib ``Axes`` (one row per rank)."""
+    def draw(self, ax: Any, *, title: str | None = None, xlabel: str | None = None) -> None:
+        """Draw the Gantt chart onto a matplotlib ``Axes`` (one row per rank); the time axis says its unit."""
         from matplotlib.patches import Patch
 
         s = self.schedule
@@ -191,9 +218,9 @@ class Timeline:
         ax.set_yticks(range(s.num_ranks), [f"rank {r}" for r in range(s.num_ranks)])
         ax.set_ylim(s.num_ranks - 0.5, -0.5)
         ax.set_xlim(0, self.step_time or 1.0)
-        ax.set_xlabel(xlabel)
+        ax.set_xlabel(xlabel or f"time ({self.unit or 'time units'})")
         ax.set_title(title or f"{s.name}: p={s.num_ranks}, m={s.num_microbatches}, "
-                     f"bubble {100 * self.bubble_fraction:.1f}%")
+                     f"step {self.format_time(self.step_time)}, bubble {100 * self.bubble_fraction:.1f}%")
         used = {e.action.kind for rank in self.events for e in rank if e.action.is_compute}
         ax.legend(handles=[Patch(color=c, label=k.name.lower()) for k, c in _COLOURS.items() if k in used],
                   loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=4, fontsize=7, frameon=False)

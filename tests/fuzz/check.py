@@ -15,7 +15,7 @@ import torch
 from hypothesis import assume, strategies as st
 
 from tests.fuzz import harness
-from tests.fuzz.configs import COMBOS, allowed_refusal, draw_config, expected_refusal, features, known
+from tests.fuzz.configs import COMBOS, allowed_refusal, draw_config, draw_length, expected_refusal, features, known
 from tests.fuzz.models import OPS, ModelSpec, build, draw_model, io, source
 
 ALL_OPS = tuple(OPS)
@@ -146,7 +146,7 @@ def cases(draw: Callable[[Any], Any], combos: list = COMBOS, max_layers: int = 8
         return draw(st.integers(lo, hi))
 
     spec = draw_model(pick, integer, ALL_OPS, max_layers, force)
-    cfg = draw_config(pick, integer, spec, combos, local, force)
+    cfg = draw_length(draw_config(pick, integer, spec, combos, local, force), spec)
     hits = [] if include_known else known(features(spec, cfg, dist))
     STEERED.update(hits)
     assume(not hits)

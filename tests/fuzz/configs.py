@@ -9,7 +9,7 @@ from typing import Any, Callable
 from pipesplit.errors import ScheduleError
 from pipesplit.schedules import list_schedules, resolve_schedule
 
-from tests.fuzz.models import LAYOUT_DIM, ModelSpec, model_features
+from tests.fuzz.models import LAYOUT_DIM, T, ModelSpec, model_features
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zb_h1", "zb_v", "dualpipe_v")
 SPLIT_BACKWARD = ("zb_h1", "zb_v", "dualpipe_v")
@@ -83,6 +83,9 @@ def draw_config(pick: Callable[[Any], Any], integer: Callable[[int, int], int], 
         "compile": compiled,
         "graphs": graphs,  # with compile: CUDA graph slots, emulated (mode="reduce-overhead")
         "reduction": pick(("sum", "mean")),  # loss_reduction: "mean" scales each microbatch's loss by 1/m
+        # with checkpoint: half the time the plan names the stages (compile(checkpoint=[...]), drawn as a
+        # bit mask) and the Pipeline checkpoints what was planned, exactly those
+        "checkpoint_plan": integer(0, 1) == 1, "checkpoint_mask": integer(1, 2**stages - 1),
     }
 
 
@@ -133,17 +136,28 @@ def target_dim(spec: ModelSpec) -> int:
     return LAYOUT_DIM[spec.layout]
 
 
+def draw_length(cfg: dict[str, Any], spec: ModelSpec) -> dict[str, Any]:
+    """``cfg`` with ``seq2``: the sequence length of the second step and of the eval pass, another than
+    the example's in one case in four (issue 34: a length that changes is captured dynamic, once).
+    Derived from the case's seed, so no other draw moves and recorded seeds replay as before; a model
+    that fixes its length (sdpa's reshape to T, a (T, D) table input) keeps it."""
+    fixed = spec.table or any(x.op == "sdpa" for x in spec.layers)
+    change = not fixed and (cfg["seed"] >> 4) % 4 == 3
+    return {**cfg, "seq2": T + 1 + cfg["seed"] % 5 if change else T}
+
+
 def features(spec: ModelSpec, cfg: dict[str, Any], dist: str | None = None) -> set[str]:
     out = model_features(spec)
     out |= {f"schedule={cfg['schedule']}", f"stages={cfg['stages']}", f"opt={cfg['opt']}", f"eval={cfg['eval']}",
             f"cost={cfg['cost']}", f"order={cfg['order']}", f"recompute={cfg['recompute']}",
             f"reduction={cfg.get('reduction', 'sum')}"}
     flags = {"rendezvous": cfg["transport"] == "rendezvous", "checkpoint": cfg["checkpoint"],
+             "checkpoint_planned": cfg["checkpoint"] and cfg.get("checkpoint_plan", False),
              "recapture": cfg["example_batch"] != cfg["mb"], "batch_change": cfg["mb2"] != cfg["mb"],
              "no_zero_grad": cfg["no_zero_grad"], "eval_pipe": cfg["eval_pipe"] and cfg["eval"] == "pipe",
              "freeze_mid": cfg["freeze_mid"], "loss_param": cfg.get("loss_param", False),
              "compile": cfg.get("compile", False), "graphs": cfg.get("compile", False) and cfg.get("graphs", False),
-             "m>1": cfg["m"] > 1, "batch1": cfg["example_batch"] == 1,
+             "length_change": cfg.get("seq2", T) != T, "m>1": cfg["m"] > 1, "batch1": cfg["example_batch"] == 1,
              # pipe(x) joins microbatches' outputs (train mode: not with dropout, see harness.check_outputs)
              # (more than one microbatch; one has nothing to join)
              "joins_outputs": cfg["m"] > 1 and ((cfg["eval"] == "pipe" and not cfg["eval_pipe"]) or (

@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from tests.fuzz.check import ALL_OPS, FuzzFailure, Stats, run  # noqa: E402
 from tests.fuzz.coverage import FEATURES, SCHEDULE_FEATURES, Coverage  # noqa: E402
-from tests.fuzz.configs import draw_config, expected_refusal, features, valid_combos  # noqa: E402
+from tests.fuzz.configs import draw_config, draw_length, expected_refusal, features, valid_combos  # noqa: E402
 from tests.fuzz.models import draw_model  # noqa: E402
 from tests.launch import end_rank  # noqa: E402
 
@@ -66,7 +66,7 @@ def main() -> int:
             dataclasses.replace(x, flag=False) if x.op == "dropout" else x for x in spec.layers))
         if spec.layout == "tflat":  # refused in pipe(x) by the ranks that join outputs alone: the others hang
             spec = dataclasses.replace(spec, layout="flat")
-        cfg = draw_config(rng.choice, rng.randint, spec, combos, local=False, force=force)
+        cfg = draw_length(draw_config(rng.choice, rng.randint, spec, combos, local=False, force=force), spec)
         if expected_refusal(features(spec, cfg, args.mesh)):  # refused by the rank holding that stage alone
             cfg["checkpoint"] = False
         cfg["eval_pipe"] = False  # a second Pipeline needs a schedule for the same ranks

@@ -238,8 +238,8 @@ FIW_BUILT = 0  # compiled F/I/W graphs built so far (stages that ran as explicit
 def run_case(make_model: Callable[[], torch.nn.Module], io: dict, cfg: dict, mesh: Any = None) -> None:
     """Raises AssertionError on a difference, Refused on a PipesplitError, Invalid if the model fails.
     ``cfg["graphs"]``: compiled stages replay CUDA graph slots, emulated on CPU (a replay overwrites its
-    outputs in place, as a CUDA graph's does: pipesplit/runtime/cuda_graphs.py)."""
-    from pipesplit.runtime import cuda_graphs, stage_graphs
+    outputs in place, as a CUDA graph's does: pipesplit/runtime/graphs/cuda_graphs.py)."""
+    from pipesplit.runtime.graphs import cuda_graphs, stage_graphs
 
     class Counted(cuda_graphs.EmulatedCapture):
         def replay(self, graph: Any) -> None:
@@ -278,12 +278,15 @@ def _run_case(make_model: Callable[[], torch.nn.Module], io: dict, cfg: dict, me
         if torch.distributed.is_available() and torch.distributed.is_initialized():  # under torchrun a cut the
             # example compiled without a gradient is refused, not grown: the example requires grad as inputs will
             ex_args, ex_kw = fresh(ex_args, ex_kw, io["input_grad"], io.get("table_grad", False))
+        planned = cfg["checkpoint"] and cfg.get("checkpoint_plan", False)  # the plan names the stages
+        ckpt = [s for s in range(cfg["stages"]) if cfg.get("checkpoint_mask", 0) >> s & 1] if planned else None
         prog = pipesplit.compile(model, ex_args, example_kwargs=ex_kw, num_stages=cfg["stages"], cost=cfg["cost"],
                                  order=cfg["order"], recompute=cfg["recompute"], progress=False,
-                                 unbatched=["pos"] if io.get("table") else ())
+                                 unbatched=["pos"] if io.get("table") else (), checkpoint=ckpt)
         pipe = pipesplit.Pipeline(prog, cfg["schedule"], num_microbatches=m, loss_fn=loss_p,
                                   loss_reduction=cfg.get("reduction", "sum"), target_batch_dim=tdim,
-                                  checkpoint=cfg["checkpoint"], transport=cfg["transport"], timeout=60, mesh=mesh,
+                                  checkpoint=None if planned else cfg["checkpoint"], transport=cfg["transport"],
+                                  timeout=60, mesh=mesh,
                                   compile=({"backend": "aot_eager", "mode": "reduce-overhead"} if cfg.get("graphs")
                                            else {"backend": "aot_eager"}) if cfg.get("compile") else False)
         eval_pipe = pipesplit.Pipeline(prog, "gpipe", num_microbatches=1, timeout=60, mesh=mesh) \
@@ -303,7 +306,7 @@ def _run_case(make_model: Callable[[], torch.nn.Module], io: dict, cfg: dict, me
                 dict(ref.named_parameters())[name].requires_grad_(False)
                 if name in held:
                     held[name].requires_grad_(False)
-        args, kw = make_inputs(io, mb * m * dp, gen)
+        args, kw = make_inputs({**io, "seq": cfg.get("seq2", io["seq"])} if step else io, mb * m * dp, gen)
         with torch.no_grad():
             shapes = copy.deepcopy(ref).eval()(*fresh(args, kw, False)[0], **fresh(args, kw, False)[1])
         target = pytree.tree_map(lambda o: torch.randn(o.shape, generator=gen), shapes)

@@ -163,7 +163,7 @@ def test_a_case_that_must_be_refused_fails_when_it_runs(monkeypatch):
     spec = ModelSpec((Layer("linear", 0, flag=True), Layer("batchnorm", 1, arg=0)))
     cfg = dict(_CFG, checkpoint=True)
     assert run(spec, dict(cfg)) == "refused as expected"
-    import pipesplit.runtime.pipeline as pl
+    import pipesplit.runtime.engine.pipeline as pl
     monkeypatch.setattr(pl, "checkpointed_stages", lambda prog, local, checkpoint: set(range(prog.num_stages)))
     with pytest.raises(FuzzFailure, match="not refused|relative error"):
         run(spec, dict(cfg))

@@ -1,0 +1,84 @@
+"""Cuts and activation checkpointing chosen together: the split and set of checkpointed stages with the
+lowest simulated step under the memory cap (the sets tried: :mod:`pipesplit.passes.plan.checkpointing`)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+import logging
+
+from pipesplit.errors import PlanError
+from pipesplit.passes.plan.chain import Chain
+from pipesplit.passes.plan.checkpointing import candidate_sets, needed
+from pipesplit.passes.plan.objective import CommModel, MemoryModel, activation_units_per_stage, in_flight_per_stage, step_time
+from pipesplit.passes.plan.partition import StageLimits
+from pipesplit.passes.plan.step_planner import Candidate, best_for_schedule, figures_for
+from pipesplit.schedules import Schedule
+
+log = logging.getLogger(__name__)
+
+
+def best_with_checkpointing(
+    chain: Chain, seconds: np.ndarray, schedule: Schedule, *, comm: CommModel, memory: MemoryModel,
+    mem_cap: int | None, limits: StageLimits, device_kind: str, checkpoint: frozenset[int] | None,
+) -> tuple[Candidate, float, frozenset[int]]:
+    """The best split, a lower bound on any split's step, and the stages to checkpoint.
+
+    ``checkpoint`` fixes the set (see :func:`best_for_schedule`); None chooses it: without a cap
+    no stage (checkpointing only adds time); with one, each candidate set of
+    :func:`candidate_sets` is solved (unless the best split without a cap fits), its split keeps
+    only the stages that need checkpointing to fit (:func:`needed`), and the lowest simulated step
+    wins (the fewest checkpointed among ties).
+    """
+    kw = dict(comm=comm, memory=memory, mem_cap=mem_cap, limits=limits, device_kind=device_kind)
+    if checkpoint is not None or mem_cap is None:
+        chosen = checkpoint if checkpoint is not None else frozenset()
+        cand, ideal = best_for_schedule(chain, seconds, schedule, checkpoint=chosen, **kw)  # type: ignore[arg-type]
+        return cand, ideal, chosen
+    in_flight, units = in_flight_per_stage(schedule), activation_units_per_stage(schedule)
+    free, ideal = best_for_schedule(chain, seconds, schedule, checkpoint=frozenset(), **{**kw, "mem_cap": None})  # type: ignore[arg-type]
+    if max(free.figures.memory) <= mem_cap:  # the cap does not bind: checkpointing would only add time
+        return free, ideal, frozenset()
+    found: list[tuple[float, int, Candidate, float, frozenset[int]]] = []
+    error: PlanError | None = None
+
+    def solve(tried: frozenset[int], quick: bool) -> None:
+        nonlocal error
+        try:
+            cand, ideal = best_for_schedule(chain, seconds, schedule, checkpoint=tried, quick=quick, **kw)  # type: ignore[arg-type]
+        except PlanError as e:
+            error = e  # the last (every stage checkpointed) says best why nothing fits
+            return
+        plain = figures_for(chain, cand.starts, seconds, in_flight, memory, comm, device_kind, units, ())
+        keep = needed(plain.memory, mem_cap)
+        if keep != tried:  # a stage of the set that fits without: it need not pay the second forward
+            fig = figures_for(chain, cand.starts, seconds, in_flight, memory, comm, device_kind, units, keep)
+            cand = Candidate(cand.starts, fig, step_time(schedule, fig), cand.cut_bytes)
+        found.append((cand.step_s, len(keep), cand, ideal, keep))
+        log.debug("checkpointing %s (of %s tried%s): step %.6g", sorted(keep), sorted(tried), ", quick" if quick else "",
+                  cand.step_s)
+
+    worse = 0
+    for tried in candidate_sets(units):  # the sets quickly, in order, then the best few with the full search
+        before, count = min((f[0] for f in found), default=float("inf")), len(found)
+        solve(tried, quick=True)
+        if len(found) > count and found[-1][0] >= before:
+            worse += 1
+            if worse == PATIENCE:  # the recompute now costs more than the balance it buys
+                break
+        elif len(found) > count:
+            worse = 0
+    for tried in [f[4] for f in sorted(found, key=lambda f: f[0])[:THOROUGH]]:
+        solve(tried, quick=False)
+    if not found:
+        assert error is not None
+        raise error
+    best_s = min(f[0] for f in found)
+    step, _, cand, ideal, keep = min((f for f in found if f[0] <= best_s * (1 + 1e-9)), key=lambda f: (f[1], f[0]))
+    return cand, min(f[3] for f in found), keep
+
+
+# The quick pass stops after this many sets in a row that price no better than the best before them.
+PATIENCE = 2
+# How many of the sets that priced best quickly are solved again with every slack and the sides re-split.
+THOROUGH = 1

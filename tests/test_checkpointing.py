@@ -1,0 +1,169 @@
+"""Activation checkpointing as a planner decision: per stage, chosen with the cuts, priced for any split, run as planned."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+import pipesplit
+from pipesplit import Plan, PlanError
+from pipesplit.passes.plan.checkpointing import candidate_sets, describe
+from tests.close import assert_close, assert_grads_close
+
+
+class Deep(nn.Module):
+    """Equal layers whose activations outweigh their parameters: under 1f1b the early stages hold the most."""
+
+    def __init__(self, d: int = 64, depth: int = 16):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(d, d), nn.Tanh()) for _ in range(depth))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+KW = dict(num_stages=4, schedule="1f1b", num_microbatches=8, progress=False)
+QUARTERS = ["layers.4", "layers.8", "layers.12"]
+
+
+@pytest.fixture(scope="module")
+def deep():
+    torch.manual_seed(0)
+    model, x = Deep(), torch.randn(256, 64)
+    free = pipesplit.compile(model, x, **KW)
+    # the tightest cap (in 5% steps) that no split meets without checkpointing
+    cap = int(max(free.plan.stage_memory))
+    while True:
+        cap = int(cap * 0.95)
+        try:
+            pipesplit.compile(model, x, max_stage_memory=cap, checkpoint=False, **KW)
+        except PlanError:
+            return model, x, free, cap
+
+
+def test_candidate_sets_take_the_stages_holding_the_most_microbatches_first():
+    assert candidate_sets([5, 4, 3, 2]) == [frozenset(), {0}, {0, 1}, {0, 1, 2}, {0, 1, 2, 3}]
+    assert candidate_sets([2, 3, 3]) == [frozenset(), {1}, {1, 2}, {0, 1, 2}]
+    assert describe([0, 1, 2, 5], 8) == "stages 0-2, 5 of 8" and describe([], 4) == "none of 4 stages"
+
+
+def test_auto_checkpoints_the_early_stages_under_1f1b_and_beats_all_or_nothing(deep):
+    model, x, free, cap = deep
+    assert free.plan.checkpoint == []  # no cap: nothing to gain
+    assert pipesplit.compile(model, x, checkpoint="auto", **KW).plan.checkpoint == []
+    auto = pipesplit.compile(model, x, max_stage_memory=cap, checkpoint="auto", **KW).plan
+    every = pipesplit.compile(model, x, max_stage_memory=cap, checkpoint=True, **KW).plan
+    assert auto.checkpoint and auto.checkpoint[0] == 0 and 3 not in auto.checkpoint, auto.checkpoint
+    assert auto.checkpoint == list(range(len(auto.checkpoint)))  # the first j stages
+    assert every.checkpoint == [0, 1, 2, 3]
+    assert max(auto.stage_memory_bytes) <= cap and auto.max_stage_memory == cap
+    assert auto.predicted_step_s < every.predicted_step_s  # fewer stages pay the second forward
+    # the auto plan is no slower than the hand split of equal quarters with its own best checkpointing
+    hand = pipesplit.compile(model, x, split_points=QUARTERS, schedule="1f1b", num_microbatches=8,
+                             max_stage_memory=cap, checkpoint="auto", progress=False).plan
+    assert max(hand.stage_memory) <= cap and hand.checkpoint
+    assert auto.predicted_step_s <= hand.predicted_step_s * (1 + 1e-9)
+
+
+def test_a_split_is_priced_under_the_schedule_and_warned_over_the_cap(deep):
+    model, x, free, cap = deep
+    prog = pipesplit.compile(model, x, split_points=QUARTERS, schedule="1f1b", num_microbatches=8,
+                             max_stage_memory=cap, progress=False)
+    plan = prog.plan
+    assert plan.schedule == "1f1b" and plan.num_microbatches == 8 and plan.predicted_step_s > 0
+    assert len(plan.stage_memory_bytes) == 4 and plan.checkpoint == []
+    over = [s for s, m in enumerate(plan.stage_memory_bytes) if m > cap]
+    assert over and over[0] == 0
+    notes = [n for n in prog.notes if "over max_stage_memory" in n]
+    assert len(notes) == len(over)
+    assert f"stage 0 is predicted to hold" in notes[0] and f"{cap:,}" in notes[0]
+    assert f"{plan.stage_memory_bytes[0]:,} bytes" in notes[0] and f"checkpoint={over}" in notes[0]
+    assert "OVER" in prog.report()
+    # the same split checkpointed where it needs it: exactly the stages over the cap, and under it now
+    fixed = pipesplit.compile(model, x, split_points=QUARTERS, schedule="1f1b", num_microbatches=8,
+                              max_stage_memory=cap, checkpoint="auto", progress=False)
+    assert fixed.plan.checkpoint == over and max(fixed.plan.stage_memory) <= cap
+    assert not [n for n in fixed.notes if "over max_stage_memory" in n]
+    assert fixed.plan.predicted_step_s > plan.predicted_step_s  # the recompute is priced
+    assert "recomputes" in fixed.report() and "forward, " in fixed.report()
+
+
+def test_a_plan_with_checkpointing_saves_loads_and_is_repriced(deep, tmp_path):
+    model, x, _, cap = deep
+    prog = pipesplit.compile(model, x, max_stage_memory=cap, checkpoint="auto", **KW)
+    path = tmp_path / "plan.json"
+    prog.plan.save(path)
+    loaded = Plan.load(path)
+    assert loaded.checkpoint == prog.plan.checkpoint and loaded.max_stage_memory == cap
+    again = pipesplit.compile(model, x, plan=path, schedule="1f1b", num_microbatches=8, max_stage_memory=cap,
+                              progress=False).plan
+    assert again.checkpoint == prog.plan.checkpoint
+    assert again.predicted_step_s == pytest.approx(prog.plan.predicted_step_s, rel=0.05)
+    assert again.stage_memory == prog.plan.stage_memory
+    # a plan saved when checkpointing was all or nothing
+    data = json.loads(prog.plan.to_json())
+    data.pop("max_stage_memory")
+    data["checkpoint"] = True
+    assert Plan.from_json(json.dumps(data)).checkpoint == [0, 1, 2, 3]
+    data["checkpoint"] = False
+    assert Plan.from_json(json.dumps(data)).checkpoint == []
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])
+def test_a_per_stage_checkpointed_step_equals_gradient_accumulation(schedule):
+    torch.manual_seed(1)
+    model = Deep(d=16, depth=8)
+    x = torch.randn(8, 16)
+    prog = pipesplit.compile(model, x, num_stages=4, schedule=schedule, num_microbatches=4, checkpoint=[0, 2],
+                             progress=False)
+    assert prog.plan.checkpoint == [0, 2]
+    loss_fn = lambda out, y: torch.nn.functional.mse_loss(out, y)  # noqa: E731
+    pipe = pipesplit.Pipeline(prog, schedule, num_microbatches=4, loss_fn=loss_fn)
+    assert {i for i, w in pipe.workers.items() if w.checkpointing} == {0, 2}  # exactly what was planned
+    xb, y = torch.randn(16, 16), torch.randn(16, 16)
+    loss = pipe.step(xb, target=y)
+    want = sum(loss_fn(model(xm), ym) for xm, ym in zip(xb.chunk(4), y.chunk(4))) / 4
+    want.backward()
+    assert_close(loss, want.detach(), name="loss")
+    assert_grads_close(prog.named_parameters(), model)
+
+
+def test_bad_checkpoint_choices_are_refused_with_the_fix():
+    model, x = Deep(d=8, depth=4), torch.randn(4, 8)
+    with pytest.raises(PlanError, match="checkpoint must be 'auto', True, False or a list of stage indices"):
+        pipesplit.compile(model, x, num_stages=2, checkpoint="some")
+    with pytest.raises(PlanError, match=r"checkpoint names stages \[5\]; a plan of 2 stages has stages 0..1"):
+        pipesplit.compile(model, x, num_stages=2, schedule="1f1b", checkpoint=[5], progress=False)
+
+
+def test_mixed_precision_adamw_holds_16_bytes_a_parameter_and_the_optimizer_its_own_state():
+    from pipesplit.passes.plan.objective import MemoryModel
+    from pipesplit.passes.plan.chain import build_chain
+    from pipesplit.passes.annotate.costs import annotate_costs
+    from pipesplit.capture import capture
+
+    model = Deep(d=32, depth=2).to(torch.bfloat16)
+    gm = annotate_costs(capture(model, torch.randn(4, 32, dtype=torch.bfloat16)).gm)
+    n = sum(p.numel() for p in model.parameters())
+    act = lambda chain: int(chain.act.sum())  # noqa: E731
+    for memory, per_param in [(MemoryModel(optimizer="adamw", master_weights=True), 16), (MemoryModel(), 8),
+                              (MemoryModel(optimizer="sgd"), 4), (MemoryModel(optimizer="momentum"), 6),
+                              (MemoryModel(optimizer="adafactor", master_weights=True), 8)]:
+        chain = build_chain(gm, lambda node: 1.0, state_factor=memory.state_factor_for)
+        assert chain.total_memory() - act(chain) == n * per_param, memory
+    with pytest.raises(PlanError, match="optimizer=.lion.. is not one it knows"):
+        MemoryModel(optimizer="lion")
+
+
+def test_on_cuda_the_cap_defaults_to_the_device_memory_less_the_margin(monkeypatch):
+    from types import SimpleNamespace
+    from pipesplit.passes.plan import pricing
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=80 * 2**30))
+    assert pricing.device_memory_cap(["cuda:0", "cuda:1"]) == int(80 * 2**30 * (1 - pricing.DEVICE_MEMORY_MARGIN))
+    assert pricing.device_memory_cap(["cpu"]) is None
