@@ -18,11 +18,16 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from tests.fuzz import harness  # noqa: E402
-from tests.fuzz.check import ALL_OPS, F64_RTOL, FuzzFailure, Stats, run  # noqa: E402
-from tests.fuzz.configs import draw_config, draw_length, valid_combos  # noqa: E402
+from tests.fuzz.check import ALL_OPS, FuzzFailure, Stats, run  # noqa: E402
+from tests.fuzz.coverage import FEATURES, SCHEDULE_FEATURES, Coverage  # noqa: E402
+from tests.fuzz.configs import draw_config, draw_length, expected_refusal, features, valid_combos  # noqa: E402
 from tests.fuzz.models import draw_model  # noqa: E402
 from tests.launch import end_rank  # noqa: E402
+
+
+# what each case in turn must have (dropout p > 0 and compiled stages are the local fuzzer's)
+FORCED = [frozenset(), frozenset({"buffer_write"}), frozenset({"shared"}), frozenset({"input_grad"}),
+          frozenset({"non_batch_first"}), frozenset({"checkpoint"})]
 
 
 def main() -> int:
@@ -35,10 +40,7 @@ def main() -> int:
     args = p.parse_args()
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     torch.set_num_threads(1)
-    # Every case in float64, held to float64's tolerance: a float32 difference would send the rank that
-    # sees it into a float64 rerun (check.rounding) alone, while its peers run on: they would deadlock.
-    torch.set_default_dtype(torch.float64)
-    harness.RTOL, harness.LOSS_FLOOR = F64_RTOL, 1.0
+    torch.set_default_dtype(torch.float64)  # check.run runs every case in float64 anyway
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = None
     if args.mesh == "mesh":
@@ -48,16 +50,25 @@ def main() -> int:
     pp = 2 if mesh is not None else world
     combos = valid_combos(ranks=pp)
     stats, failures, draws = Stats(), 0, 0
+    coverage = Coverage()
     deadline = time.monotonic() + 60 * args.minutes
-    while stats.ran < args.cases and time.monotonic() < deadline and draws < 50 * args.cases:
+    while stats.ran < args.cases and draws < 50 * args.cases:
+        go = torch.tensor([1 if time.monotonic() < deadline else 0])
+        dist.all_reduce(go, op=dist.ReduceOp.MIN)  # every rank stops together: one that stopped alone would hang the rest
+        if not go.item():
+            break
         rng = random.Random(args.seed * 100_003 + draws)
         draws += 1
-        spec = draw_model(rng.choice, rng.randint, ALL_OPS, max_layers=6)
-        # dropout p > 0 is checked against the stages run in turn on one process (harness.streamed_step);
-        # a rank holds only its own stages, so here dropout is drawn with p = 0
+        force = FORCED[draws % len(FORCED)]  # each feature in turn, so that every (torchrun, feature) pair is met
+        spec = draw_model(rng.choice, rng.randint, ALL_OPS, max_layers=6, force=force)
+        # dropout p > 0 runs in the local fuzzer (harness.Streams); under torchrun it is drawn with p = 0
         spec = dataclasses.replace(spec, layers=tuple(
             dataclasses.replace(x, flag=False) if x.op == "dropout" else x for x in spec.layers))
-        cfg = draw_length(draw_config(rng.choice, rng.randint, spec, combos, local=False), spec)
+        if spec.layout == "tflat":  # refused in pipe(x) by the ranks that join outputs alone: the others hang
+            spec = dataclasses.replace(spec, layout="flat")
+        cfg = draw_length(draw_config(rng.choice, rng.randint, spec, combos, local=False, force=force), spec)
+        if expected_refusal(features(spec, cfg, args.mesh)):  # refused by the rank holding that stage alone
+            cfg["checkpoint"] = False
         cfg["eval_pipe"] = False  # a second Pipeline needs a schedule for the same ranks
         if mesh is not None:  # refused on a mesh, by the last stage's ranks alone (tests/test_loss_leaves.py):
             cfg["loss_param"] = False  # the others then time out and the process group is spent
@@ -66,7 +77,7 @@ def main() -> int:
         error = ""
         try:
             outcome = run(spec, cfg, stats=stats, include_known=args.include_known, mesh=mesh,
-                          dist=args.mesh)
+                          dist=args.mesh, coverage=coverage)
         except FuzzFailure as e:
             outcome, error = "failed", str(e)
             path = os.path.join(tempfile.gettempdir(), f"pipesplit-fuzz-rank{rank}-draw{draws - 1}.txt")
@@ -86,6 +97,9 @@ def main() -> int:
     dist.barrier()
     if rank == 0:
         print(stats.summary(), flush=True)
+        reached = {f for p, n in coverage.count.items() if n for f in p}
+        print(f"torchrun ({args.mesh}) pairs reached: " + ", ".join(
+            f"{args.mesh} x {f}" for f in (*FEATURES, *SCHEDULE_FEATURES) if f in reached), flush=True)
         print(f"fuzz dist: {failures} failures", flush=True)
     dist.destroy_process_group()
     return 1 if failures else 0

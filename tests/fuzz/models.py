@@ -16,7 +16,7 @@ OPS: dict[str, tuple[bool, bool]] = {
     "dropout": (False, False), "sdpa": (True, False), "mha": (True, False), "act": (False, False),
     "relu_": (False, True), "add": (False, False), "add_": (False, True), "mul_": (False, True),
     "ema": (False, False), "gate": (False, False), "reuse": (False, False), "branch": (False, False),
-    "clamp_w": (True, False),
+    "clamp_w": (True, False), "shared_w": (True, False), "wsum": (True, False),
 }
 ACTS = ("relu", "gelu", "tanh", "silu")
 
@@ -46,7 +46,12 @@ class ModelSpec:
     table: bool = False  # a second positional input ``pos`` (T, D) without a batch dimension, added to v0
     table_grad: bool = False  # ... which requires grad (its gradient sums over the microbatches)
     aux: bool = False  # a tuple/dict output also carries a 0-dim scalar (an auxiliary loss term)
+    layout: str = "bt"  # every non-scalar output as (B, T, .) "bt", sequence-first (T, B, .) "tb", "flat" (B * T, .),
+    # or "tflat" (T * B, .): sequence-first rows flattened, which microbatches cannot be joined along
     extra: tuple[str, ...] = field(default=())  # reserved for future features
+
+
+LAYOUT_DIM = {"bt": 0, "tb": 1, "flat": 0, "tflat": 0}  # the dimension that carries the batch in each output (and target)
 
 
 def _src(spec: ModelSpec, i: int, v: int) -> str:
@@ -69,10 +74,21 @@ def _init_line(spec: ModelSpec, i: int, layer: Layer) -> list[str]:
         "mha": [f"{name} = nn.MultiheadAttention({D}, {HEADS}, bias={f}, batch_first=True)"],
         "relu_": ["self.relu_inplace = nn.ReLU(inplace=True)"] if f else [],
         "ema": [f"self.register_buffer('ema{i}', torch.zeros({D}))"],
+        # F.linear on an earlier linear's weight, without its bias (the weight read two ways), else its own
+        "shared_w": [] if _linears(spec, i) else [f"self.w{i} = nn.Parameter(torch.randn({D}, {D}) * 0.3)"],
+        # two parameters summed before use (one gradient tensor for both); flag: the second read again alone
+        "wsum": [f"self.a{i} = nn.Parameter(torch.randn({D}) * 0.5)", f"self.b{i} = nn.Parameter(torch.randn({D}) * 0.5)"],
     }.get(op, [])
-    if layer.frozen and OPS[op][0]:
-        lines.append(f"{name}.requires_grad_(False)")
+    if layer.frozen and OPS[op][0]:  # the layer's own parameters (a shared weight stays trainable)
+        own = {"wsum": f"self.a{i}", "shared_w": None if _linears(spec, i) else f"self.w{i}"}.get(op, name)
+        if own is not None:
+            lines.append(f"{own}.requires_grad_(False)")
     return lines
+
+
+def _linears(spec: ModelSpec, i: int) -> list[int]:
+    """The values made by an nn.Linear layer before value i."""
+    return [j for j in range(1, i) if spec.layers[j - 1].op == "linear"]
 
 
 def _forward_line(spec: ModelSpec, i: int, layer: Layer) -> list[str]:
@@ -80,9 +96,14 @@ def _forward_line(spec: ModelSpec, i: int, layer: Layer) -> list[str]:
     op, f, a, x, out = layer.op, layer.flag, layer.arg, _src(spec, i, layer.src), f"v{i}"
     other = _src(spec, i, a)
     m = f"self.l{i}"
+    linears = _linears(spec, i)
     if op == "reuse":  # the module of an earlier parametrised layer, called a second time
-        linears = [j for j in range(1, i) if spec.layers[j - 1].op == "linear"]
         return [f"{out} = self.l{linears[a % len(linears)]}({x})"] if linears else [f"{out} = {x} * 0.5"]
+    if op == "shared_w":
+        w = f"self.l{linears[a % len(linears)]}.weight" if linears else f"self.w{i}"
+        return [f"{out} = F.linear({x}, {w})"]
+    if op == "wsum":
+        return [f"{out} = {x} * (self.a{i} + self.b{i})" + (f" + self.b{i}" if f else "")]
     return {
         "linear": [f"{out} = {m}({x})"],
         "clamp_w": ["with torch.no_grad():", f"    {m}.weight.clamp_(-0.3, 0.3)", f"{out} = {m}({x})"],
@@ -125,6 +146,15 @@ def source(spec: ModelSpec) -> str:
     n = len(spec.layers)
     last = f"F.linear(v{n}, self.emb.weight)" if spec.tokens and spec.tied_head else f"v{n}"
     aux = f"v{max(0, n // 2)}"
+    if spec.layout != "bt":
+        fwd.append(f"out = {last}")
+        last = "out"
+    if spec.layout == "tb":  # sequence-first: the batch in dimension 1
+        last, aux = f"{last}.transpose(0, 1)", f"{aux}.transpose(0, 1)"
+    elif spec.layout == "flat":  # (B * T, features): the batch and the sequence flattened, batch-major
+        last, aux = f"{last}.reshape(-1, {last}.shape[-1])", f"{aux}.reshape(-1, {D})"
+    elif spec.layout == "tflat":  # (T * B, features): time-major rows
+        last, aux = f"{last}.transpose(0, 1).reshape(-1, {last}.shape[-1])", f"{aux}.transpose(0, 1).reshape(-1, {D})"
     reg = f"v{max(0, n // 2)}.pow(2).mean()"  # a scalar each microbatch has its own of
     ret = {"tensor": last, "tuple": f"({last}, {aux}, {reg})" if spec.aux else f"({last}, {aux})",
            "dict": f"{{'out': {last}, 'aux': {aux}, 'reg': {reg}}}" if spec.aux else
@@ -150,7 +180,8 @@ def io(spec: ModelSpec) -> dict[str, Any]:
     return {"tokens": spec.tokens, "vocab": VOCAB, "dim": D, "seq": T, "kwarg": spec.kwarg,
             "input_grad": spec.input_grad and not spec.tokens,
             "dropout": any(layer.op == "dropout" and layer.flag for layer in spec.layers),
-            "sparse": spec.tokens and spec.sparse, "table": spec.table, "table_grad": spec.table and spec.table_grad}
+            "sparse": spec.tokens and spec.sparse, "table": spec.table, "table_grad": spec.table and spec.table_grad,
+            "out_dim": LAYOUT_DIM[spec.layout]}
 
 
 def model_features(spec: ModelSpec) -> set[str]:
@@ -199,21 +230,66 @@ def model_features(spec: ModelSpec) -> set[str]:
     if any(layer.op in ("ema", "clamp_w") or (layer.op == "batchnorm" and layer.arg % 2 == 0)
            or (layer.op == "instancenorm" and layer.arg % 2) for layer in spec.layers):
         out.add("state_write")  # a buffer or parameter written in place inside forward (running stats too)
+    if writes_buffers(spec.layers):
+        out.add("buffer_write")
+    linears = {i for i, x in enumerate(spec.layers, 1) if x.op == "linear"}
+    if ("tied_head" in out or any(x.op == "wsum" for x in spec.layers) or any(
+            x.op in ("shared_w", "reuse") and linears & set(range(1, i)) for i, x in enumerate(spec.layers, 1))):
+        out.add("shared")  # a weight two ops read (a tied head, a module called twice, F.linear on its
+        # weight without its bias) or two weights summed before use
+    if spec.layout != "bt":
+        out |= {"non_batch_first", f"layout_{spec.layout}"}
     return out
 
 
+# ops that keep a stage off compiled F/I/W graphs and CUDA graph slots (compile_limits.unsupported): random
+# ops, writes in place, state written in the forward, BatchNorm over a transposed input (runs eager)
+NOT_GRAPHED = frozenset({"dropout", "relu_", "add_", "mul_", "ema", "clamp_w", "batchnorm", "instancenorm"})
+
+
+def writes_buffers(layers: tuple[Layer, ...]) -> bool:
+    """A layer updates a buffer in place in the forward (an EMA, running statistics)."""
+    return any(x.op == "ema" or (x.op == "batchnorm" and x.arg % 2 == 0) or (x.op == "instancenorm" and x.arg % 2)
+               for x in layers)
+
+
 def draw_model(pick: Callable[[Any], Any], integer: Callable[[int, int], int], ops: tuple[str, ...],
-               max_layers: int = 8) -> ModelSpec:
-    """A random model from ``pick(sequence)`` and ``integer(lo, hi)`` (hypothesis or a seeded random)."""
+               max_layers: int = 8, force: frozenset[str] = frozenset()) -> ModelSpec:
+    """A random model from ``pick(sequence)`` and ``integer(lo, hi)`` (hypothesis or a seeded random).
+
+    ``force`` names model features the draw must have (tests/fuzz/coverage.py picks them so that every
+    pair of features is reached): "dropout" (p > 0), "buffer_write", "shared" (a weight read by two ops
+    or two ways), "input_grad", "non_batch_first" (sequence-first or flattened outputs); "graphed" keeps
+    off the ops that stop compiled F/I/W graphs."""
+    if "graphed" in force:
+        ops = tuple(op for op in ops if op not in NOT_GRAPHED)
     n = integer(1, max_layers)
     layers = []
     for i in range(1, n + 1):
         op = pick(ops)
         layers.append(Layer(op, src=integer(0, i - 1), arg=integer(0, i - 1), flag=pick((False, True)),
                             frozen=integer(0, 5) == 5))
-    tokens = pick((False, True))
-    return ModelSpec(tuple(layers), tokens=tokens, sparse=tokens and integer(0, 3) == 3,
-                     padding_idx=tokens and pick((False, True)), tied_head=tokens and pick((False, True)),
-                     kwarg=pick((False, True)), input_grad=not tokens and integer(0, 2) == 2,
+
+    def put(layer: Layer) -> None:  # last, reading the last value: on the way to the output, so it counts
+        layers.append(Layer(layer.op, src=len(layers), arg=layer.arg, flag=layer.flag))
+
+    if "dropout" in force and not any(x.op == "dropout" and x.flag for x in layers):
+        put(Layer("dropout", flag=True))
+    if "buffer_write" in force and not writes_buffers(tuple(layers)):
+        op = pick(("ema", "batchnorm", "instancenorm"))  # each with running state it writes
+        put(Layer(op, arg=1 if op == "instancenorm" else 0, flag=pick((False, True))))
+    shared = "shared" in force and pick(("tied_head", "shared_w", "wsum"))
+    if shared in ("shared_w", "wsum"):
+        if shared == "shared_w" and not any(x.op == "linear" for x in layers):
+            put(Layer("linear", flag=True))
+        layers.append(Layer(shared, src=len(layers), arg=integer(0, 7), flag=pick((False, True))))
+    tokens = shared == "tied_head" or ("input_grad" not in force and pick((False, True)))
+    sparse = tokens and "graphed" not in force and integer(0, 3) == 3
+    layout = (pick(("tb", "flat", "tflat")) if "non_batch_first" in force else
+              ("bt", "bt", "bt", "bt", "tb", "flat", "tflat")[integer(0, 6)])
+    return ModelSpec(tuple(layers), tokens=tokens, sparse=sparse,
+                     padding_idx=tokens and pick((False, True)), tied_head=tokens and (shared == "tied_head" or pick(
+                         (False, True))), kwarg=pick((False, True)),
+                     input_grad=not tokens and ("input_grad" in force or integer(0, 2) == 2),
                      outputs=pick(("tensor", "tuple", "dict")), table=integer(0, 3) == 3,
-                     table_grad=pick((False, True)), aux=pick((False, True)))
+                     table_grad=pick((False, True)), aux=pick((False, True)), layout=layout)
