@@ -286,7 +286,7 @@ def _run_case(make_model: Callable[[], torch.nn.Module], io: dict, cfg: dict, me
         pipe = pipesplit.Pipeline(prog, cfg["schedule"], num_microbatches=m, loss_fn=loss_p,
                                   loss_reduction=cfg.get("reduction", "sum"), target_batch_dim=tdim,
                                   checkpoint=None if planned else cfg["checkpoint"], transport=cfg["transport"],
-                                  timeout=60, mesh=mesh,
+                                  timeout=60, mesh=mesh, progress=False,
                                   compile=({"backend": "aot_eager", "mode": "reduce-overhead"} if cfg.get("graphs")
                                            else {"backend": "aot_eager"}) if cfg.get("compile") else False)
         eval_pipe = pipesplit.Pipeline(prog, "gpipe", num_microbatches=1, timeout=60, mesh=mesh) \
