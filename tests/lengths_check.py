@@ -27,39 +27,29 @@ from pipesplit.models import gpt  # noqa: E402
 from tests.close import assert_close  # noqa: E402
 from tests.launch import end_rank  # noqa: E402
 from tests.training import accumulate, dot_loss, make_target  # noqa: E402
+from tests.zoo import logits_of, tiny_llama  # noqa: E402
 
 LENGTHS = (32, 17, 48, 64, 17)
 MULTI = {"interleaved_1f1b", "looped_bfs", "zb_v", "dualpipe_v"}
 
 
-def _tiny_llama() -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-                      num_key_value_heads=1, vocab_size=64, use_cache=False, bos_token_id=0, eos_token_id=0,
-                      pad_token_id=0)
-    return LlamaForCausalLM(cfg)
-
-
-def _logits(out):
-    return out if isinstance(out, torch.Tensor) else out.logits
 
 
 def lengths(name: str, schedule: str, rank: int, world: int, compile: dict | None) -> None:
     torch.manual_seed(0)
-    model = gpt(layers=2, dim=16, vocab=64, seq=64, heads=2) if name == "gpt" else _tiny_llama()
+    model = gpt(layers=2, dim=16, vocab=64, seq=64, heads=2) if name == "gpt" else tiny_llama()
     tokens = torch.randint(0, 64, (8, 64))
     stages = 2 * world if schedule in MULTI else world
     prog = pipesplit.compile(model, tokens[:, :32], num_stages=stages, progress=False)
-    pipe = pipesplit.Pipeline(prog, schedule, num_microbatches=4, loss_fn=lambda o, t: dot_loss(_logits(o), t),
+    pipe = pipesplit.Pipeline(prog, schedule, num_microbatches=4, loss_fn=lambda o, t: dot_loss(logits_of(o), t),
                               loss_reduction="sum", timeout=60, compile=compile or False)
     rtol = 1e-3 if compile else None
     for length in LENGTHS:
         x = tokens[:, :length]
         ref = copy.deepcopy(model)
         with torch.no_grad():
-            target = make_target(_logits(ref(x)))
-        want = accumulate(ref, (x,), {}, target, 4, loss_fn=lambda o, t: dot_loss(_logits(o), t))
+            target = make_target(logits_of(ref(x)))
+        want = accumulate(ref, (x,), {}, target, 4, loss_fn=lambda o, t: dot_loss(logits_of(o), t))
         got = pipe.step(x, target=target)
         assert_close(got, want, name=f"rank {rank}: loss at length {length}", rtol=rtol)
         grads = dict(ref.named_parameters())
@@ -72,7 +62,7 @@ def lengths(name: str, schedule: str, rank: int, world: int, compile: dict | Non
     with torch.no_grad():
         out = pipe(tokens[:, :40])
         if out is not None:
-            assert_close(_logits(out), _logits(model(tokens[:, :40])), name=f"rank {rank}: eval at length 40",
+            assert_close(logits_of(out), logits_of(model(tokens[:, :40])), name=f"rank {rank}: eval at length 40",
                          rtol=rtol)
     print(f"rank {rank}: ok (lengths {name}, {schedule}{', compiled' if compile else ''})", flush=True)
 

@@ -15,18 +15,9 @@ from pipesplit.dims import parse_dynamic_dims
 from pipesplit.errors import CaptureError, InputError
 from pipesplit.models import gpt
 from tests.close import assert_close
+from tests.test_generalise import _count_exports
 
 
-def _count_exports(monkeypatch) -> list[dict]:
-    calls: list[dict] = []
-    real = torch.export.export
-
-    def counted(*args, **kwargs):
-        calls.append(kwargs)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(torch.export, "export", counted)
-    return calls
 
 
 @pytest.mark.parametrize("given,match", [
@@ -134,11 +125,11 @@ def test_packed_sequences_train_as_separate_documents():
     """Hugging Face's packed form (per-document position ids, a block-causal 4D mask) through a split
     Llama: each document's logits are its own run's, a step equals accumulation, and the packed
     length may change between steps."""
-    from tests.test_generalise import _tiny_llama
+    from tests.zoo import tiny_llama
     from tests.training import accumulate, dot_loss, make_target
 
     torch.manual_seed(0)
-    model = _tiny_llama()
+    model = tiny_llama()
     ids, pos, mask = _packed([[5, 11], [16], [3, 6, 7], [9, 7]], 16)
     kwargs = {"position_ids": pos, "attention_mask": mask}
     prog = pipesplit.compile(model, (ids,), example_kwargs=kwargs, num_stages=2, dynamic_dims=True, progress=False)

@@ -17,7 +17,7 @@ from torch import nn
 import pipesplit
 from pipesplit.errors import InputError
 from tests.training import check_training, dot_loss
-from tests.zoo import CASE_BY_NAME
+from tests.zoo import CASE_BY_NAME, logits_of, tiny_llama
 
 
 def _count_exports(monkeypatch) -> list[dict]:
@@ -546,17 +546,6 @@ SCHEDULES = [("1f1b", 4, False), ("gpipe", 4, False), ("interleaved_1f1b", 2, Fa
              ("zb_v", 2, False), ("dualpipe_v", 2, False), ("1f1b", 4, True)]  # (schedule, ranks, checkpoint)
 
 
-def _tiny_llama() -> nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-                      num_key_value_heads=1, vocab_size=64, use_cache=False, bos_token_id=0, eos_token_id=0,
-                      pad_token_id=0)
-    return LlamaForCausalLM(cfg)
-
-
-def _logits(out):
-    return out if isinstance(out, torch.Tensor) else out.logits
 
 
 @pytest.mark.parametrize("name", ["gpt", "hf_llama"])
@@ -572,7 +561,7 @@ def test_lengths_that_change_train_like_accumulation_under_every_schedule(name, 
     from tests.training import accumulate, make_target
 
     torch.manual_seed(0)
-    model = gpt(layers=2, dim=16, vocab=64, seq=64, heads=2) if name == "gpt" else _tiny_llama()
+    model = gpt(layers=2, dim=16, vocab=64, seq=64, heads=2) if name == "gpt" else tiny_llama()
     tokens = torch.randint(0, 64, (8, 64))
     calls = _count_exports(monkeypatch)
     prog = pipesplit.compile(model, tokens[:, :32], num_stages=4, progress=False)
@@ -586,8 +575,8 @@ def test_lengths_that_change_train_like_accumulation_under_every_schedule(name, 
             ref = copy.deepcopy(model)
             ref.load_state_dict(prog.state_dict())  # the pipeline's weights, as the optimizer left them
             with torch.no_grad():
-                target = make_target(_logits(ref(x)))
-            want = accumulate(ref, (x,), {}, target, 4, loss_fn=lambda o, t: dot_loss(_logits(o), t))
+                target = make_target(logits_of(ref(x)))
+            want = accumulate(ref, (x,), {}, target, 4, loss_fn=lambda o, t: dot_loss(logits_of(o), t))
             got = pipe.step(x, target=target)
             assert_close(got, want, name=f"{schedule} loss at length {length}")
             assert_grads_close(pipe.named_parameters(), ref)
@@ -601,7 +590,7 @@ def test_lengths_that_change_train_like_accumulation_under_every_schedule(name, 
     pipe.eval()
     x = tokens[:, :40]
     with torch.no_grad():
-        want = _logits(model(x))
-        torch.testing.assert_close(_logits(pipe(x)), want, rtol=0, atol=0)
-        torch.testing.assert_close(_logits(prog(x)), want, rtol=0, atol=0)
+        want = logits_of(model(x))
+        torch.testing.assert_close(logits_of(pipe(x)), want, rtol=0, atol=0)
+        torch.testing.assert_close(logits_of(prog(x)), want, rtol=0, atol=0)
     assert len(calls) == 2

@@ -143,3 +143,18 @@ def weighted_loss(out: Any, seed: int = 0) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     leaves = [x for x in torch.utils._pytree.tree_leaves(out) if isinstance(x, torch.Tensor) and x.is_floating_point()]
     return sum((x * torch.randn(x.shape, generator=gen).to(x.device)).sum() for x in leaves)  # type: ignore[return-value]
+
+
+def tiny_llama() -> nn.Module:
+    """A two-layer Hugging Face Llama (random weights) that takes any sequence length up to 2048."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, vocab_size=64, use_cache=False, bos_token_id=0, eos_token_id=0,
+                      pad_token_id=0)
+    return LlamaForCausalLM(cfg)
+
+
+def logits_of(out: Any) -> Any:
+    """A model's logits: the tensor itself, or a Hugging Face output's ``.logits``."""
+    return out if isinstance(out, torch.Tensor) else out.logits
