@@ -110,6 +110,10 @@ ALLOWED: list[tuple[str, frozenset[str], str]] = [
      "batch is)"),
     (r"one tensor in the model .*in place", frozenset({"inplace"}),
      "views of one tensor sent over a cut to a stage that writes one of them in place"),
+    (r"writes '[^']+' in place \('[^']+'\), and .* reads .* after that write", frozenset({"inplace"}),
+     "a value written in place in one stage while a later stage reads an alias made before the write (dropout's "
+     "result at p == 0 is one): the split refuses such a cut, naming the fix; the planner does not yet keep "
+     "those ops in one stage by itself (a limit, found by seed 4141)"),
     (r"is written in place by stage", frozenset({"inplace_input"}),
      "an input written in place by one stage and read by another that nothing orders after it"),
     (r"not in a dimension of its own", frozenset({"layout_tflat"}),
