@@ -73,7 +73,16 @@ def optimization_hint(x: torch.SymInt | int) -> int:
         upper = x.node.shape_env.bound_sympy(x.node.expr).upper
         if upper.is_finite and int(upper) < 2**31:
             return int(upper)
+        try:
+            return int(_optimization_hint(x))
+        except symbolic_shapes.GuardOnDataDependentSymNode:  # torch < 2.12's size_hint has no fallback
+            return UNBACKED_FALLBACK
     return int(_optimization_hint(x))
+
+
+UNBACKED_FALLBACK = 8192
+"""The size priced for a value-chosen size without a bound where torch gives none (torch's own
+``optimization_hint`` falls back to the same 8192)."""
 
 
 def data_dependent(x: Any) -> bool:

@@ -278,6 +278,11 @@ def _run_case(make_model: Callable[[], torch.nn.Module], io: dict, cfg: dict, me
         if torch.distributed.is_available() and torch.distributed.is_initialized():  # under torchrun a cut the
             # example compiled without a gradient is refused, not grown: the example requires grad as inputs will
             ex_args, ex_kw = fresh(ex_args, ex_kw, io["input_grad"], io.get("table_grad", False))
+            try:  # the plain model on such an example first (a relu_ on an input that requires grad fails there)
+                a, k = fresh(ex_args, ex_kw, io["input_grad"], io.get("table_grad", False))
+                copy.deepcopy(ref)(*a, **k)
+            except Exception as e:
+                raise Invalid(f"{type(e).__name__}: {e}") from e
         planned = cfg["checkpoint"] and cfg.get("checkpoint_plan", False)  # the plan names the stages
         ckpt = [s for s in range(cfg["stages"]) if cfg.get("checkpoint_mask", 0) >> s & 1] if planned else None
         prog = pipesplit.compile(model, ex_args, example_kwargs=ex_kw, num_stages=cfg["stages"], cost=cfg["cost"],
