@@ -114,6 +114,9 @@ ALLOWED: list[tuple[str, frozenset[str], str]] = [
      "a value written in place in one stage while a later stage reads an alias made before the write (dropout's "
      "result at p == 0 is one): the split refuses such a cut, naming the fix; the planner does not yet keep "
      "those ops in one stage by itself (a limit, found by seed 4141)"),
+    (r"cannot split into each microbatch's part, so on a mesh", frozenset({"clamp_w", "buffer_write"}),
+     "state written in place by an op pipesplit cannot split per microbatch, on a mesh with dp > 1: the replicas "
+     "could not agree on it (refused on every rank alike)"),
     (r"is written in place by stage", frozenset({"inplace_input"}),
      "an input written in place by one stage and read by another that nothing orders after it"),
     (r"not in a dimension of its own", frozenset({"layout_tflat"}),

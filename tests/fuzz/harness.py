@@ -279,8 +279,8 @@ def _run_case(make_model: Callable[[], torch.nn.Module], io: dict, cfg: dict, me
             # example compiled without a gradient is refused, not grown: the example requires grad as inputs will
             ex_args, ex_kw = fresh(ex_args, ex_kw, io["input_grad"], io.get("table_grad", False))
             try:  # the plain model on such an example first (a relu_ on an input that requires grad fails there)
-                a, k = fresh(ex_args, ex_kw, io["input_grad"], io.get("table_grad", False))
-                copy.deepcopy(ref)(*a, **k)
+                a = tuple(t.detach().clone().requires_grad_(t.requires_grad) for t in ex_args)  # leaves, as given
+                copy.deepcopy(ref)(*a, **{n: t.detach().clone() for n, t in ex_kw.items()})
             except Exception as e:
                 raise Invalid(f"{type(e).__name__}: {e}") from e
         planned = cfg["checkpoint"] and cfg.get("checkpoint_plan", False)  # the plan names the stages
