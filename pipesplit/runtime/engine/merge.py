@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -35,7 +35,8 @@ def output_names(out_spec: Any) -> list[str]:
 
 def merge_outputs(
     per_microbatch: Sequence[Sequence[Any]], merges: Sequence[OutputMerge], inputs: Sequence[Sequence[Any]],
-    infos: Sequence[InputInfo], batch_dim: int, names: Sequence[str] | None = None, replicas: int = 1,
+    infos: Sequence[InputInfo], batch_dim: int, names: Sequence[str] | Callable[[], Sequence[str]] | None = None,
+    replicas: int = 1,
 ) -> tuple[list[Any], list[torch.Tensor | None]]:
     """Join each flat output of the microbatches (``per_microbatch[m][i]``) by its rule ``merges[i]``
     (:mod:`pipesplit.passes.split.merges`); ``inputs[m]`` are microbatch m's flat inputs.
@@ -43,20 +44,28 @@ def merge_outputs(
     Returns the joined outputs and, per output, the total weight of a weighted mean (the samples,
     or the labels counted), which a mesh's ``replicas`` combine; None for the others. An output whose
     rule is ``"unknown"`` raises :class:`UnknownBatchDim`; ``"refuse"``, an InputError naming it. One
-    microbatch in all is the whole batch: its values are taken as they are.
+    microbatch in all is the whole batch: its values are taken as they are. ``names`` (the outputs'
+    paths, for messages) may be a function: it is called only when a message needs them.
     """
     merged: list[Any] = []
     weights: list[torch.Tensor | None] = []
     one = len(per_microbatch) * replicas == 1
+    named: list[Sequence[str] | None] = [None]
+
+    def name_of(i: int) -> str:
+        if named[0] is None:
+            named[0] = (names() if callable(names) else names) or []
+        listed = named[0] or []
+        return f" {listed[i]}" if i < len(listed) and listed[i] else ""
+
     for i, (values, rule) in enumerate(zip(zip(*per_microbatch), merges)):
         first = values[0]
-        name = f" {names[i]}" if names and names[i] else ""
         weight = None
         if rule.kind == SAME or one:
             out = first
         elif rule.kind == REFUSE:
             raise InputError(
-                f"pipe(x) cannot join output {i}{name} ({_described(first)} per microbatch) from "
+                f"pipe(x) cannot join output {i}{name_of(i)} ({_described(first)} per microbatch) from "
                 f"the {len(values)} microbatches: {rule.why}. Run the whole batch at once with prog(x) (prog.eval() "
                 "first for eval mode), or a Pipeline with num_microbatches=1; training is not affected (loss_fn sees "
                 "each microbatch's outputs)."
@@ -66,7 +75,7 @@ def merge_outputs(
         elif rule.kind == CAT:
             out = torch.cat(list(values), dim=rule.dim)  # type: ignore[arg-type]
         elif rule.kind == UNKNOWN:
-            raise UnknownBatchDim(i, tuple(first.shape), name)
+            raise UnknownBatchDim(i, tuple(first.shape), name_of(i))
         elif rule.kind == SUM:
             out = torch.stack(list(values)).sum(0).to(first.dtype)
         elif rule.kind in (MAX, MIN):

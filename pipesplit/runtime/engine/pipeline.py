@@ -355,7 +355,7 @@ class Pipeline:
             return None
         per_mb = [data.outputs[m] for m in range(self.num_microbatches)]
         merged, weights = merge_outputs(per_mb, self.prog.output_merges, data.inputs, self.prog.inputs, self.batch_dim,
-                                        output_names(self.prog.out_spec), self.dp_size)
+                                        lambda: output_names(self.prog.out_spec), self.dp_size)
         if self.collectives is not None:  # on a mesh: every replica's rows, in the global batch's order
             merged = self.collectives.gather_replicas(merged, self.prog.output_merges, weights)
         return pytree.tree_unflatten(merged, self.prog.out_spec)
