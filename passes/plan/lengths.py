@@ -26,7 +26,7 @@ from pipesplit.capture import InputInfo
 from pipesplit.errors import PlanError
 from pipesplit.meta import META_KEY, node_cost
 from pipesplit.passes.annotate.costs import annotate_costs
-from pipesplit.passes.annotate.flops import at_sizes
+from pipesplit.passes.annotate.flops import at_sizes, hint
 from pipesplit.passes.annotate.rates import DeviceRates
 from pipesplit.passes.plan.chain import Chain, build_chain, compute_nodes
 from pipesplit.passes.plan.checkpoint_search import best_with_checkpointing
@@ -82,12 +82,15 @@ class LengthMix:
     symbol: Any  # the sympy symbol the capture named the dimension by
     where: str  # "input 'input_ids' dimension 1", for messages
     weights: dict[int, float]  # length -> weight, summing to 1
+    dim: int = 1  # the dimension of the inputs that holds the length
+    example: int = 0  # the example's length
 
 
 def length_mix(gm: fx.GraphModule, inputs: Sequence[InputInfo], batch_dim: int, weights: Mapping[int, float]) -> LengthMix:
     """The dimension ``plan_lengths`` applies to: the one dynamic dimension besides the batch that the capture
     has (inputs that share a length share its symbol); a PlanError when there is none or several."""
     found: dict[Any, list[str]] = {}
+    dims: dict[Any, tuple[int, int]] = {}  # symbol -> (dimension, example size) where it is first read
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for node, info in zip(placeholders, inputs):
         val = node.meta.get("val")
@@ -99,6 +102,7 @@ def length_mix(gm: fx.GraphModule, inputs: Sequence[InputInfo], batch_dim: int, 
             expr = size.node.expr
             if getattr(expr, "is_Symbol", False):
                 found.setdefault(expr, []).append(f"input {info.name!r} dimension {d}")
+                dims.setdefault(expr, (d, hint(size)))
     if not found:
         raise PlanError(
             f"plan_lengths={dict(weights)} prices the split at lengths of a dynamic dimension, but the program has none "
@@ -121,7 +125,7 @@ def length_mix(gm: fx.GraphModule, inputs: Sequence[InputInfo], batch_dim: int, 
             if bad:
                 raise PlanError(f"plan_lengths {bad}: {where} takes sizes {low}..{high or 'any'} in this program; plan "
                                 "for lengths within them, or declare a wider range in dynamic_dims.")
-    return LengthMix(symbol, where, dict(weights))
+    return LengthMix(symbol, where, dict(weights), *dims[symbol])
 
 
 @contextlib.contextmanager
