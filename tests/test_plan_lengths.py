@@ -121,3 +121,10 @@ def test_compile_reports_the_step_at_each_length():
     assert again.length_steps_s == plan.length_steps_s
     x = torch.randint(0, 100, (2, 100))
     torch.testing.assert_close(prog(x), model(x))
+
+
+def test_plan_lengths_beside_a_given_split_is_refused():
+    model = gpt(layers=2, dim=16, heads=2, seq=64)
+    with pytest.raises(PlanError, match="plan_lengths= only steer the planner"):
+        pipesplit.compile(model, torch.randint(0, 100, (2, 16)), split_points=["blocks.1"], schedule="1f1b",
+                          dynamic_dims={"idx": 1}, plan_lengths=[16, 64])
