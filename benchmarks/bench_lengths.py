@@ -12,7 +12,7 @@ tokens (padding is masked out of the loss); the padded run computes on the paddi
     python benchmarks/bench_lengths.py --plan-only   # the plan across lengths alone (compile(plan_lengths=...))
 
 The second section plans one GPT three ways, for short batches, for long ones and for the expected step
-over both (``compile(..., plan_lengths={32: 0.5, 512: 0.5})``), and predicts and measures each at both lengths.
+over both (``compile(..., plan_lengths={32: 0.9, 512: 0.1})``), and predicts and measures each at both lengths.
 """
 
 from __future__ import annotations
@@ -92,28 +92,27 @@ def plan_section(args: argparse.Namespace) -> None:
 
     short, long, w = args.short, args.long, args.short_weight
     torch.manual_seed(0)
-    model = gpt(layers=args.layers, dim=args.plan_dim, vocab=args.plan_vocab, seq=long, heads=4)
-    tokens = torch.randint(0, args.plan_vocab, (args.batch, long + 1))
-    example = tokens[: args.batch // args.microbatches, :short]
+    k, m, batch = args.plan_stages, args.plan_microbatches, args.plan_batch
+    model = gpt(layers=args.plan_layers, dim=args.plan_dim, vocab=args.plan_vocab, seq=long, heads=4)
+    tokens = torch.randint(0, args.plan_vocab, (batch, long + 1))
+    example = tokens[: batch // m, :short]
     mixture = {short: w, long: 1 - w}
     emit(header("The plan across lengths: planned for short batches, long ones, or the expected step over both",
                 "python benchmarks/bench_lengths.py " + " ".join(sys.argv[1:]),
-                [f"GPT {args.layers} x {args.plan_dim}, vocabulary {args.plan_vocab}, {args.stages} stages, 1F1B, batch "
-                 f"{args.batch} in {args.microbatches} microbatches; lengths {short} (weight {w}) and {long} "
+                [f"GPT {args.plan_layers} x {args.plan_dim}, vocabulary {args.plan_vocab}, {k} stages, 1F1B, batch "
+                 f"{batch} in {m} microbatches; lengths {short} (weight {w}) and {long} "
                  f"(weight {1 - w:.2g}); predicted: the planner's simulated step at this machine's measured rates; "
                  f"measured: median of {args.plan_repeats} steps after one"]))
     rows = []
     for label, lengths in ((f"for {short} only", [short]), (f"for {long} only", [long]), ("for the mix", mixture)):
-        prog = pipesplit.compile(model, example, num_stages=args.stages, schedule="1f1b",
-                                 num_microbatches=args.microbatches, dynamic_dims={"idx": 1}, plan_lengths=lengths,
+        prog = pipesplit.compile(model, example, num_stages=k, schedule="1f1b", num_microbatches=m, dynamic_dims={"idx": 1}, plan_lengths=lengths,
                                  progress=False)
         gm = prog.captured_gm
         mix = length_mix(gm, prog.inputs, 0, mixture)
-        schedule = resolve_schedule("1f1b", args.stages, None, args.microbatches)
+        schedule = resolve_schedule("1f1b", k, None, m)
         predicted = steps_over_lengths(gm, prog.plan.stages, mix, schedule, flops_per_s=1.0,
                                        rates=device_rates("cpu", largest_matmul(gm.graph.nodes)))
-        pipe = pipesplit.Pipeline(prog, "1f1b", num_microbatches=args.microbatches, loss_fn=loss_fn,
-                                  loss_reduction="sum")
+        pipe = pipesplit.Pipeline(prog, "1f1b", num_microbatches=m, loss_fn=loss_fn, loss_reduction="sum")
         measured = []
         for length in (short, long):
             x, y = tokens[:, :length], tokens[:, 1:length + 1]
@@ -149,7 +148,11 @@ def main() -> None:
     p.add_argument("--plan-only", action="store_true", help="only the plan-across-lengths section")
     p.add_argument("--short", type=int, default=32)
     p.add_argument("--long", type=int, default=512)
-    p.add_argument("--short-weight", type=float, default=0.5)
+    p.add_argument("--short-weight", type=float, default=0.9)
+    p.add_argument("--plan-layers", type=int, default=8)
+    p.add_argument("--plan-stages", type=int, default=4)
+    p.add_argument("--plan-microbatches", type=int, default=8)
+    p.add_argument("--plan-batch", type=int, default=16)
     p.add_argument("--plan-dim", type=int, default=64)
     p.add_argument("--plan-vocab", type=int, default=2048)
     p.add_argument("--plan-repeats", type=int, default=3)

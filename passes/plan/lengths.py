@@ -13,6 +13,7 @@ weighted mean.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import numbers
 from dataclasses import dataclass
@@ -174,11 +175,14 @@ def best_over_lengths(
     starts: list[tuple[int, ...]] = []
     errors: list[PlanError] = []
     for at in per:
-        try:
-            starts += [c.starts for c in schedule_candidates(at.chain, at.seconds, schedule, **kw)]  # type: ignore[arg-type]
-        except PlanError as e:  # no split fits this length's memory: the others' candidates are checked below
-            errors.append(e)
-    if len(errors) == len(per):
+        # each length's splits balanced by its costs (FLOPs), and by its seconds: at a short length a per-op
+        # overhead the FLOPs do not see can move the best cut far from the FLOP balance
+        for chain in (at.chain, dataclasses.replace(at.chain, cost=at.seconds.sum(axis=1))):
+            try:
+                starts += [c.starts for c in schedule_candidates(chain, at.seconds, schedule, **kw)]  # type: ignore[arg-type]
+            except PlanError as e:  # no split fits this length's memory: the others' candidates are checked below
+                errors.append(e)
+    if len(errors) == 2 * len(per):
         raise errors[-1]
     scored: list[tuple[Candidate, list[float]]] = []
     for st in dict.fromkeys(starts):
