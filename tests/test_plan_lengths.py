@@ -128,3 +128,15 @@ def test_plan_lengths_beside_a_given_split_is_refused():
     with pytest.raises(PlanError, match="plan_lengths= only steer the planner"):
         pipesplit.compile(model, torch.randint(0, 100, (2, 16)), split_points=["blocks.1"], schedule="1f1b",
                           dynamic_dims={"idx": 1}, plan_lengths=[16, 64])
+
+
+def test_the_memory_cap_holds_at_the_longest_length(captured):
+    """Activations grow with the length: a cap the plan for the short length alone would break at the
+    long one holds at every length, with the stages ``checkpoint="auto"`` chooses at the longest."""
+    free, mix, schedule = _plan(captured, {SHORT: 0.5, LONG: 0.5})
+    cap = int(max(free.stage_memory) * 0.8)
+    capped = plan_partition(captured.gm, 2, schedule=schedule, flops_per_s=RATE, lengths=mix, order="program",
+                            max_stage_memory=cap, checkpoint="auto")
+    assert max(capped.stage_memory) <= cap < max(free.stage_memory)
+    assert capped.checkpoint  # only checkpointing fits it
+    assert capped.predicted_step_s > free.predicted_step_s
