@@ -9,6 +9,10 @@ tokens (padding is masked out of the loss); the padded run computes on the paddi
 
     python benchmarks/bench_lengths.py            # ~1 minute on 2 cores
     python benchmarks/bench_lengths.py --steps 20 --max-len 256
+    python benchmarks/bench_lengths.py --plan-only   # the plan across lengths alone (compile(plan_lengths=...))
+
+The second section plans one GPT three ways, for short batches, for long ones and for the expected step
+over both (``compile(..., plan_lengths={32: 0.9, 512: 0.1})``), and predicts and measures each at both lengths.
 """
 
 from __future__ import annotations
@@ -79,6 +83,57 @@ def run(mode: str, plan: list[list[int]], args: argparse.Namespace) -> tuple[flo
     return sum(sum(lengths) for lengths in plan) / sum(times), times
 
 
+def plan_section(args: argparse.Namespace) -> None:
+    """The plan across lengths: a split planned for short batches, one for long ones and one for the mix
+    (``plan_lengths={short: w, long: 1 - w}``), each predicted and measured at both lengths."""
+    from pipesplit.passes.annotate.rates import device_rates, largest_matmul
+    from pipesplit.passes.plan.lengths import length_mix, steps_over_lengths
+    from pipesplit.schedules import resolve_schedule
+
+    short, long, w = args.short, args.long, args.short_weight
+    torch.manual_seed(0)
+    k, m, batch = args.plan_stages, args.plan_microbatches, args.plan_batch
+    model = gpt(layers=args.plan_layers, dim=args.plan_dim, vocab=args.plan_vocab, seq=long, heads=4)
+    tokens = torch.randint(0, args.plan_vocab, (batch, long + 1))
+    example = tokens[: batch // m, :short]
+    mixture = {short: w, long: 1 - w}
+    emit(header("The plan across lengths: planned for short batches, long ones, or the expected step over both",
+                "python benchmarks/bench_lengths.py " + " ".join(sys.argv[1:]),
+                [f"GPT {args.plan_layers} x {args.plan_dim}, vocabulary {args.plan_vocab}, {k} stages, 1F1B, batch "
+                 f"{batch} in {m} microbatches; lengths {short} (weight {w}) and {long} "
+                 f"(weight {1 - w:.2g}); predicted: the planner's simulated step at this machine's measured rates; "
+                 f"measured: median of {args.plan_repeats} steps after one"]))
+    rows = []
+    for label, lengths in ((f"for {short} only", [short]), (f"for {long} only", [long]), ("for the mix", mixture)):
+        prog = pipesplit.compile(model, example, num_stages=k, schedule="1f1b", num_microbatches=m, dynamic_dims={"idx": 1}, plan_lengths=lengths,
+                                 progress=False)
+        gm = prog.captured_gm
+        mix = length_mix(gm, prog.inputs, 0, mixture)
+        schedule = resolve_schedule("1f1b", k, None, m)
+        predicted = steps_over_lengths(gm, prog.plan.stages, mix, schedule, flops_per_s=1.0,
+                                       rates=device_rates("cpu", largest_matmul(gm.graph.nodes)))
+        pipe = pipesplit.Pipeline(prog, "1f1b", num_microbatches=m, loss_fn=loss_fn, loss_reduction="sum")
+        measured = []
+        for length in (short, long):
+            x, y = tokens[:, :length], tokens[:, 1:length + 1]
+            times = []
+            for _ in range(args.plan_repeats + 1):
+                start = time.perf_counter()
+                pipe.step(x, target=y)
+                times.append(time.perf_counter() - start)
+                pipe.zero_grad()
+            measured.append(statistics.median(times[1:]))
+        nodes = "/".join(str(len(s)) for s in prog.plan.stages)
+
+        def mean(xs: list[float]) -> float:
+            return w * xs[0] + (1 - w) * xs[1]
+
+        rows.append([label, nodes, *(f"{t * 1e3:.1f}" for t in predicted), f"{mean(predicted) * 1e3:.1f}",
+                     *(f"{t * 1e3:.1f}" for t in measured), f"{mean(measured) * 1e3:.1f}"])
+    emit(markdown_table(["plan", "nodes per stage", f"pred {short} (ms)", f"pred {long} (ms)", "pred expected (ms)",
+                         f"meas {short} (ms)", f"meas {long} (ms)", "meas expected (ms)"], rows, "llrrrrrr"))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=12)
@@ -90,8 +145,22 @@ def main() -> None:
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--vocab", type=int, default=512)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--plan-only", action="store_true", help="only the plan-across-lengths section")
+    p.add_argument("--short", type=int, default=32)
+    p.add_argument("--long", type=int, default=512)
+    p.add_argument("--short-weight", type=float, default=0.9)
+    p.add_argument("--plan-layers", type=int, default=8)
+    p.add_argument("--plan-stages", type=int, default=4)
+    p.add_argument("--plan-microbatches", type=int, default=8)
+    p.add_argument("--plan-batch", type=int, default=16)
+    p.add_argument("--plan-dim", type=int, default=64)
+    p.add_argument("--plan-vocab", type=int, default=2048)
+    p.add_argument("--plan-repeats", type=int, default=3)
     args = p.parse_args()
     torch.set_num_threads(1)
+    if args.plan_only:
+        plan_section(args)
+        return
     plan = batches(args.steps, args.batch, args.max_len, args.vocab, args.seed)
     mean_width = statistics.mean(max(lengths) for lengths in plan)
     emit(header("Varying sequence lengths: each batch at its own length vs padded to the maximum",
@@ -108,6 +177,7 @@ def main() -> None:
     rows[-1].append(f"{rates['own'] / rates['max']:.2f}x")
     rows[0].append("1.00x")
     emit(markdown_table(["batches", "tokens/s", "median step (ms)", "total (s)", "speed-up"], rows, "lrrrr"))
+    plan_section(args)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from pipesplit.passes.plan.advice import plan_warnings
 from pipesplit.passes.plan.checkpointing import Checkpoint
 from pipesplit.passes.plan.pricing import device_memory_cap, memory_warnings, price_given
 from pipesplit.passes.plan.chain import compute_nodes
+from pipesplit.passes.plan.lengths import length_mix, parse_plan_lengths
 from pipesplit.passes.plan.objective import CommModel, MemoryModel
 from pipesplit.passes.plan.planner import (
     CostSpec,
@@ -150,6 +151,7 @@ def compile(
     dynamic_batch: bool = False,
     dynamic_dims: Mapping[str, Any] | bool | None = None,
     progress: bool | None = None,
+    plan_lengths: Mapping[int, float] | Sequence[int] | None = None,
 ) -> SplitProgram:
     """Split ``model`` into pipeline stages that compute exactly what it computes.
 
@@ -225,6 +227,9 @@ def compile(
             ``high`` (a position table) is refused, naming it and the model's limit. Without it,
             the first call whose length differs captures the model once more with every dimension
             dynamic (:mod:`pipesplit.passes.split.generalise`); the program keeps ``model`` until then.
+        plan_lengths: with ``schedule`` and a length in ``dynamic_dims``, the lengths to plan for: a list, or
+            ``{length: weight}`` (``{128: 0.7, 1024: 0.3}``); the split with the lowest expected simulated step
+            over them (``prog.plan.length_steps_s``: the step at each; :mod:`pipesplit.passes.plan.lengths`).
         progress: a progress bar while profiling (``cost="profile"``/``"hybrid"``, ``refine``): True
             always, False never, None (default) only when stderr is a terminal.
 
@@ -238,7 +243,7 @@ def compile(
     opts = planner_options(  # checks every option before the (slow) export
         planner, num_stages=num_stages, cost=cost, max_stage_memory=max_stage_memory, slack=slack, schedule=schedule,
         num_microbatches=num_microbatches, num_ranks=num_ranks, pins=pins, no_split=no_split, comm=comm, memory=memory,
-        recompute=recompute, order=order, refine=refine, checkpoint=checkpoint)
+        recompute=recompute, order=order, refine=refine, checkpoint=checkpoint, plan_lengths=plan_lengths)
     num_stages, cost, max_stage_memory, slack, schedule = (
         opts.num_stages, opts.cost, opts.max_stage_memory, opts.slack, opts.schedule)
     num_microbatches, num_ranks, pins, no_split, comm, memory = (
@@ -254,6 +259,7 @@ def compile(
         _refuse_planner_options(  # schedule=, max_stage_memory=, memory=, checkpoint=... price the split instead
             "plan=" if plan is not None else "split_points=",
             pins=(pins, None), no_split=(tuple(no_split), ()), slack=(slack, 0.05), order=(order, "auto"),
+            plan_lengths=(opts.plan_lengths, None),
         )
     timings: dict[str, float] = {}
     if plan is not None and not isinstance(plan, Plan):
@@ -264,6 +270,9 @@ def compile(
         dynamic_dims = True  # its node names are those of a capture with every dimension dynamic
     dims = None if dynamic_dims is None or dynamic_dims is False else parse_dynamic_dims(dynamic_dims, batch_dim, unbatched)
     dynamic_batch = dynamic_batch or dims is not None
+    if opts.plan_lengths is not None and dims is None:
+        raise PlanError(f"plan_lengths={opts.plan_lengths} prices the split at lengths of a dynamic dimension: declare "
+                        "which one, e.g. compile(..., dynamic_dims={'input_ids': 1}, plan_lengths=...).")
     with _timed("capture", timings):
         captured = capture(model, example_input, example_kwargs, batch_dim=batch_dim, unbatched=unbatched,
                            dynamic=dynamic_batch, dims=dims)
@@ -296,6 +305,9 @@ def compile(
             cap = max_stage_memory if max_stage_memory is not None or sched is None else device_memory_cap(
                 list(devices) if devices is not None else [device0])
 
+            mix = None if opts.plan_lengths is None else length_mix(
+                gm, captured.inputs, batch_dim, parse_plan_lengths(opts.plan_lengths) or {})
+
             def replan(cap: int | None = cap) -> Plan:
                 try:
                     return plan_partition(
@@ -303,6 +315,7 @@ def compile(
                         pins=pins, no_split=no_split, schedule=sched, comm=comm or CommModel(),
                         memory=memory or MemoryModel(), recompute=recompute, mutated_targets=captured.mutated_targets,
                         device_kind=torch.device(device0).type, order=order, checkpoint=checkpoint,
+                        lengths=mix,
                     )
                 except PlanError:
                     if cap is None or max_stage_memory is not None:

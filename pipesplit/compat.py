@@ -11,9 +11,10 @@ from __future__ import annotations
 import contextlib
 import re
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+import sympy  # type: ignore[import-untyped]  # torch's own dependency, without stubs
 import torch
 import torch.utils._pytree as pytree  # private, but the module torch.export's specs are built from
 from torch._ops import HigherOrderOperator, OpOverload, OpOverloadPacket
@@ -27,7 +28,7 @@ __all__ = [
     "TORCH_FLOOR", "TORCH_VERSION", "HigherOrderOperator", "LazyGraphModule", "OpOverload", "OpOverloadPacket",
     "EXPORTS_META_MODELS", "GROUP_NORM_WEIGHT_GRAD_ALONE_CRASHES", "data_dependent", "forward_hooks", "set_forward_hooks", "STATE_MUTATIONS", "TORCH_LOGGERS", "FAKE_TENSOR_LOGGER", "fake_mode",
     "has_compatible_shallow_copy_type",
-    "is_concrete_int", "make_fx", "one_process_checkpoint", "optimization_hint", "pytree", "torch_csv_send_waits",
+    "hint_at", "is_concrete_int", "make_fx", "one_process_checkpoint", "optimization_hint", "pytree", "torch_csv_send_waits",
 ]
 
 TORCH_FLOOR = (2, 10)
@@ -78,6 +79,26 @@ def optimization_hint(x: torch.SymInt | int) -> int:
         except symbolic_shapes.GuardOnDataDependentSymNode:  # torch < 2.12's size_hint has no fallback
             return UNBACKED_FALLBACK
     return int(_optimization_hint(x))
+
+
+def hint_at(x: torch.SymInt | int, sizes: Mapping[Any, int]) -> int:
+    """``x`` with the symbols ``sizes`` names (``{s1: 128}``) at those sizes and every other one at its
+    :func:`optimization_hint`: what a dimension captured dynamic measures at another length.
+
+    >>> hint_at(7, {})
+    7
+    """
+    if isinstance(x, torch.SymInt) and sizes:
+        expr = x.node.expr
+        given = {s: sympy.Integer(v) for s, v in sizes.items() if s in expr.free_symbols}
+        if given:
+            expr = expr.xreplace(given)
+            if expr.is_number:
+                return int(expr)
+            shape_env = x.node.shape_env
+            rest = getattr(shape_env, "optimization_hint", None) or shape_env.size_hint  # torch < 2.12: size_hint
+            return int(rest(expr))
+    return optimization_hint(x)
 
 
 UNBACKED_FALLBACK = 8192

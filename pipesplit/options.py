@@ -13,11 +13,12 @@ from __future__ import annotations
 import dataclasses
 import numbers
 from dataclasses import dataclass
-from typing import Any, Iterable, Literal, Mapping
+from typing import Any, Iterable, Literal, Mapping, Sequence
 
 from pipesplit.checks import name_list, number
 from pipesplit.errors import PipesplitError, PlanError
 from pipesplit.passes.plan.checkpointing import Checkpoint, check_checkpoint
+from pipesplit.passes.plan.lengths import parse_plan_lengths
 from pipesplit.passes.plan.objective import CommModel, MemoryModel
 from pipesplit.passes.plan.planner import ORDER_CHOICES, RECOMPUTE_CHOICES, CostSpec, check_choice, cost_function
 from pipesplit.schedules import Schedule, schedule_info
@@ -85,6 +86,10 @@ class PlannerOptions:
     checkpoint: Checkpoint = None
     """Activation checkpointing: ``"auto"`` (chosen per stage with the cuts, to fit ``max_stage_memory``
     at the lowest simulated step), True (every stage), False, or stage indices; None: as ``memory``."""
+    plan_lengths: Mapping[int, float] | Sequence[int] | None = None
+    """Lengths of the one dynamic dimension besides the batch (declared in ``dynamic_dims``) to plan for: a list
+    (equal weights) or ``{length: weight}``; with ``schedule``, the split with the lowest expected simulated step
+    over them (:mod:`pipesplit.passes.plan.lengths`). Kept as ``{length: weight}``, the weights summing to 1."""
 
     def __post_init__(self) -> None:
         check_num_stages(self.num_stages)
@@ -114,6 +119,13 @@ class PlannerOptions:
         check_checkpoint(self.checkpoint)
         if isinstance(self.checkpoint, list):
             object.__setattr__(self, "checkpoint", tuple(self.checkpoint))  # frozen: the caller's list may change
+        object.__setattr__(self, "plan_lengths", parse_plan_lengths(self.plan_lengths))
+        if self.plan_lengths is not None and self.schedule is None:
+            raise PlanError(f"plan_lengths={self.plan_lengths} plans for the expected simulated step of a schedule over "
+                            "those lengths; give the schedule too: schedule='1f1b' (and num_microbatches=).")
+        if self.plan_lengths is not None and isinstance(self.cost, str) and self.cost in ("profile", "hybrid"):
+            raise PlanError(f"plan_lengths prices each length from its FLOPs and bytes, but cost={self.cost!r} times the "
+                            "nodes at the example's length only; use cost='flops' (the default) with plan_lengths.")
         check_choice("recompute", self.recompute, RECOMPUTE_CHOICES)
         check_choice("order", self.order, ORDER_CHOICES)
         cost_function(self.cost)  # an unknown cost name fails here, not after the capture

@@ -50,6 +50,11 @@ class Plan:
     # generalised, or dynamic_dims=True); a saved plan without the field predates static capture, so it
     # loads as "dynamic"
     capture: str = "static"
+    # compile(plan_lengths=...): the lengths of the dynamic dimension planned for, their weights (summing to 1)
+    # and the step simulated at each; predicted_step_s is then the weighted mean (passes/plan/lengths.py)
+    lengths: list[int] = field(default_factory=list)
+    length_weights: list[float] = field(default_factory=list)
+    length_steps_s: list[float] = field(default_factory=list)
 
     n_microbatches = renamed_attribute("n_microbatches", "num_microbatches")
 
@@ -89,6 +94,9 @@ class Plan:
         if self.schedule is not None:
             step = "" if self.predicted_step_s is None else f", step {self.predicted_step_s * 1e3:.3g} ms"
             parts.append(f"schedule {self.schedule!r} x{self.num_microbatches}{step}")
+        if self.lengths:
+            steps = ", ".join(f"{n}: {s * 1e3:.3g} ms" for n, s in zip(self.lengths, self.length_steps_s))
+            parts.append(f"expected over lengths {{{steps}}}")
         if self.checkpoint:
             parts.append(f"checkpoint {self.checkpoint}")
         parts.append(f"order {self.order!r}")
@@ -162,7 +170,7 @@ class Plan:
 
 # a saved plan's fields by the type of their value: a hand-edited file is checked field by field
 _NUMBERS = ("bottleneck", "lower_bound", "predicted_step_s", "ideal_step_s", "measured_s")
-_NUMBER_LISTS = ("stage_costs", "stage_memory", "sent_bytes")
+_NUMBER_LISTS = ("stage_costs", "stage_memory", "sent_bytes", "lengths", "length_weights", "length_steps_s")
 
 
 def check_fields(data: dict[str, Any]) -> None:

@@ -81,6 +81,10 @@ def format_report(prog: "SplitProgram") -> str:
             f"activation checkpointing on {describe(plan.checkpoint, plan.num_stages)} (each recomputes its forward "
             "before its backward)"
         )
+        if plan.lengths:
+            steps = ", ".join(f"length {n} (weight {w:.3g}): {t * 1e3:.4g} ms"
+                              for n, w, t in zip(plan.lengths, plan.length_weights, plan.length_steps_s))
+            lines.append(f"planned for the expected step over lengths: {steps}; expected {plan.predicted_step_s * 1e3:.4g} ms")
     if plan.unknown_ops:
         ops = ", ".join(f"{k}×{v}" for k, v in sorted(plan.unknown_ops.items()))
         lines.append(f"unknown ops (no FLOP formula; costed by output size): {ops}")

@@ -11,6 +11,8 @@
   and loads them into the plain model and into a pipeline on the mesh.
 - ``bn_refused``: a buffer written in place in a way pipesplit cannot combine across replicas is
   refused when the Pipeline is built.
+- ``lengths``: a program compiled at length 32 steps at lengths 32, 17 and 48 (1f1b, and zb_v with
+  two stages per rank), each step equal to gradient accumulation over the global batch (issue 34).
 - ``gather``: ``pipe(x)`` and ``pipe.eval(x)`` return the whole global batch's output, as the
   plain model does; outputs without a batch dimension (a sum, max, mean, a cross-entropy with
   ignored labels) too.
@@ -234,6 +236,33 @@ def gather(mesh):
             assert_close(a, b, name=f"pipe.eval(x) on a mesh: {name}")
 
 
+def lengths(mesh):
+    """Issue 34 on a mesh: compiled at length 32, steps at 32, 17, 48 equal accumulation over the global batch."""
+    from pipesplit.models import gpt
+
+    for schedule, stages in (("1f1b", 2), ("zb_v", 4)):
+        torch.manual_seed(0)
+        model = gpt(layers=2, dim=16, vocab=64, seq=64, heads=2)
+        ref = copy.deepcopy(model)
+        tokens = torch.randint(0, 64, (8, 65), generator=torch.Generator().manual_seed(4))
+        prog = pipesplit.compile(model, tokens[:2, :32], num_stages=stages, progress=False)
+        pipe = pipesplit.Pipeline(prog, schedule, num_microbatches=M, loss_fn=ce, mesh=mesh, timeout=60)
+        n = 2 * M  # microbatches of the global batch: DP replicas x M
+        for length in (32, 17, 48):
+            x, y = tokens[:, :length], tokens[:, 1:length + 1]
+            loss = pipe.step(x, target=y)
+            want = sum(ce(ref(xm), ym) / n for xm, ym in zip(x.chunk(n), y.chunk(n)))
+            want.backward()
+            assert_close(loss.float(), want.detach(), name=f"{schedule}: loss at length {length}")
+            grads = dict(ref.named_parameters())
+            for name, p in pipe.named_parameters():
+                assert_close(p.grad, grads[name].grad, name=f"{schedule}: gradient of {name} at length {length}")
+            pipe.zero_grad()
+            ref.zero_grad()
+        assert prog.every_dim, f"{schedule}: the program was not captured again with every dimension dynamic"
+        agree(pipe, f"{schedule}: after the lengths")
+
+
 class Pooled(nn.Module):
     def __init__(self):
         super().__init__()
@@ -245,7 +274,7 @@ class Pooled(nn.Module):
 
 
 CHECKS = {"tied_init": tied_init, "frozen_tied": frozen_tied, "bn_stats": bn_stats, "bn_refused": bn_refused,
-          "gather": gather}
+          "gather": gather, "lengths": lengths}
 
 
 def main() -> int:

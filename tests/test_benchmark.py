@@ -316,3 +316,25 @@ def test_a_model_is_captured_once_per_stage_count_not_again_at_the_microbatch_si
     assert {d.program.plan.capture for d in res.details} == {"dynamic"}
     again = [n for d in res.details for n in d.program.notes if "captured again" in n]
     assert again == [], again
+
+
+def test_benchmark_predicts_and_measures_each_planned_length():
+    """compile(plan_lengths=...) through benchmark: each row also steps at every length (the example cut or
+    repeated along it), predicted and measured, and their weighted means."""
+    import torch.nn.functional as F
+
+    from pipesplit.models import gpt
+
+    torch.manual_seed(0)
+    model = gpt(layers=2, dim=16, heads=2, seq=64)
+    tokens = torch.randint(0, 100, (4, 65))
+    res = pipesplit.benchmark(model, tokens[:, :32], target=tokens[:, 1:33], num_stages=2, schedules=["1f1b"],
+                              num_microbatches=2, warmup=0, repeats=1, progress=False, dynamic_dims={"idx": 1},
+                              plan_lengths={16: 1, 64: 3},
+                              loss_fn=lambda o, t: F.cross_entropy(o.flatten(0, 1), t.flatten()))
+    row = res.rows[0]
+    assert row.lengths == (16, 64) and row.length_weights == (0.25, 0.75)
+    assert row.predicted_length_s[0] < row.predicted_length_s[1]
+    assert all(t > 0 for t in row.measured_length_s)
+    assert row.expected_predicted_s == pytest.approx(0.25 * row.predicted_length_s[0] + 0.75 * row.predicted_length_s[1])
+    assert "at each length {16:" in str(res)

@@ -420,3 +420,21 @@ def test_the_first_compiled_step_says_what_compiles_as_it_goes_and_the_total(cap
                                progress=False)
     quiet.step(x, target=y)
     assert "compile=True" not in capfd.readouterr().err
+
+
+def test_split_backward_stages_that_send_and_receive_a_length_run_compiled_graphs():
+    """Issue 34: a length captured dynamic crosses the cut as a number (a size); the stages that send and
+    receive it ran their split backward eager ("takes or returns values that are not tensors"). The F/I/W
+    graphs are built per microbatch shape, the number a constant in each: both stages run compiled, exactly."""
+    torch.manual_seed(0)
+    model = gpt(layers=2, dim=16, vocab=64, seq=64, heads=2)
+    tokens = torch.randint(0, 64, (8, 65))
+    prog = pipesplit.compile(model, tokens[:2, :32], num_stages=2, progress=False)
+    pipe = pipesplit.Pipeline(prog, "zb_h1", num_microbatches=4, loss_fn=dot_loss, loss_reduction="sum", compile=AOT)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="pipesplit")
+        check_training(model, pipe, [((tokens[:, :17],), {}), ((tokens[:, :32],), {})], m=4, steps=2, rtol=RTOL)
+    assert prog.every_dim and any(b.kind == "int" for b in prog.boundaries)  # a size crosses the cut
+    assert pipe.compiler.eager == []
+    built = [b for w in pipe.workers.values() if w.explicit is not None for b in w.explicit.built.values()]
+    assert len(built) == 4 and all(isinstance(b, Parts) for b in built), built  # 2 stages x 2 lengths

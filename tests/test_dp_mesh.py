@@ -41,3 +41,9 @@ def test_a_buffer_that_cannot_be_combined_across_replicas_is_refused_on_a_mesh()
 def test_forward_on_a_mesh_returns_the_whole_global_batch():
     """#8: pipe(x) and pipe.eval(x) returned this replica's rows only."""
     _check("gather")
+
+
+def test_batches_of_changing_length_train_exactly_on_a_mesh():
+    """Issue 34 on a 2 x 2 mesh: a program compiled at length 32 steps at 32, 17 and 48, each step
+    equal to gradient accumulation over the global batch (1f1b, and zb_v's split backward)."""
+    _check("lengths")

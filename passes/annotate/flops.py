@@ -7,15 +7,17 @@ input-gradient or weight-gradient work, depending on where the operand comes fro
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 import operator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence, cast
+from typing import Any, Callable, Iterator, Mapping, Sequence, cast
 
 import torch
 import torch.fx as fx
 
-from pipesplit.compat import OpOverload, OpOverloadPacket, optimization_hint
+from pipesplit.compat import OpOverload, OpOverloadPacket, hint_at
 
 
 
@@ -27,11 +29,26 @@ class OpFlops:
     grads: dict[int, int] = field(default_factory=dict)
 
 
+# the sizes the symbols of a dynamic capture take while one pricing runs (at_sizes); empty: the example's
+_SIZES: contextvars.ContextVar[Mapping[Any, int]] = contextvars.ContextVar("pipesplit_sizes", default={})
+
+
+@contextlib.contextmanager
+def at_sizes(sizes: Mapping[Any, int]) -> Iterator[None]:
+    """Within the block, :func:`hint` (every FLOP and byte count) reads the symbols ``sizes`` names
+    (``{s1: 128}``: a length captured dynamic) at those sizes instead of the example's."""
+    token = _SIZES.set(dict(sizes))
+    try:
+        yield
+    finally:
+        _SIZES.reset(token)
+
+
 def hint(x: Any) -> int:
-    """A concrete int for a possibly symbolic size (the example's value)."""
+    """A concrete int for a possibly symbolic size: the example's value, or the size :func:`at_sizes` gives."""
     if isinstance(x, int):
         return x
-    return int(optimization_hint(x))
+    return hint_at(x, _SIZES.get())
 
 
 def shape_of(x: Any) -> tuple[int, ...] | None:

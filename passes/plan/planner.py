@@ -16,6 +16,7 @@ from pipesplit.compat import data_dependent
 from pipesplit.errors import CostError, PlanError, did_you_mean, nearest_names
 from pipesplit.meta import NodeCost, node_cost, node_module_paths
 from pipesplit.passes.plan.chain import Chain, build_chain, compute_nodes
+from pipesplit.passes.plan.lengths import LengthMix, solve_over_lengths
 from pipesplit.passes.plan.constraints import check_pins_cuttable, forbid_cuts_inside, module_positions, pin_ranges
 from pipesplit.passes.annotate.costs import unknown_ops
 from pipesplit.passes.plan.objective import DEFAULT_FLOPS_PER_S, CommModel, MemoryModel
@@ -161,6 +162,7 @@ def plan_partition(
     flops_per_s: float | None = None,
     order: str = "auto",
     checkpoint: Checkpoint = None,
+    lengths: LengthMix | None = None,
 ) -> Plan:
     """The balanced plan.
 
@@ -177,6 +179,9 @@ def plan_partition(
     ``checkpoint`` (with ``schedule``): ``"auto"`` chooses the stages that recompute their forward
     together with the cuts (:mod:`pipesplit.passes.plan.checkpoint_search`); True, False or stage
     indices fix them (None: as ``memory.checkpoint``).
+
+    ``lengths`` (with ``schedule``): the lowest expected step over those lengths of a dynamic
+    dimension (:mod:`pipesplit.passes.plan.lengths`).
     """
     check_checkpoint(checkpoint)
     name, fn = cost_function(cost)
@@ -200,7 +205,7 @@ def plan_partition(
             solved.append(_solve_order(
                 gm, nodes, label, fn, name, rate, num_stages, rebuild, max_stage_memory=max_stage_memory,
                 slack=slack, known=module_paths or set(), pins=pins or {}, no_split=no_split, schedule=schedule,
-                comm=comm, memory=memory, device_kind=device_kind, rates=rates, checkpoint=chosen,
+                comm=comm, memory=memory, device_kind=device_kind, rates=rates, checkpoint=chosen, lengths=lengths,
             ))
         except PlanError:
             if i == 0:  # the program's order: the user's error
@@ -249,7 +254,7 @@ def _solve_order(
     gm: fx.GraphModule, nodes: list[fx.Node], label: str, fn: CostFn, name: str, rate: float, num_stages: int,
     rebuild: set[str], *, max_stage_memory: int | None, slack: float, known: set[str], pins: Mapping[str, int],
     no_split: Sequence[str], schedule: Schedule | None, comm: CommModel, memory: MemoryModel, device_kind: str,
-    rates: DeviceRates | None = None, checkpoint: Checkpoint = None,
+    rates: DeviceRates | None = None, checkpoint: Checkpoint = None, lengths: LengthMix | None = None,
 ) -> _Solved:
     state_factor = memory.training_state_factor(with_optimizer=schedule is not None)
     chain = build_chain(gm, fn, state_factor=state_factor, recompute=rebuild, order=nodes)
@@ -259,6 +264,21 @@ def _solve_order(
     if no_split and pins:
         check_pins_cuttable(chain.nodes, chain.allowed, pins, no_split)
     limits = StageLimits(None, ranges.start_lo, ranges.start_hi) if ranges else StageLimits()
+    if schedule is not None and lengths is not None:
+        def build() -> tuple[Chain, Any]:
+            at = build_chain(gm, fn, state_factor=state_factor, recompute=rebuild, order=nodes)
+            return at, node_seconds(at.nodes, name, fn, rate, rates)
+
+        mixed, ckpt = solve_over_lengths(
+            gm, chain, lengths, schedule, build, comm=comm, memory=memory, mem_cap=max_stage_memory, limits=limits,
+            device_kind=device_kind, checkpoint=fixed_set(checkpoint, num_stages, memory.checkpoint))
+        extra = dict(schedule=schedule.name, num_microbatches=schedule.num_microbatches,
+                     predicted_step_s=mixed.candidate.step_s, ideal_step_s=mixed.ideal, checkpoint=sorted(ckpt),
+                     lengths=list(lengths.weights), length_weights=list(lengths.weights.values()),
+                     length_steps_s=mixed.steps)
+        return _Solved(label, chain, mixed.candidate.starts, largest_stage(chain, mixed.candidate.starts),
+                       mixed.candidate.cut_bytes, mixed.candidate.step_s,
+                       [int(m) for m in mixed.candidate.figures.memory], extra)
     if schedule is not None:
         seconds = node_seconds(chain.nodes, name, fn, rate, rates)
         best, ideal, ckpt = best_with_checkpointing(

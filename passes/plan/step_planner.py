@@ -126,6 +126,18 @@ def best_for_schedule(
     in flight, and their cost their second forward (see :mod:`pipesplit.passes.plan.checkpointing`).
     ``quick``: fewer slacks and no re-split of the sides (:func:`rebalance`), to compare sets quickly.
     """
+    cands = schedule_candidates(chain, seconds, schedule, comm=comm, memory=memory, mem_cap=mem_cap, limits=limits,
+                                device_kind=device_kind, checkpoint=checkpoint, quick=quick)
+    ckpt = (frozenset(range(schedule.num_stages)) if memory.checkpoint else frozenset()) if checkpoint is None else checkpoint
+    return choose(cands), step_lower_bound(seconds, schedule, len(ckpt) == schedule.num_stages)
+
+
+def schedule_candidates(
+    chain: Chain, seconds: np.ndarray, schedule: Schedule, *, comm: CommModel, memory: MemoryModel,
+    mem_cap: int | None, limits: StageLimits, device_kind: str, checkpoint: frozenset[int] | None = None,
+    quick: bool = False,
+) -> list[Candidate]:
+    """Every split :func:`best_for_schedule` chooses from, each with its simulated step."""
     k = schedule.num_stages
     in_flight = in_flight_per_stage(schedule)
     units = activation_units_per_stage(schedule)
@@ -154,7 +166,7 @@ def best_for_schedule(
     for st in dict.fromkeys(starts):
         fig = figures_for(chain, st, seconds, in_flight, memory, comm, device_kind, units, ckpt)
         cands.append(Candidate(st, fig, step_time(schedule, fig), int(sum(chain.cut_bytes[list(st[1:])]))))
-    return choose(cands), step_lower_bound(seconds, schedule, len(ckpt) == k)
+    return cands
 
 
 # Each side of the bottleneck is re-split exactly for balance, and for the fewest bytes within 5% of it.

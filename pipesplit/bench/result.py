@@ -61,6 +61,23 @@ class BenchRow:
     throughput: float
     """Samples per second at the measured step time."""
     repeats: int
+    lengths: tuple[int, ...] = ()
+    """``compile(..., plan_lengths=...)``: the lengths the plan was made for (the inputs cut or repeated to each)."""
+    length_weights: tuple[float, ...] = ()
+    predicted_length_s: tuple[float, ...] = ()
+    """The predicted step at each of ``lengths``."""
+    measured_length_s: tuple[float, ...] = ()
+    """The median measured step at each of ``lengths``."""
+
+    @property
+    def expected_predicted_s(self) -> float | None:
+        """The predicted step weighted over ``lengths`` (None without)."""
+        return sum(w * s for w, s in zip(self.length_weights, self.predicted_length_s)) if self.lengths else None
+
+    @property
+    def expected_measured_s(self) -> float | None:
+        """The measured step weighted over ``lengths`` (None without)."""
+        return sum(w * s for w, s in zip(self.length_weights, self.measured_length_s)) if self.lengths else None
 
     @property
     def label(self) -> str:
@@ -215,6 +232,12 @@ class BenchmarkResult:
         if self.rows:
             b = self.best()
             lines.append(f"\nfastest: {b.label}: {_ms(b.measured_step_s)} ms per step, {b.throughput:.4g} samples/s")
+        for r in self.rows:
+            if r.lengths:
+                at = ", ".join(f"{n}: {_ms(p)} / {_ms(m)}" for n, p, m in
+                               zip(r.lengths, r.predicted_length_s, r.measured_length_s))
+                lines.append(f"{r.label}: step ms pred / meas at each length {{{at}}}; expected "
+                             f"{_ms(r.expected_predicted_s or 0.0)} / {_ms(r.expected_measured_s or 0.0)}")
         lines += [f"skipped {what}: {why}" for what, why in self.skipped]
         lines += [f"warning: {w}" for w in self.warnings]
         lines += [f"note: {n}" for n in self.notes]

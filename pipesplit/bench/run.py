@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import inspect
 import itertools
@@ -17,6 +18,7 @@ from torch import nn
 
 from pipesplit.api import check_devices_exist, compile as compile_model
 from pipesplit.checks import keywords_of
+from pipesplit.bench.lengths import at_length, program_mix, stage_costs_at
 from pipesplit.bench.load import load_summary, machine_load
 from pipesplit.bench.predict import Prediction, boundary_bytes_per_step, predict
 from pipesplit.bench.result import BenchmarkResult, BenchRow, RunDetail
@@ -24,6 +26,7 @@ from pipesplit.capture import as_args
 from pipesplit.compat import pytree
 from pipesplit.devices import device_name
 from pipesplit.errors import InputError, PipesplitError, ScheduleError
+from pipesplit.passes.plan.lengths import LengthMix
 from pipesplit.passes.plan.planner import BUILTIN_COSTS, cost_function
 from pipesplit.passes.split.program import SplitProgram
 from pipesplit.runtime.engine.microbatch import batch_size
@@ -152,6 +155,20 @@ def _row(prog: SplitProgram, pipe: Pipeline, cost_name: str, batch: int, pred: P
     return row, median_step
 
 
+def _at_lengths(row: BenchRow, prog: SplitProgram, pipe: Pipeline, mix: LengthMix, cost: Any, batch: int,
+                data: tuple[Any, Any, Any], warmup: int, repeats: int) -> BenchRow:
+    """``row`` with the step predicted and measured at each of ``mix``'s lengths (the example cut or repeated)."""
+    predicted, measured = [], []
+    for length in mix.weights:
+        args, kwargs, target = at_length(data, mix, length)
+        times, _, _ = _measure(pipe, args, kwargs, target, warmup, repeats)
+        with stage_costs_at(prog, mix, length):
+            predicted.append(predict(prog, pipe.schedule, cost, batch).timeline.step_time)
+        measured.append(statistics.median(times))
+    return dataclasses.replace(row, lengths=tuple(mix.weights), length_weights=tuple(mix.weights.values()),
+                               predicted_length_s=tuple(predicted), measured_length_s=tuple(measured))
+
+
 def _keywords() -> list[str]:
     """What ``benchmark`` takes by name: its own keywords and, passed on, ``compile``'s."""
     own = [p.name for p in inspect.signature(benchmark).parameters.values() if p.kind is not p.VAR_KEYWORD]
@@ -194,7 +211,12 @@ def benchmark(
             times are medians, with the spread of the repeats.
         progress: a progress bar over the configurations: True always, False never, None
             (default) only when stderr is a terminal.
-        compile_options: passed on to :func:`pipesplit.compile` (e.g. ``slack``).
+        compile_options: passed on to :func:`pipesplit.compile` (e.g. ``slack``). With ``plan_lengths``
+            (and ``dynamic_dims``) the split is planned for the expected step over those lengths (under
+            ``schedule=``, default the sweep's first schedule and microbatch count), and each row also
+            predicts and measures every length (the example's tensors of the example's length cut to it, or
+            repeated along it and cut): ``row.predicted_length_s``, ``row.measured_length_s`` and their
+            weighted means ``row.expected_predicted_s``, ``row.expected_measured_s``.
 
     Each stage count and cost gets one split (the balanced plan ``pipesplit.compile``
     makes), which then runs under every schedule and microbatch count; it is captured with a
@@ -233,6 +255,9 @@ def benchmark(
     dim = given.batch_dim if given is not None else int(compile_options.get("batch_dim", 0))
     _check(scheds, [] if is_prog else costs, stage_counts, micro, _example_batch(args, kwargs, dim), warmup, repeats)
     configs = list(itertools.product(stage_counts, costs, scheds, micro))
+    if given is None and compile_options.get("plan_lengths") is not None and "schedule" not in compile_options:
+        # the expected step over the lengths is a schedule's: plan for the sweep's first
+        compile_options = {**compile_options, "schedule": scheds[0], "num_microbatches": micro[0]}
     if given is None and "dynamic_batch" not in compile_options and any(m > 1 for m in micro):
         # the steps run microbatches, not the example's batch: capture the batch dynamic once, not the
         # example's shapes first and then once more at the microbatch size, for every stage count
@@ -271,6 +296,10 @@ def benchmark(
                 times, tr, peaks = _measure(pipe, args, kwargs, tgt, warmup, repeats)
                 pred = predict(prog, pipe.schedule, c if not is_prog or c in BUILTIN_COSTS else "flops", batch)
                 row, median_step = _row(prog, pipe, cost_name, batch, pred, times, tr, peaks)
+                mix = program_mix(prog)
+                if mix is not None:  # planned for several lengths: each measured and predicted too
+                    row = _at_lengths(row, prog, pipe, mix, c if not is_prog or c in BUILTIN_COSTS else "flops",
+                                      batch, (args, kwargs, tgt), warmup, repeats)
                 rows.append(row)
                 details.append(RunDetail(prog, pred, tr, median_step))
                 log.info("pipesplit benchmark: %s: %.4fs per step", what, row.measured_step_s)

@@ -104,6 +104,9 @@ def _split(joint: fx.GraphModule, num_primals: int, counts: tuple[int, int]) -> 
     return fwd, bwd_i, bwd_w, saved_i, saved_w
 
 
+_NUMBERS = (int, float, bool)
+
+
 def build_parts(module: torch.nn.Module, args: Sequence[Any], grad_inputs: list[int]) -> Parts | str:
     """The stage's F/I/W for inputs like ``args`` (``grad_inputs``: the positions that need a
     gradient), or why not."""
@@ -124,9 +127,11 @@ def build_parts(module: torch.nn.Module, args: Sequence[Any], grad_inputs: list[
 
     with fake_mode(), torch.enable_grad():  # which outputs carry a gradient, and their shapes
         outs = tuple(module(*leaves_of(args)))
-    if not all(isinstance(o, torch.Tensor) for o in outs) or not all(isinstance(x, torch.Tensor) for x in args):
-        return "it takes or returns values that are not tensors"
-    differentiable = [o.requires_grad for o in outs]
+    # a size crossing a cut (a length captured dynamic) is a plain number here: the parts are built per
+    # microbatch shape, that number among their key, and trace it as the constant it is in that shape
+    if not all(isinstance(v, (torch.Tensor, *_NUMBERS)) for v in (*outs, *args)):
+        return "it takes or returns values that are neither tensors nor numbers"
+    differentiable = [isinstance(o, torch.Tensor) and o.requires_grad for o in outs]
     shapes = [(o.shape, o.dtype, o.device) for o, d in zip(outs, differentiable) if d]
     tangents = [torch.zeros(s, dtype=dt, device=dev) for s, dt, dev in shapes]
 
@@ -143,7 +148,7 @@ def build_parts(module: torch.nn.Module, args: Sequence[Any], grad_inputs: list[
             # a tensor the outputs do not reach gets no gradient: None in plain PyTorch (an optimizer
             # skips it; AdamW would decay a zero). The graphs return only the others.
             reached[:] = [g is not None for g in got]
-        return [*(o.detach() for o in got_outs), *(g for g in got if g is not None)]
+        return [*(o.detach() if isinstance(o, torch.Tensor) else o for o in got_outs), *(g for g in got if g is not None)]
 
     reached: list[bool] = []  # per wanted tensor (inputs, then weights): does a gradient reach it
     try:
