@@ -356,6 +356,7 @@ def _choose_plan(
         checked = evaluate(gm, given.stages, name, fn, "loaded")
         checked.recompute = [r for r in given.recompute if r in recomputable(gm)]
         checked.checkpoint = given.checkpoint
+        checked.checkpoint_partial, checked.checkpoint_labels = given.checkpoint_partial, given.checkpoint_labels
         return checked
     assert split_points is not None
     chosen = plan_from_split_points(gm, list(split_points), module_paths, cost)

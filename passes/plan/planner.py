@@ -26,6 +26,7 @@ from pipesplit.passes.plan.partition import StageLimits, largest_stage, solve_ca
 from pipesplit.passes.plan.recompute import recomputable
 from pipesplit.passes.plan.checkpoint_search import best_with_checkpointing
 from pipesplit.passes.plan.checkpointing import Checkpoint, check_checkpoint, fixed_set
+from pipesplit.passes.plan.partial_checkpoint import plan_fields
 from pipesplit.passes.plan.step_planner import TIE, node_seconds
 from pipesplit.plan import Plan
 from pipesplit.schedules import Schedule
@@ -179,6 +180,9 @@ def plan_partition(
     indices fix them (None: as ``memory.checkpoint``).
     """
     check_checkpoint(checkpoint)
+    if isinstance(checkpoint, Mapping) and schedule is None:
+        raise PlanError(f"checkpoint={dict(checkpoint)} recomputes part of a stage, which is planned under a schedule: "
+                        "pass schedule= and num_microbatches= too (e.g. schedule='1f1b').")
     name, fn = cost_function(cost)
     rate = flops_per_s or DEFAULT_FLOPS_PER_S.get(device_kind, DEFAULT_FLOPS_PER_S["cpu"])
     # a schedule's step time prices the default cost at this device's measured rates (unless a FLOP
@@ -264,9 +268,11 @@ def _solve_order(
         best, ideal, ckpt = best_with_checkpointing(
             chain, seconds, schedule, comm=comm, memory=memory, mem_cap=max_stage_memory,
             limits=limits, device_kind=device_kind, checkpoint=fixed_set(checkpoint, num_stages, memory.checkpoint),
+            asked=checkpoint if isinstance(checkpoint, Mapping) else None,
         )
         extra = dict(schedule=schedule.name, num_microbatches=schedule.num_microbatches,
-                     predicted_step_s=best.step_s, ideal_step_s=ideal, checkpoint=sorted(ckpt))
+                     predicted_step_s=best.step_s, ideal_step_s=ideal, checkpoint=sorted(ckpt),
+                     **plan_fields(chain, best.starts, best.heads))
         return _Solved(label, chain, best.starts, largest_stage(chain, best.starts), best.cut_bytes, best.step_s,
                        [int(m) for m in best.figures.memory], extra)
     if ranges is not None:
