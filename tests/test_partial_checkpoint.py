@@ -12,15 +12,24 @@ import pipesplit
 from pipesplit import Plan, PipesplitError, PlanError
 from pipesplit.models import GPT, GPTConfig
 from tests.close import assert_close, assert_grads_close
-from tests.test_checkpointing import KW, QUARTERS, Deep, deep  # noqa: F401  (the fixture)
+from tests.test_checkpointing import KW, QUARTERS, Deep
 from tests.training import dot_loss
+
+
+@pytest.fixture(scope="module")
+def deep():
+    """The model, its example, and a cap 15% under the largest stage of the plan made without one."""
+    torch.manual_seed(0)
+    model, x = Deep(), torch.randn(256, 64)
+    free = pipesplit.compile(model, x, **KW)
+    return model, x, free, int(max(free.plan.stage_memory) * 0.85)
 
 
 def _mse(out, y):
     return torch.nn.functional.mse_loss(out, y)
 
 
-def test_auto_recomputes_only_the_blocks_a_stage_needs_and_beats_whole_stages(deep):  # noqa: F811
+def test_auto_recomputes_only_the_blocks_a_stage_needs_and_beats_whole_stages(deep):
     model, x, free, cap = deep
     auto = pipesplit.compile(model, x, max_stage_memory=cap, checkpoint="auto", **KW)
     plan = auto.plan
@@ -42,7 +51,7 @@ def test_auto_recomputes_only_the_blocks_a_stage_needs_and_beats_whole_stages(de
     assert plan.predicted_step_s <= hand.predicted_step_s * (1 + 1e-9)
 
 
-def test_a_dict_asks_for_the_first_blocks_of_stages_and_a_saved_plan_keeps_them(deep, tmp_path):  # noqa: F811
+def test_a_dict_asks_for_the_first_blocks_of_stages_and_a_saved_plan_keeps_them(deep, tmp_path):
     model, x, _, cap = deep
     prog = pipesplit.compile(model, x, split_points=QUARTERS, schedule="1f1b", num_microbatches=8,
                              max_stage_memory=cap, checkpoint={0: 2, 1: 4}, progress=False)
@@ -72,8 +81,11 @@ def test_bad_partial_choices_are_refused_with_the_fix():
         pipesplit.compile(model, x, num_stages=2, schedule="1f1b", checkpoint={0: True})
     with pytest.raises(PlanError, match=r"asks stage 1 to recompute 3 blocks, but it has 2; ask for 1 to 2"):
         pipesplit.compile(model, x, num_stages=2, schedule="1f1b", checkpoint={1: 3}, progress=False)
-    with pytest.raises(PlanError, match=r"pass schedule= and num_microbatches= too"):
-        pipesplit.compile(model, x, num_stages=2, checkpoint={0: 1}, progress=False)
+    with pytest.raises(PlanError, match=r"asks stage 1 to recompute 3 blocks, but it has 2"):  # without a schedule too
+        pipesplit.compile(model, x, num_stages=2, checkpoint={1: 3}, progress=False)
+    with pytest.raises(PlanError, match=r"pass schedule= and num_microbatches= too"):  # a given split is not balanced
+        pipesplit.compile(model, x, split_points=["layers.2"], checkpoint={0: 1}, progress=False)
+    assert pipesplit.compile(model, x, num_stages=2, checkpoint={0: 1}, progress=False).plan.checkpoint_partial == {0: 2}
 
 
 def _count_heads(monkeypatch):
@@ -118,15 +130,17 @@ def test_a_partly_checkpointed_step_equals_gradient_accumulation_in_float64(sche
 def test_dropout_is_bit_identical_with_part_of_each_stage_recomputed():
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab=64, dim=32, layers=4, heads=2, seq=16, dropout=0.3)).double()
-    ids, t = torch.randint(0, 64, (2, 16)), torch.randn(8, 16, 64, dtype=torch.float64)
-    x = torch.randint(0, 64, (8, 16))
+    x, t = torch.randint(0, 64, (8, 16)), torch.randn(8, 16, 64, dtype=torch.float64)
+    prog = pipesplit.compile(model, torch.randint(0, 64, (2, 16)), num_stages=2, checkpoint={0: 1, 1: 1},
+                             progress=False)
+    assert len(prog.plan.checkpoint_partial) == 2 and prog.plan.checkpoint == []
     results = []
-    for schedule, ckpt in [("1f1b", None), ("1f1b", {0: 1, 1: 1}), ("zb_h1", {0: 1, 1: 1})]:
-        prog = pipesplit.compile(model, ids, num_stages=2, schedule=schedule, num_microbatches=4, checkpoint=ckpt,
-                                 progress=False)
-        assert bool(prog.plan.checkpoint_partial) == (ckpt is not None)
-        pipe = pipesplit.Pipeline(prog, schedule, num_microbatches=4, loss_fn=dot_loss, loss_reduction="sum")
+    for schedule, ckpt in [("1f1b", False), ("1f1b", None), ("zb_h1", None)]:  # None: as planned
+        pipe = pipesplit.Pipeline(prog, schedule, num_microbatches=4, loss_fn=dot_loss, loss_reduction="sum",
+                                  checkpoint=ckpt)
+        assert all(bool(w.head) == (ckpt is None) for w in pipe.workers.values())
         torch.manual_seed(7)
+        pipe.zero_grad()
         loss = pipe.step(x, target=t)
         results.append((loss.detach().clone(), {n: p.grad.clone() for n, p in pipe.named_parameters()}))
     first = results[0]
