@@ -148,31 +148,9 @@ def layouts(layers: int, k: int) -> dict[str, list[int]]:
     return {name: list(counts) for counts, name in out.items()}  # type: ignore[misc]
 
 
-def compare(shape: Shape, cap: int) -> dict[str, Any]:
-    model, args = shape.build(), shape.inputs()
+def expert_layouts(shape: Shape, chain: Any, seconds: Any, sched: Any, cap: int, nodes: list[Any]) -> list[dict[str, Any]]:
+    """Every expert layout with its best checkpointing, priced like pipesplit's plan."""
     k = shape.stages
-    sched = get_schedule("1f1b", num_stages=k, num_ranks=k, num_microbatches=shape.microbatches)
-    start, cpu = time.perf_counter(), time.process_time()
-    prog = pipesplit.compile(model, args, num_stages=k, schedule="1f1b", num_microbatches=shape.microbatches,
-                             max_stage_memory=cap, checkpoint="auto", memory=shape.memory, progress=False)
-    compile_s, compile_cpu = time.perf_counter() - start, time.process_time() - cpu
-    gm = prog.captured_gm  # annotated in place by compile
-    plan = prog.plan
-    ours = {"step": plan.predicted_step_s, "memory": max(plan.stage_memory), "checkpoint": checkpoint_text(plan),
-            "layout": [len(s) for s in plan.stages], "compile_s": compile_s}
-    # the plan the search makes recomputing whole stages only (before partial checkpointing): what it gains
-    with mock.patch("pipesplit.passes.plan.checkpoint_search.with_shortest_heads", lambda *a, **kw: None):
-        stages_only = pipesplit.compile(model, args, num_stages=k, schedule="1f1b", num_microbatches=shape.microbatches,
-                                        max_stage_memory=cap, checkpoint="auto", memory=shape.memory, progress=False)
-    ours["stages_only"] = {"step": stages_only.plan.predicted_step_s, "memory": max(stages_only.plan.stage_memory),
-                           "checkpoint": checkpoint_text(stages_only.plan),
-                           "layout": [len(s) for s in stages_only.plan.stages]}
-    # the same pricing a given split gets (compile(split_points=...)), for every expert layout at once
-    name, fn = cost_function("flops")
-    nodes = compute_nodes(gm)
-    rebuild = cheap_to_recompute(gm, prog.mutated_targets, CommModel(), "cpu")
-    chain = build_chain(gm, fn, state_factor=shape.memory.state_factor_for, recompute=rebuild, order=nodes)
-    seconds = node_seconds(chain.nodes, name, fn, 5e10, device_rates("cpu", largest_matmul(gm.graph.nodes)))
     in_flight, units = in_flight_per_stage(sched), activation_units_per_stage(sched)
     first_of = {}
     for i, n in enumerate(nodes):
@@ -209,6 +187,35 @@ def compare(shape: Shape, cap: int) -> dict[str, Any]:
                 best = {"step": step, "memory": max(fig.memory), "checkpoint": text, "layout": counts, "name": label}
         experts.append(best or {"step": float("inf"), "memory": None, "checkpoint": None, "layout": counts,
                                 "name": label})
+    return experts
+
+
+def compare(shape: Shape, cap: int) -> dict[str, Any]:
+    model, args = shape.build(), shape.inputs()
+    k = shape.stages
+    sched = get_schedule("1f1b", num_stages=k, num_ranks=k, num_microbatches=shape.microbatches)
+    start, cpu = time.perf_counter(), time.process_time()
+    prog = pipesplit.compile(model, args, num_stages=k, schedule="1f1b", num_microbatches=shape.microbatches,
+                             max_stage_memory=cap, checkpoint="auto", memory=shape.memory, progress=False)
+    compile_s, compile_cpu = time.perf_counter() - start, time.process_time() - cpu
+    gm = prog.captured_gm  # annotated in place by compile
+    plan = prog.plan
+    ours = {"step": plan.predicted_step_s, "memory": max(plan.stage_memory), "checkpoint": checkpoint_text(plan),
+            "layout": [len(s) for s in plan.stages], "compile_s": compile_s}
+    # the plan the search makes recomputing whole stages only (before partial checkpointing): what it gains
+    with mock.patch("pipesplit.passes.plan.checkpoint_search.with_shortest_heads", lambda *a, **kw: None):
+        stages_only = pipesplit.compile(model, args, num_stages=k, schedule="1f1b", num_microbatches=shape.microbatches,
+                                        max_stage_memory=cap, checkpoint="auto", memory=shape.memory, progress=False)
+    ours["stages_only"] = {"step": stages_only.plan.predicted_step_s, "memory": max(stages_only.plan.stage_memory),
+                           "checkpoint": checkpoint_text(stages_only.plan),
+                           "layout": [len(s) for s in stages_only.plan.stages]}
+    # the same pricing a given split gets (compile(split_points=...)), for every expert layout at once
+    name, fn = cost_function("flops")
+    nodes = compute_nodes(gm)
+    rebuild = cheap_to_recompute(gm, prog.mutated_targets, CommModel(), "cpu")
+    chain = build_chain(gm, fn, state_factor=shape.memory.state_factor_for, recompute=rebuild, order=nodes)
+    seconds = node_seconds(chain.nodes, name, fn, 5e10, device_rates("cpu", largest_matmul(gm.graph.nodes)))
+    experts = expert_layouts(shape, chain, seconds, sched, cap, nodes)
     # pipesplit's own plan priced again the way a saved plan is, as a check that both pricings agree
     again = pipesplit.Plan(stages=plan.stages, recompute=plan.recompute)
     price_plan(gm, again, sched, memory=shape.memory, max_stage_memory=cap, checkpoint=plan.checkpoint,

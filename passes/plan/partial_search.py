@@ -16,7 +16,7 @@ from pipesplit.passes.plan.objective import (
 )
 from pipesplit.passes.plan.partial_checkpoint import Blocks, shortest_heads
 from pipesplit.passes.plan.partition import StageLimits, solve_candidates
-from pipesplit.passes.plan.step_planner import QUICK_SLACKS, Candidate, figures_for, stage_state
+from pipesplit.passes.plan.step_planner import SLACKS, Candidate, figures_for, stage_state
 from pipesplit.errors import PlanError
 from pipesplit.schedules import Schedule
 
@@ -45,22 +45,26 @@ def reweigh(
     device_kind: str, cap: int, limits: StageLimits, found: list[Candidate],
 ) -> None:
     """Add to ``found`` the splits solved with each stage's cost weighed by the recompute of the best one so far."""
+    tried: set[tuple[float, ...]] = set()
     for _ in range(ROUNDS):
         if not found:
             return
-        best = min(found, key=lambda c: c.step_s)
-        scale = tuple((c.forward + c.backward) / plain if plain > 0 else 1.0
-                      for c, plain in zip(best.figures.costs, _plain_seconds(seconds, best.starts, chain.n)))
-        weighed = StageLimits(None, limits.start_lo, limits.start_hi, None, scale)
-        try:
-            splits = solve_candidates(chain, schedule.num_stages, QUICK_SLACKS, limits=weighed, precision=10)
-        except PlanError:
-            return
-        before = best.step_s
-        for split in dict.fromkeys(s.starts for s in splits):
-            got = with_shortest_heads(chain, blocks, tuple(split), seconds, schedule, memory, comm, device_kind, cap)
-            if got is not None:
-                found.append(got)
+        before = min(c.step_s for c in found)
+        for best in sorted(found, key=lambda c: c.step_s)[:WIDTH]:
+            scale = tuple(round((c.forward + c.backward) / plain if plain > 0 else 1.0, 3)
+                          for c, plain in zip(best.figures.costs, _plain_seconds(seconds, best.starts, chain.n)))
+            if scale in tried:
+                continue
+            tried.add(scale)
+            weighed = StageLimits(None, limits.start_lo, limits.start_hi, None, scale)
+            try:
+                splits = solve_candidates(chain, schedule.num_stages, SLACKS, limits=weighed)
+            except PlanError:
+                continue
+            for split in dict.fromkeys(s.starts for s in splits):
+                got = with_shortest_heads(chain, blocks, tuple(split), seconds, schedule, memory, comm, device_kind, cap)
+                if got is not None:
+                    found.append(got)
         if min(c.step_s for c in found) >= before * (1 - 1e-9):
             return
 
@@ -70,5 +74,6 @@ def _plain_seconds(seconds: np.ndarray, starts: tuple[int, ...], n: int) -> list
     return [float(seconds[a:b].sum()) for a, b in zip(bounds, bounds[1:])]
 
 
-# How many times the chain is solved again with the stages weighed by their recompute.
+# How many times the chain is solved again with the stages weighed by their recompute, from the best WIDTH so far.
 ROUNDS = 3
+WIDTH = 3
