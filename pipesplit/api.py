@@ -198,8 +198,10 @@ def compile(
             per microbatch in flight plus one microbatch's activations, and its backward pays
             a second forward. ``"auto"`` (with ``schedule``) chooses the stages with the cuts,
             for the lowest simulated step under ``max_stage_memory``; True every stage, False
-            none, or a list of stage indices. ``prog.plan.checkpoint`` lists the stages, and
-            ``Pipeline`` checkpoints exactly those.
+            none, a list of stage indices, or ``{stage: n}``: those stages recompute only their
+            first ``n`` blocks (``"auto"`` may choose that too). ``prog.plan.checkpoint`` lists the
+            stages recomputed whole, ``prog.plan.checkpoint_summary`` what each stage recomputes,
+            and ``Pipeline`` checkpoints exactly that.
         recompute: ``"auto"`` rebuilds cheap input-derived values (masks, rotary tables) in
             each stage that needs them instead of sending them; ``"never"`` sends everything.
         order: ``"auto"`` also solves the order that computes each node as late as its
