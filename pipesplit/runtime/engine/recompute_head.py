@@ -14,6 +14,7 @@ from typing import Any, Collection
 import torch.fx as fx
 from torch.utils.checkpoint import checkpoint
 
+from pipesplit.errors import PipesplitError
 from pipesplit.rng import resumed_stream, stream_copy
 
 _SHARED = ("placeholder", "get_attr", "output")
@@ -24,7 +25,11 @@ class RecomputedHead:
 
     def __init__(self, module: fx.GraphModule, head: Collection[str]):
         nodes = list(module.graph.nodes)
-        last = max(i for i, n in enumerate(nodes) if n.name in head)
+        found = [i for i, n in enumerate(nodes) if n.name in head]
+        if not found:
+            raise PipesplitError(f"the plan recomputes {len(head)} nodes of a stage (from {sorted(head)[:3]}), none of "
+                                 "which its graph has now: compile again, or pass Pipeline(checkpoint=False).")
+        last = max(found)
         inside = {n for n in nodes[: last + 1] if n.op not in _SHARED}
         self.attr_targets = sorted({str(a.target) for n in inside for a in n.all_input_nodes if a.op == "get_attr"})
         placeholders = [n for n in nodes if n.op == "placeholder"]
