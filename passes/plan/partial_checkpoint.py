@@ -27,6 +27,7 @@ from pipesplit.meta import node_module_paths
 from pipesplit.passes.plan.advice import repeated_in
 from pipesplit.passes.plan.chain import Chain
 from pipesplit.passes.plan.objective import MemoryModel
+from pipesplit.plan import Plan
 
 
 @dataclass(frozen=True)
@@ -165,3 +166,11 @@ def plan_fields(chain: Chain, starts: Sequence[int], heads: Mapping[int, int]) -
     blocks, bounds = find_blocks(chain), list(starts) + [chain.n]
     return {"checkpoint_partial": {s: h - bounds[s] for s, h in sorted(heads.items())},
             "checkpoint_labels": {s: blocks.label(bounds[s], bounds[s + 1], h) for s, h in sorted(heads.items())}}
+
+
+def ask_blocks(plan: Plan, chain: Chain, starts: Sequence[int], asked: Mapping[int, int]) -> None:
+    """Write ``compile(checkpoint={stage: blocks})``'s choice on the split at ``starts`` into ``plan``."""
+    whole, heads = asked_heads(find_blocks(chain), starts, chain.n, asked)
+    plan.checkpoint = sorted(whole)
+    for key, value in plan_fields(chain, starts, heads).items():
+        setattr(plan, key, value)

@@ -26,7 +26,7 @@ from pipesplit.passes.plan.partition import StageLimits, largest_stage, solve_ca
 from pipesplit.passes.plan.recompute import recomputable
 from pipesplit.passes.plan.checkpoint_search import best_with_checkpointing
 from pipesplit.passes.plan.checkpointing import Checkpoint, check_checkpoint, fixed_set
-from pipesplit.passes.plan.partial_checkpoint import asked_heads, find_blocks, plan_fields
+from pipesplit.passes.plan.partial_checkpoint import ask_blocks, plan_fields
 from pipesplit.passes.plan.step_planner import TIE, node_seconds
 from pipesplit.plan import Plan
 from pipesplit.schedules import Schedule
@@ -214,10 +214,7 @@ def plan_partition(
     fixed = fixed_set(checkpoint, num_stages, memory.checkpoint)
     plan.checkpoint = sorted(fixed or ())  # with a schedule, the choice made (in best.extra)
     if isinstance(checkpoint, Mapping) and schedule is None:  # {stage: blocks} on the split as balanced
-        whole, heads = asked_heads(find_blocks(best.chain), best.starts, best.chain.n, checkpoint)
-        plan.checkpoint = sorted(whole)
-        for key, value in plan_fields(best.chain, best.starts, heads).items():
-            setattr(plan, key, value)
+        ask_blocks(plan, best.chain, best.starts, checkpoint)
     plan.max_stage_memory = max_stage_memory
     plan.order = best.label
     for key, value in best.extra.items():
