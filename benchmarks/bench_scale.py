@@ -22,11 +22,13 @@ from __future__ import annotations
 
 import argparse
 import os
+from unittest import mock
 import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -39,9 +41,10 @@ from pipesplit.passes.plan.chain import build_chain, compute_nodes  # noqa: E402
 from pipesplit.passes.plan.objective import (  # noqa: E402
     CommModel, MemoryModel, activation_units_per_stage, in_flight_per_stage, step_time,
 )
+from pipesplit.passes.plan.partial_checkpoint import find_blocks, shortest_heads  # noqa: E402
 from pipesplit.passes.plan.planner import cheap_to_recompute, cost_function  # noqa: E402
 from pipesplit.passes.plan.pricing import price_plan  # noqa: E402
-from pipesplit.passes.plan.step_planner import figures_for, node_seconds  # noqa: E402
+from pipesplit.passes.plan.step_planner import figures_for, node_seconds, stage_state  # noqa: E402
 from pipesplit.schedules import get_schedule  # noqa: E402
 
 GiB = 2**30
@@ -123,7 +126,7 @@ def timing_only(smoke: bool) -> list[Shape]:
 
 def timing_row(shape: Shape, prog: Any, wall: float, cpu: float) -> list[Any]:
     return [shape.name, shape.layers, shape.stages, f"{shape.cap / GiB:.0f}", f"{prog.timings['capture']:.1f}",
-            f"{prog.timings['plan']:.1f}", f"{wall:.1f}", f"{cpu:.1f}", str(prog.plan.checkpoint),
+            f"{prog.timings['plan']:.1f}", f"{wall:.1f}", f"{cpu:.1f}", checkpoint_text(prog.plan),
             f"{max(prog.plan.stage_memory) / GiB:.1f}"]
 
 
@@ -145,6 +148,48 @@ def layouts(layers: int, k: int) -> dict[str, list[int]]:
     return {name: list(counts) for counts, name in out.items()}  # type: ignore[misc]
 
 
+def expert_layouts(shape: Shape, chain: Any, seconds: Any, sched: Any, cap: int, nodes: list[Any]) -> list[dict[str, Any]]:
+    """Every expert layout with its best checkpointing, priced like pipesplit's plan."""
+    k = shape.stages
+    in_flight, units = in_flight_per_stage(sched), activation_units_per_stage(sched)
+    first_of = {}
+    for i, n in enumerate(nodes):
+        for p in node_module_paths(n):
+            first_of.setdefault(p, i)
+    experts = []
+    act = chain.act if chain.act is not None else np.zeros(chain.n, dtype=np.int64)
+    blocks = find_blocks(chain)
+    for label, counts in layouts(shape.layers, k).items():
+        layer0 = [sum(counts[:s]) for s in range(k)]
+        starts = [0] + [first_of[shape.layer.format(i=b)] for b in layer0[1:]]
+        bounds = starts + [chain.n]
+        # checkpointing: none, all or the first j stages; Megatron's "the first N layers of every stage"
+        # (--recompute-num-layers N); and the first layers each stage needs to fit, stage by stage
+        choices: list[tuple[str, list[int], dict[int, int]]] = [
+            (str(list(range(j))), list(range(j)), {}) for j in range(k + 1)]
+        for n in range(1, max(counts)):
+            heads = {s: first_of[shape.layer.format(i=layer0[s] + n)] for s in range(k) if n < counts[s]}
+            choices.append((f"first {n} layers of each stage", [s for s in range(k) if n >= counts[s]], heads))
+        plain = figures_for(chain, starts, seconds, in_flight, shape.memory, CommModel(), "cpu", units, ())
+        states = [stage_state(chain, act, a, b) for a, b in zip(bounds, bounds[1:])]
+        whole, heads = shortest_heads(chain, blocks, shape.memory, starts, plain.memory, states, in_flight, units, cap)
+        choices.append(("first layers each stage needs", sorted(whole), heads))
+        best = None
+        for text, ckpt, heads in choices:
+            fig = figures_for(chain, starts, seconds, in_flight, shape.memory, CommModel(), "cpu", units, ckpt, heads)
+            if max(fig.memory) > cap:
+                continue
+            step = step_time(sched, fig)
+            if best is None or step < best["step"]:
+                if heads:
+                    text += ": " + ", ".join(f"{s}: {blocks.label(bounds[s], bounds[s + 1], h).split(' (')[0]}"
+                                             for s, h in sorted(heads.items()))
+                best = {"step": step, "memory": max(fig.memory), "checkpoint": text, "layout": counts, "name": label}
+        experts.append(best or {"step": float("inf"), "memory": None, "checkpoint": None, "layout": counts,
+                                "name": label})
+    return experts
+
+
 def compare(shape: Shape, cap: int) -> dict[str, Any]:
     model, args = shape.build(), shape.inputs()
     k = shape.stages
@@ -155,38 +200,35 @@ def compare(shape: Shape, cap: int) -> dict[str, Any]:
     compile_s, compile_cpu = time.perf_counter() - start, time.process_time() - cpu
     gm = prog.captured_gm  # annotated in place by compile
     plan = prog.plan
-    ours = {"step": plan.predicted_step_s, "memory": max(plan.stage_memory), "checkpoint": plan.checkpoint,
+    ours = {"step": plan.predicted_step_s, "memory": max(plan.stage_memory), "checkpoint": checkpoint_text(plan),
             "layout": [len(s) for s in plan.stages], "compile_s": compile_s}
+    # the plan the search makes recomputing whole stages only (before partial checkpointing): what it gains
+    with mock.patch("pipesplit.passes.plan.checkpoint_search.with_shortest_heads", lambda *a, **kw: None):
+        stages_only = pipesplit.compile(model, args, num_stages=k, schedule="1f1b", num_microbatches=shape.microbatches,
+                                        max_stage_memory=cap, checkpoint="auto", memory=shape.memory, progress=False)
+    ours["stages_only"] = {"step": stages_only.plan.predicted_step_s, "memory": max(stages_only.plan.stage_memory),
+                           "checkpoint": checkpoint_text(stages_only.plan),
+                           "layout": [len(s) for s in stages_only.plan.stages]}
     # the same pricing a given split gets (compile(split_points=...)), for every expert layout at once
     name, fn = cost_function("flops")
     nodes = compute_nodes(gm)
     rebuild = cheap_to_recompute(gm, prog.mutated_targets, CommModel(), "cpu")
     chain = build_chain(gm, fn, state_factor=shape.memory.state_factor_for, recompute=rebuild, order=nodes)
     seconds = node_seconds(chain.nodes, name, fn, 5e10, device_rates("cpu", largest_matmul(gm.graph.nodes)))
-    in_flight, units = in_flight_per_stage(sched), activation_units_per_stage(sched)
-    first_of = {}
-    for i, n in enumerate(nodes):
-        for p in node_module_paths(n):
-            first_of.setdefault(p, i)
-    experts = []
-    for label, counts in layouts(shape.layers, k).items():
-        bounds = [sum(counts[:s]) for s in range(1, k)]
-        starts = [0] + [first_of[shape.layer.format(i=b)] for b in bounds]
-        best = None
-        for ckpt in [[]] + [list(range(j)) for j in range(1, k + 1)]:
-            fig = figures_for(chain, starts, seconds, in_flight, shape.memory, CommModel(), "cpu", units, ckpt)
-            if max(fig.memory) > cap:
-                continue
-            step = step_time(sched, fig)
-            if best is None or step < best["step"]:
-                best = {"step": step, "memory": max(fig.memory), "checkpoint": ckpt, "layout": counts, "name": label}
-        experts.append(best or {"step": float("inf"), "memory": None, "checkpoint": None, "layout": counts,
-                                "name": label})
+    experts = expert_layouts(shape, chain, seconds, sched, cap, nodes)
     # pipesplit's own plan priced again the way a saved plan is, as a check that both pricings agree
     again = pipesplit.Plan(stages=plan.stages, recompute=plan.recompute)
-    price_plan(gm, again, sched, memory=shape.memory, max_stage_memory=cap, checkpoint=plan.checkpoint)
+    price_plan(gm, again, sched, memory=shape.memory, max_stage_memory=cap, checkpoint=plan.checkpoint,
+               saved=plan.checkpoint_partial)
     ours["repriced"] = again.predicted_step_s
     return {"ours": ours, "experts": experts, "timing": timing_row(shape, prog, compile_s, compile_cpu)}
+
+
+def checkpoint_text(plan: pipesplit.Plan) -> str:
+    """``"[0, 1] + 2: blocks 0-3 of 5"``: the stages recomputed whole, then those recomputing their first blocks."""
+    parts = [str(plan.checkpoint)] if plan.checkpoint or not plan.checkpoint_partial else []
+    parts += [f"{s}: {t.split(' (')[0]}" for s, t in plan.checkpoint_labels.items()]
+    return " + ".join(parts)
 
 
 def fmt_layout(counts: list[int]) -> str:
@@ -234,6 +276,10 @@ def main(argv: list[str] | None = None) -> int:
         rows.append([shape.name, shape.stages, "pipesplit", fmt_layout(ours["layout"]) + " nodes",
                      str(ours["checkpoint"]), f"{ours['step']:.4g}", f"{ratio:.3f}",
                      f"{ours['memory'] / unit:.1f} / {cap / unit:.1f} {mem}", f"{ours['compile_s']:.1f}"])
+        only = ours["stages_only"]
+        rows.append([shape.name, shape.stages, "pipesplit, whole stages only", fmt_layout(only["layout"]) + " nodes",
+                     only["checkpoint"], f"{only['step']:.4g}", f"{ours['step'] / only['step']:.3f}",
+                     f"{only['memory'] / unit:.1f} / {cap / unit:.1f} {mem}", ""])
         for label, e in [("best expert", best), ("even expert", even)]:
             if e is None:
                 rows.append([shape.name, shape.stages, label, "none fits", "", "", "", "", ""])
@@ -245,10 +291,10 @@ def main(argv: list[str] | None = None) -> int:
                          f"{e['memory'] / unit:.1f} / {cap / unit:.1f} {mem}" if fits else "-", ""])
         rows.append([shape.name, shape.stages, f"({len(experts)} expert layouts; pipesplit re-priced as a saved plan: "
                      f"{got['ours']['repriced']:.4g})", "", "", "", "", "", ""])
-        print("row:", " | ".join(map(str, rows[-4])), flush=True)  # as each shape completes (a long run)
-        print("row:", " | ".join(map(str, rows[-3])), flush=True)
+        for row in rows[-5:-1]:  # as each shape completes (a long run)
+            print("row:", " | ".join(map(str, row)), flush=True)
     print()
-    print(markdown_table(["shape", "stages", "plan", "layout", "checkpointed stages", "predicted step (s)",
+    print(markdown_table(["shape", "stages", "plan", "layout", "checkpointing (stages whole + first blocks)", "predicted step (s)",
                           "pipesplit / this", "peak stage memory / cap", "compile (s, wall)"], rows, "lrllrrrrr"))
     if not a.no_timing:
         for shape in timing_only(a.smoke):

@@ -200,8 +200,10 @@ def compile(
             per microbatch in flight plus one microbatch's activations, and its backward pays
             a second forward. ``"auto"`` (with ``schedule``) chooses the stages with the cuts,
             for the lowest simulated step under ``max_stage_memory``; True every stage, False
-            none, or a list of stage indices. ``prog.plan.checkpoint`` lists the stages, and
-            ``Pipeline`` checkpoints exactly those.
+            none, a list of stage indices, or ``{stage: n}``: those stages recompute only their
+            first ``n`` blocks (``"auto"`` may choose that too). ``prog.plan.checkpoint`` lists the
+            stages recomputed whole, ``prog.plan.checkpoint_summary`` what each stage recomputes,
+            and ``Pipeline`` checkpoints exactly that.
         recompute: ``"auto"`` rebuilds cheap input-derived values (masks, rotary tables) in
             each stage that needs them instead of sending them; ``"never"`` sends everything.
         order: ``"auto"`` also solves the order that computes each node as late as its
@@ -369,6 +371,7 @@ def _choose_plan(
         checked = evaluate(gm, given.stages, name, fn, "loaded")
         checked.recompute = [r for r in given.recompute if r in recomputable(gm)]
         checked.checkpoint = given.checkpoint
+        checked.checkpoint_partial, checked.checkpoint_labels = given.checkpoint_partial, given.checkpoint_labels
         return checked
     assert split_points is not None
     chosen = plan_from_split_points(gm, list(split_points), module_paths, cost)

@@ -42,6 +42,10 @@ class Plan:
     # compile(checkpoint=...): Pipeline checkpoints exactly these by default. A plan saved before
     # per-stage checkpointing says true (every stage) or false (none)
     checkpoint: list[int] = field(default_factory=list)
+    # stages that recompute only their first blocks: stage -> how many of its first nodes (``stages[s][:n]``)
+    # recompute, and what that is in blocks ("blocks 0-3 of 8 (layers.0 to layers.3)"); see checkpoint_summary
+    checkpoint_partial: dict[int, int] = field(default_factory=dict)
+    checkpoint_labels: dict[int, str] = field(default_factory=dict)
     max_stage_memory: int | None = None  # the cap the plan was made (or priced) under, bytes per stage
     order: str = "program"  # the node order the chain was solved in: "program" or "late" (passes/plan/orders.py)
     measured_s: float | None = None  # compile(refine=...): measured bottleneck (or step with a schedule), seconds
@@ -67,6 +71,22 @@ class Plan:
         """The predicted peak bytes of each stage (with a schedule: parameters, gradients, optimizer
         state and the activations or, checkpointed, the inputs of every microbatch in flight)."""
         return list(self.stage_memory)
+
+    @property
+    def checkpoint_summary(self) -> list[str]:
+        """What each stage recomputes in its backward, readably: ``["stage 0: blocks 0-3 of 8 (layers.0 to
+        layers.3) recomputed", "stage 1: all of its forward recomputed", "stage 2: nothing recomputed"]``."""
+        out = []
+        for s in range(self.num_stages):
+            if s in self.checkpoint:
+                what = "all of its forward recomputed"
+            elif s in self.checkpoint_partial:
+                what = (f"{self.checkpoint_labels.get(s) or f'its first {self.checkpoint_partial[s]} nodes'} "
+                        "recomputed")
+            else:
+                what = "nothing recomputed"
+            out.append(f"stage {s}: {what}")
+        return out
 
     @property
     def bottleneck_stage(self) -> int:
@@ -99,6 +119,9 @@ class Plan:
             parts.append(f"expected over lengths {{{steps}}}")
         if self.checkpoint:
             parts.append(f"checkpoint {self.checkpoint}")
+        if self.checkpoint_partial:
+            parts.append("partly checkpointed " + ", ".join(f"stage {s}: {self.checkpoint_labels.get(s, n)}"
+                                                          for s, n in self.checkpoint_partial.items()))
         parts.append(f"order {self.order!r}")
         parts.append(f"source {self.source!r}")
         return f"Plan({', '.join(parts)})"
@@ -132,8 +155,15 @@ class Plan:
         data.setdefault("capture", "dynamic")
         if isinstance(data.get("checkpoint"), bool):  # saved before per-stage checkpointing: all or none
             data["checkpoint"] = list(range(len(data["stages"]))) if data["checkpoint"] else []
+            if data["checkpoint"]:  # every stage whole: none recomputes only its first blocks
+                data["checkpoint_partial"], data["checkpoint_labels"] = {}, {}
         if data["capture"] not in ("static", "dynamic", "every_dim"):
             raise PlanError(f"plan capture must be 'static', 'dynamic' or 'every_dim', got {data['capture']!r}.")
+        for key in ("checkpoint_partial", "checkpoint_labels"):  # JSON's keys are strings
+            value = data.get(key, {})
+            if not isinstance(value, dict) or not all(isinstance(k, str) and k.isdigit() for k in value):
+                raise PlanError(f"field {key!r} must be an object of stage index -> value, got {value!r}.")
+            data[key] = {int(k): v for k, v in value.items()}
         check_fields(data)
         plan = cls(**data)
         plan.source = "loaded"
@@ -187,6 +217,13 @@ def check_fields(data: dict[str, Any]) -> None:
             isinstance(i, int) and not isinstance(i, bool) and 0 <= i < len(stages) for i in ckpt):
         raise bad("checkpoint", ckpt, f"a list of stage indices in 0..{len(stages) - 1} (true or false in plans saved "
                                       "before per-stage checkpointing)")
+    partial = data.get("checkpoint_partial", {})
+    if any(isinstance(n, bool) or not isinstance(n, int) or not 0 <= s < len(stages) or not 1 <= n < len(stages[s])
+           or s in ckpt for s, n in partial.items()):
+        raise bad("checkpoint_partial", partial, "stage index -> how many of its first nodes recompute (1 to one "
+                                                 "fewer than the stage has), for stages not in 'checkpoint'")
+    if not all(isinstance(v, str) for v in data.get("checkpoint_labels", {}).values()):
+        raise bad("checkpoint_labels", data["checkpoint_labels"], "stage index -> text")
     cap = data.get("max_stage_memory")
     if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap <= 0):
         raise bad("max_stage_memory", cap, "a whole number of bytes > 0 or null")

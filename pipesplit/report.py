@@ -59,7 +59,8 @@ def format_report(prog: "SplitProgram") -> str:
                 format_cost(float(r["cost"]), plan.cost_name),  # type: ignore[arg-type]
                 "-" if r["time_s"] is None else f"{float(r['time_s']) * 1e3:.2f} ms",  # type: ignore[arg-type]
                 human_bytes(float(r["memory"])) + (" OVER" if cap is not None and r["memory"] > cap else ""),  # type: ignore[operator, arg-type]
-                f"forward, {human_count(float(r['fwd_flops']))}" if r["checkpoint"] else "-",  # type: ignore[arg-type]
+                (f"forward, {human_count(float(r['fwd_flops']))}" if r["checkpoint"]  # type: ignore[arg-type]
+                 else plan.checkpoint_labels.get(int(r["stage"]), "-")),  # type: ignore[call-overload]
                 human_bytes(float(r["sent_bytes"])),  # type: ignore[arg-type]
             ]
         )
@@ -80,6 +81,8 @@ def format_report(prog: "SplitProgram") -> str:
             f"schedule {plan.schedule!r} x{plan.num_microbatches}: predicted step {plan.predicted_step_s * 1e3:.4g} ms; "
             f"activation checkpointing on {describe(plan.checkpoint, plan.num_stages)} (each recomputes its forward "
             "before its backward)"
+            + (f"; part of a stage on {', '.join(f'stage {s} ({t})' for s, t in plan.checkpoint_labels.items())} "
+               "(the blocks recomputed before its backward)" if plan.checkpoint_labels else "")
         )
         if plan.lengths:
             steps = ", ".join(f"length {n} (weight {w:.3g}): {t * 1e3:.4g} ms"

@@ -87,6 +87,33 @@ def random_stream(seed: int, device: torch.device | str = "cpu") -> Iterator[Non
         _local.stream = prev
 
 
+def stream_copy() -> _Stream | None:
+    """The current thread's stream as it stands now (None outside :func:`random_stream`), to replay from."""
+    stream: _Stream | None = getattr(_local, "stream", None)
+    if stream is None:
+        return None
+    copy = _Stream(stream.seed, stream.device)
+    if stream._states is not None:
+        copy._states = {key: state.clone() for key, state in stream._states.items()}
+    return copy
+
+
+@contextmanager
+def resumed_stream(start: _Stream | None) -> Iterator[None]:
+    """Random ops draw again from ``start`` (a :func:`stream_copy`), which is left as it was; outside any
+    stream (``start`` None) they draw from torch's default generator, as a stage run outside a step does."""
+    prev = getattr(_local, "stream", None)
+    _local.stream = None
+    if start is not None:
+        _local.stream = _Stream(start.seed, start.device)
+        if start._states is not None:
+            _local.stream._states = {key: state.clone() for key, state in start._states.items()}
+    try:
+        yield
+    finally:
+        _local.stream = prev
+
+
 def seeded(op: Any, *args: Any, **kwargs: Any) -> Any:
     """Run random ``op`` on the current thread's stream (or torch's default generator if none)."""
     stream: _Stream | None = getattr(_local, "stream", None)

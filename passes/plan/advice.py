@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import re
+from typing import Sequence
 
 import torch.fx as fx
 
@@ -78,8 +79,13 @@ def repeated_blocks(gm: fx.GraphModule) -> tuple[str, int] | None:
     """The model's repeated blocks: the most numerous children ``prefix.0``, ``prefix.1``, ... of one
     class that its ops ran in (``("blocks", 12)`` for a 12-block GPT, ``("model.layers", 4)`` for a
     Hugging Face Llama), outermost first on a tie; None without two such children."""
+    return repeated_in(compute_nodes(gm))
+
+
+def repeated_in(nodes: Sequence[fx.Node]) -> tuple[str, int] | None:
+    """:func:`repeated_blocks` of these nodes."""
     found: dict[tuple[str, str], set[int]] = {}
-    for node in compute_nodes(gm):
+    for node in nodes:
         for path, kind in (node.meta.get("nn_module_stack") or {}).values():
             m = _INDEXED.match(path or "")
             if m:

@@ -3,16 +3,19 @@ lowest simulated step under the memory cap (the sets tried: :mod:`pipesplit.pass
 
 from __future__ import annotations
 
-import numpy as np
-
 import logging
+from typing import Mapping
+
+import numpy as np
 
 from pipesplit.errors import PlanError
 from pipesplit.passes.plan.chain import Chain
 from pipesplit.passes.plan.checkpointing import candidate_sets, needed
 from pipesplit.passes.plan.objective import CommModel, MemoryModel, activation_units_per_stage, in_flight_per_stage, step_time
 from pipesplit.passes.plan.partition import StageLimits
-from pipesplit.passes.plan.step_planner import Candidate, best_for_schedule, figures_for
+from pipesplit.passes.plan.partial_checkpoint import asked_heads, find_blocks
+from pipesplit.passes.plan.partial_search import reweigh, with_shortest_heads
+from pipesplit.passes.plan.step_planner import TIE, Candidate, best_for_schedule, figures_for, step_lower_bound
 from pipesplit.schedules import Schedule
 
 log = logging.getLogger(__name__)
@@ -21,6 +24,7 @@ log = logging.getLogger(__name__)
 def best_with_checkpointing(
     chain: Chain, seconds: np.ndarray, schedule: Schedule, *, comm: CommModel, memory: MemoryModel,
     mem_cap: int | None, limits: StageLimits, device_kind: str, checkpoint: frozenset[int] | None,
+    asked: Mapping[int, int] | None = None,
 ) -> tuple[Candidate, float, frozenset[int]]:
     """The best split, a lower bound on any split's step, and the stages to checkpoint.
 
@@ -28,9 +32,20 @@ def best_with_checkpointing(
     no stage (checkpointing only adds time); with one, each candidate set of
     :func:`candidate_sets` is solved (unless the best split without a cap fits), its split keeps
     only the stages that need checkpointing to fit (:func:`needed`), and the lowest simulated step
-    wins (the fewest checkpointed among ties).
+    wins (the fewest checkpointed among ties). Each split found is priced too with the stages over
+    the cap recomputing only their first blocks (:mod:`pipesplit.passes.plan.partial_search`); the
+    best of those wins where it is faster (``cand.heads`` says where each such stage's head ends).
+
+    ``asked`` (``compile(checkpoint={stage: blocks})``): the split solved as if those stages were
+    checkpointed whole, then each recomputes the blocks asked for.
     """
     kw = dict(comm=comm, memory=memory, mem_cap=mem_cap, limits=limits, device_kind=device_kind)
+    if asked is not None:
+        cand, ideal = best_for_schedule(chain, seconds, schedule, checkpoint=frozenset(asked), **kw)  # type: ignore[arg-type]
+        whole, heads = asked_heads(find_blocks(chain), cand.starts, chain.n, asked)
+        in_flight, units = in_flight_per_stage(schedule), activation_units_per_stage(schedule)
+        fig = figures_for(chain, cand.starts, seconds, in_flight, memory, comm, device_kind, units, whole, heads)
+        return Candidate(cand.starts, fig, step_time(schedule, fig), cand.cut_bytes, heads, whole), ideal, whole
     if checkpoint is not None or mem_cap is None:
         chosen = checkpoint if checkpoint is not None else frozenset()
         cand, ideal = best_for_schedule(chain, seconds, schedule, checkpoint=chosen, **kw)  # type: ignore[arg-type]
@@ -55,9 +70,19 @@ def best_with_checkpointing(
             fig = figures_for(chain, cand.starts, seconds, in_flight, memory, comm, device_kind, units, keep)
             cand = Candidate(cand.starts, fig, step_time(schedule, fig), cand.cut_bytes)
         found.append((cand.step_s, len(keep), cand, ideal, keep))
+        shorten(cand)
         log.debug("checkpointing %s (of %s tried%s): step %.6g", sorted(keep), sorted(tried), ", quick" if quick else "",
                   cand.step_s)
 
+    blocks, cap = find_blocks(chain), mem_cap
+    partial: list[Candidate] = []
+
+    def shorten(cand: Candidate) -> None:  # the same split recomputing only the heads it needs
+        got = with_shortest_heads(chain, blocks, cand.starts, seconds, schedule, memory, comm, device_kind, cap)
+        if got is not None:
+            partial.append(got)
+
+    shorten(free)
     worse = 0
     for tried in candidate_sets(units):  # the sets quickly, in order, then the best few with the full search
         before, count = min((f[0] for f in found), default=float("inf")), len(found)
@@ -70,12 +95,18 @@ def best_with_checkpointing(
             worse = 0
     for tried in [f[4] for f in sorted(found, key=lambda f: f[0])[:THOROUGH]]:
         solve(tried, quick=False)
-    if not found:
+    reweigh(chain, blocks, seconds, schedule, memory, comm, device_kind, cap, limits, partial)
+    if not found and not partial:
         assert error is not None
         raise error
+    ideal = min((f[3] for f in found), default=step_lower_bound(seconds, schedule))
+    if partial:
+        best_p = min(partial, key=lambda c: c.step_s)
+        if not found or best_p.step_s < min(f[0] for f in found) * (1 - TIE):  # recomputing part of a stage wins
+            return best_p, ideal, best_p.whole
     best_s = min(f[0] for f in found)
-    step, _, cand, ideal, keep = min((f for f in found if f[0] <= best_s * (1 + 1e-9)), key=lambda f: (f[1], f[0]))
-    return cand, min(f[3] for f in found), keep
+    step, _, cand, ideal_f, keep = min((f for f in found if f[0] <= best_s * (1 + 1e-9)), key=lambda f: (f[1], f[0]))
+    return cand, ideal, keep
 
 
 # The quick pass stops after this many sets in a row that price no better than the best before them.

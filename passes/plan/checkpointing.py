@@ -16,27 +16,32 @@ are the hand-set counterparts.
 
 from __future__ import annotations
 
-from typing import Sequence, Union
+from typing import Mapping, Sequence, Union
 
 import numpy as np
 
 from pipesplit.errors import PlanError
 from pipesplit.passes.plan.chain import Chain
+from pipesplit.passes.plan.partial_checkpoint import check_blocks_choice
 from pipesplit.passes.plan.partition import StageLimits, checkpointed_memory_ends, stage_memory_limits
 
-Checkpoint = Union[bool, str, Sequence[int], None]
+Checkpoint = Union[bool, str, Sequence[int], Mapping[int, int], None]
 """``compile(checkpoint=...)``: ``"auto"`` (the planner chooses), True (every stage), False or None
-(no stage, unless ``MemoryModel(checkpoint=True)``), or the indices of the stages to checkpoint."""
+(no stage, unless ``MemoryModel(checkpoint=True)``), the indices of the stages to checkpoint, or
+``{stage: n}``: those stages recompute their first ``n`` blocks (:mod:`pipesplit.passes.plan.partial_checkpoint`)."""
 
 
 def check_checkpoint(value: Checkpoint) -> None:
     """Raise PlanError unless ``value`` is a checkpoint choice (before any capture)."""
     if value is None or isinstance(value, bool) or value == "auto":
         return
+    if isinstance(value, Mapping):
+        check_blocks_choice(value)
+        return
     if isinstance(value, str) or not isinstance(value, Sequence) or not all(
             isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in value):
-        raise PlanError(f"checkpoint must be 'auto', True, False or a list of stage indices (e.g. [0, 1]), "
-                        f"got {value!r}.")
+        raise PlanError(f"checkpoint must be 'auto', True, False, a list of stage indices (e.g. [0, 1]) or a dict "
+                        f"of stage -> how many of its first blocks recompute (e.g. {{0: 3}}), got {value!r}.")
 
 
 def fixed_set(value: Checkpoint, num_stages: int, all_of_them: bool = False) -> frozenset[int] | None:
@@ -48,6 +53,8 @@ def fixed_set(value: Checkpoint, num_stages: int, all_of_them: bool = False) -> 
     if value is None or value is False:
         return frozenset()
     assert not isinstance(value, (bool, str))
+    if isinstance(value, Mapping):  # the stages that recompute some blocks: solved as if checkpointed whole
+        value = list(value)
     bad = sorted(s for s in value if not 0 <= s < num_stages)
     if bad:
         raise PlanError(f"checkpoint names stages {bad}; a plan of {num_stages} stages has stages 0..{num_stages - 1}.")

@@ -133,6 +133,12 @@ class MemoryModel:
             return state_bytes + input_bytes * in_flight + act_bytes
         return state_bytes + act_bytes * (in_flight if units is None else units)
 
+    def partial_bytes(self, state_bytes: float, head_bytes: float, tail_bytes: float, input_bytes: float,
+                      in_flight: int, units: int | None = None) -> float:
+        """A stage recomputing only its first blocks: its inputs per microbatch in flight, the tail's
+        activations (with what crosses into it) per unit, the head's for one microbatch while it recomputes."""
+        return state_bytes + input_bytes * in_flight + tail_bytes * (in_flight if units is None else units) + head_bytes
+
 
 @dataclass
 class StageFigures:

@@ -27,6 +27,7 @@ from pipesplit.passes.plan.partition import StageLimits, largest_stage, solve_ca
 from pipesplit.passes.plan.recompute import recomputable
 from pipesplit.passes.plan.checkpoint_search import best_with_checkpointing
 from pipesplit.passes.plan.checkpointing import Checkpoint, check_checkpoint, fixed_set
+from pipesplit.passes.plan.partial_checkpoint import ask_blocks, plan_fields
 from pipesplit.passes.plan.step_planner import TIE, node_seconds
 from pipesplit.plan import Plan
 from pipesplit.schedules import Schedule
@@ -217,6 +218,8 @@ def plan_partition(
     plan.recompute = sorted(rebuild)
     fixed = fixed_set(checkpoint, num_stages, memory.checkpoint)
     plan.checkpoint = sorted(fixed or ())  # with a schedule, the choice made (in best.extra)
+    if isinstance(checkpoint, Mapping) and schedule is None:  # {stage: blocks} on the split as balanced
+        ask_blocks(plan, best.chain, best.starts, checkpoint)
     plan.max_stage_memory = max_stage_memory
     plan.order = best.label
     for key, value in best.extra.items():
@@ -284,9 +287,11 @@ def _solve_order(
         best, ideal, ckpt = best_with_checkpointing(
             chain, seconds, schedule, comm=comm, memory=memory, mem_cap=max_stage_memory,
             limits=limits, device_kind=device_kind, checkpoint=fixed_set(checkpoint, num_stages, memory.checkpoint),
+            asked=checkpoint if isinstance(checkpoint, Mapping) else None,
         )
         extra = dict(schedule=schedule.name, num_microbatches=schedule.num_microbatches,
-                     predicted_step_s=best.step_s, ideal_step_s=ideal, checkpoint=sorted(ckpt))
+                     predicted_step_s=best.step_s, ideal_step_s=ideal, checkpoint=sorted(ckpt),
+                     **plan_fields(chain, best.starts, best.heads))
         return _Solved(label, chain, best.starts, largest_stage(chain, best.starts), best.cut_bytes, best.step_s,
                        [int(m) for m in best.figures.memory], extra)
     if ranges is not None:

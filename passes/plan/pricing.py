@@ -7,7 +7,7 @@ communication, memory model and schedule simulator the planner uses
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 import torch
@@ -15,25 +15,28 @@ import torch.fx as fx
 
 from pipesplit.passes.annotate.rates import device_rates, largest_matmul
 from pipesplit.passes.plan.chain import build_chain, compute_nodes
-from pipesplit.passes.plan.checkpointing import Checkpoint, check_checkpoint, describe, fixed_set, needed
+from pipesplit.passes.plan.checkpointing import Checkpoint, check_checkpoint, describe, fixed_set
 from pipesplit.passes.plan.objective import (
     DEFAULT_FLOPS_PER_S, CommModel, MemoryModel, activation_units_per_stage, in_flight_per_stage, step_time,
 )
 from pipesplit.passes.plan.planner import CostSpec, cost_function
-from pipesplit.passes.plan.step_planner import figures_for, node_seconds, step_lower_bound
+from pipesplit.passes.plan.partial_checkpoint import asked_heads, find_blocks, plan_fields, shortest_heads
+from pipesplit.passes.plan.step_planner import figures_for, node_seconds, stage_state, step_lower_bound
 from pipesplit.plan import Plan
 from pipesplit.schedules import Schedule
+from pipesplit.errors import PlanError
 from pipesplit.units import human_bytes
 
 
 def price_plan(
     gm: fx.GraphModule, plan: Plan, schedule: Schedule, *, cost: CostSpec = "flops", comm: CommModel = CommModel(),
     memory: MemoryModel = MemoryModel(), max_stage_memory: int | None = None, checkpoint: Checkpoint = None,
-    device_kind: str = "cpu",
+    device_kind: str = "cpu", saved: Mapping[int, int] | None = None,
 ) -> None:
     """Fill ``plan``'s schedule figures for its split as it is: ``predicted_step_s``, ``ideal_step_s``,
-    ``stage_memory`` (bytes per stage) and ``checkpoint`` (with ``"auto"``: exactly the stages
-    over ``max_stage_memory`` without it, the best set for a fixed split)."""
+    ``stage_memory`` (bytes per stage) and ``checkpoint`` (with ``"auto"``: each stage over
+    ``max_stage_memory`` without it recomputes the shortest head of its blocks that fits, or its whole
+    forward: the best choice for a fixed split; ``saved``: the partial checkpointing a saved plan keeps)."""
     check_checkpoint(checkpoint)
     name, fn = cost_function(cost)
     rate = DEFAULT_FLOPS_PER_S.get(device_kind, DEFAULT_FLOPS_PER_S["cpu"])
@@ -46,15 +49,28 @@ def price_plan(
     in_flight, units = in_flight_per_stage(schedule), activation_units_per_stage(schedule)
     k = plan.num_stages
     ckpt = fixed_set(checkpoint, k, memory.checkpoint)
-    if ckpt is None:
+    heads: dict[int, int] = {}
+    if isinstance(checkpoint, Mapping):  # {stage: blocks}
+        ckpt, heads = asked_heads(find_blocks(chain), starts, chain.n, checkpoint)
+    elif saved:  # stage -> how many of its first nodes recompute, as a saved plan says
+        heads = {s: starts[s] + n for s, n in saved.items()}
+    elif ckpt is None and max_stage_memory is not None:  # each stage over the cap: the shortest head that fits
         plain = figures_for(chain, starts, seconds, in_flight, memory, comm, device_kind, units, ())
-        ckpt = needed(plain.memory, max_stage_memory)
-    fig = figures_for(chain, starts, seconds, in_flight, memory, comm, device_kind, units, ckpt)
+        bounds = starts + [chain.n]
+        act = chain.act if chain.act is not None else np.zeros(chain.n, dtype=np.int64)
+        states = [stage_state(chain, act, a, b) for a, b in zip(bounds, bounds[1:])]
+        ckpt, heads = shortest_heads(chain, find_blocks(chain), memory, starts, plain.memory, states, in_flight, units,
+                                     max_stage_memory)
+    if ckpt is None:
+        ckpt = frozenset()
+    fig = figures_for(chain, starts, seconds, in_flight, memory, comm, device_kind, units, ckpt, heads)
     plan.schedule, plan.num_microbatches = schedule.name, schedule.num_microbatches
     plan.predicted_step_s = step_time(schedule, fig)
     plan.ideal_step_s = step_lower_bound(seconds, schedule, len(ckpt) == k)
     plan.stage_memory = [int(m) for m in fig.memory]
     plan.checkpoint = sorted(ckpt)
+    for key, value in plan_fields(chain, starts, heads).items():
+        setattr(plan, key, value)
     plan.max_stage_memory = max_stage_memory
 
 
@@ -66,12 +82,20 @@ def price_given(
     unless ``checkpoint`` says otherwise), priced under ``schedule`` when one is given."""
     if keep_saved and checkpoint is None and not memory.checkpoint:
         checkpoint = list(plan.checkpoint)
+        saved = dict(plan.checkpoint_partial)  # a saved plan's partial checkpointing, in its stages' nodes
+    else:
+        saved = {}
     if schedule is not None:
         price_plan(gm, plan, schedule, cost=cost, comm=comm, memory=memory, max_stage_memory=max_stage_memory,
-                   checkpoint=checkpoint, device_kind=device_kind)
+                   checkpoint=checkpoint, device_kind=device_kind, saved=saved)
         return
     check_checkpoint(checkpoint)
+    if isinstance(checkpoint, Mapping):
+        raise PlanError(f"checkpoint={dict(checkpoint)} recomputes part of a stage, which is planned under a "
+                        "schedule: pass schedule= and num_microbatches= too (e.g. schedule='1f1b').")
     plan.checkpoint = sorted(fixed_set(checkpoint, plan.num_stages, memory.checkpoint) or ())
+    if not saved:
+        plan.checkpoint_partial, plan.checkpoint_labels = {}, {}
     plan.max_stage_memory = max_stage_memory
 
 
@@ -114,4 +138,5 @@ def _context(plan: Plan) -> str:
     if plan.schedule is None:
         return ""
     return (f" under {plan.schedule!r} with {plan.num_microbatches} microbatches, checkpointing "
-            f"{describe(plan.checkpoint, plan.num_stages)}")
+            f"{describe(plan.checkpoint, plan.num_stages)}"
+            + "".join(f", stage {s}'s {t}" for s, t in plan.checkpoint_labels.items()))

@@ -13,8 +13,8 @@ input-gradient path) is reported too.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Collection, Sequence
+from dataclasses import dataclass, field
+from typing import Callable, Collection, Mapping, Sequence
 
 import numpy as np
 import torch.fx as fx
@@ -77,15 +77,18 @@ class Candidate:
     figures: StageFigures
     step_s: float
     cut_bytes: int
+    heads: dict[int, int] = field(default_factory=dict)  # stage -> where its recomputed head ends (partial checkpointing)
+    whole: frozenset[int] = frozenset()  # with ``heads``: the stages recomputing all of their forward
 
 
 def figures_for(
     chain: Chain, starts: Sequence[int], seconds: np.ndarray, in_flight: Sequence[int],
     memory: MemoryModel, comm: CommModel, device_kind: str, units: Sequence[int] | None = None,
-    checkpoint: Collection[int] | None = None,
+    checkpoint: Collection[int] | None = None, heads: Mapping[int, int] | None = None,
 ) -> StageFigures:
     """Per-stage figures of the split at ``starts``; ``checkpoint``: the stages that recompute their
-    forward (default: every stage under ``MemoryModel(checkpoint=True)``, else none)."""
+    forward (default: every stage under ``MemoryModel(checkpoint=True)``, else none); ``heads``: stage ->
+    the chain position where the part it recomputes ends (:mod:`pipesplit.passes.plan.partial_checkpoint`)."""
     bounds = list(starts) + [chain.n]
     act = chain.act if chain.act is not None else np.zeros(chain.n, dtype=np.int64)
     if checkpoint is None:
@@ -94,16 +97,28 @@ def figures_for(
     for s, (a, b) in enumerate(zip(bounds, bounds[1:])):
         f, i, w = seconds[a:b].sum(axis=0)
         ck = s in checkpoint
-        # a checkpointed stage runs its forward again before its backward
-        costs.append(StageCost(float(f), float(i + f if ck else i), float(w)))
+        h = heads.get(s) if heads else None
+        # a checkpointed stage runs its forward (or its head's) again before its backward
+        redo = f if ck else 0.0 if h is None else seconds[a:h, 0].sum()
+        costs.append(StageCost(float(f), float(i + redo), float(w)))
         # chain.mem already counts trainable state x (1 + grad + optimizer): see plan_partition
-        state = float((chain.mem[a:b] - act[a:b]).sum())
-        state += sum(nbytes for nbytes, pos in chain.shared if any(a <= p < b for p in pos))
+        state = stage_state(chain, act, a, b)
         inputs = float(chain.cut_bytes[a]) if a > 0 else 0.0
+        if h is not None and not ck:
+            tail = float(act[h:b].sum()) + float(chain.cut_bytes[h])
+            mem.append(memory.partial_bytes(state, float(act[a:h].sum()), tail, inputs, in_flight[s],
+                                            None if units is None else units[s]))
+            continue
         mem.append(memory.held_bytes(state, float(act[a:b].sum()), inputs, in_flight[s],
                                      None if units is None else units[s], checkpointed=ck))
     comm_s = [comm.seconds(float(chain.cut_bytes[c]), device_kind, device_kind) for c in starts[1:]]
     return StageFigures(costs, comm_s, mem, list(in_flight))
+
+
+def stage_state(chain: Chain, act: np.ndarray, a: int, b: int) -> float:
+    """Training state bytes of stage ``[a, b)``: its nodes' memory less their activations, shared state once."""
+    state = float((chain.mem[a:b] - act[a:b]).sum())
+    return state + sum(nbytes for nbytes, pos in chain.shared if any(a <= p < b for p in pos))
 
 
 def best_for_schedule(

@@ -86,6 +86,8 @@ def draw_config(pick: Callable[[Any], Any], integer: Callable[[int, int], int], 
         # with checkpoint: half the time the plan names the stages (compile(checkpoint=[...]), drawn as a
         # bit mask) and the Pipeline checkpoints what was planned, exactly those
         "checkpoint_plan": integer(0, 1) == 1, "checkpoint_mask": integer(1, 2**stages - 1),
+        # planned, half the time those stages recompute only their first block (compile(checkpoint={s: 1}))
+        "checkpoint_partial": integer(0, 1) == 1,
     }
 
 
@@ -162,6 +164,8 @@ def features(spec: ModelSpec, cfg: dict[str, Any], dist: str | None = None) -> s
             f"reduction={cfg.get('reduction', 'sum')}"}
     flags = {"rendezvous": cfg["transport"] == "rendezvous", "checkpoint": cfg["checkpoint"],
              "checkpoint_planned": cfg["checkpoint"] and cfg.get("checkpoint_plan", False),
+             "checkpoint_partial": cfg["checkpoint"] and cfg.get("checkpoint_plan", False)
+             and cfg.get("checkpoint_partial", False),
              "recapture": cfg["example_batch"] != cfg["mb"], "batch_change": cfg["mb2"] != cfg["mb"],
              "no_zero_grad": cfg["no_zero_grad"], "eval_pipe": cfg["eval_pipe"] and cfg["eval"] == "pipe",
              "freeze_mid": cfg["freeze_mid"], "loss_param": cfg.get("loss_param", False),

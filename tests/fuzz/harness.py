@@ -284,7 +284,9 @@ def _run_case(make_model: Callable[[], torch.nn.Module], io: dict, cfg: dict, me
             except Exception as e:
                 raise Invalid(f"{type(e).__name__}: {e}") from e
         planned = cfg["checkpoint"] and cfg.get("checkpoint_plan", False)  # the plan names the stages
-        ckpt = [s for s in range(cfg["stages"]) if cfg.get("checkpoint_mask", 0) >> s & 1] if planned else None
+        ckpt: Any = [s for s in range(cfg["stages"]) if cfg.get("checkpoint_mask", 0) >> s & 1] if planned else None
+        if planned and cfg.get("checkpoint_partial"):  # each of them recomputes its first block only
+            ckpt = {s: 1 for s in ckpt}
         prog = pipesplit.compile(model, ex_args, example_kwargs=ex_kw, num_stages=cfg["stages"], cost=cfg["cost"],
                                  order=cfg["order"], recompute=cfg["recompute"], progress=False,
                                  unbatched=["pos"] if io.get("table") else (), checkpoint=ckpt)

@@ -80,3 +80,29 @@ def checkpointed_stages(prog: "SplitProgram", local: "Sequence[Stage]", checkpoi
                    else "Disable checkpoint or use eval-mode normalisation.")
             )
     return ckpt
+
+
+def partial_stages(prog: "SplitProgram", local: "Sequence[Stage]", checkpoint: bool | Sequence[int] | None) -> dict[int, list[str]]:
+    """The stages this process runs that recompute only their first nodes, as planned (``checkpoint`` None:
+    ``Plan.checkpoint_partial``), with those nodes' names; a head that updates buffers in place is refused."""
+    from pipesplit.runtime.engine.recompute_head import RecomputedHead
+
+    if checkpoint is not None:  # Pipeline(checkpoint=...) says which stages recompute all of their forward
+        return {}
+    out = {}
+    for s in local:
+        n = prog.plan.checkpoint_partial.get(s.index)
+        if not n:
+            continue
+        names = prog.plan.stages[s.index][:n]
+        written = sorted(set(RecomputedHead(s.module, names)
+                             .attr_targets) & set(prog.mutated_targets))
+        if written:
+            raise PipesplitError(
+                f"stage {s.index} recomputes its first {n} nodes ({prog.plan.checkpoint_labels.get(s.index, '')}), "
+                f"which update buffers in place ({', '.join(written[:3])}: e.g. BatchNorm running stats); "
+                "recomputing them would update them twice. Compile with checkpoint= leaving the stage out, pass "
+                "Pipeline(checkpoint=False) (the plan's memory figures then no longer hold), or use eval-mode "
+                "normalisation.")
+        out[s.index] = names
+    return out

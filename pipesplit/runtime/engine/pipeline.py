@@ -18,7 +18,7 @@ from pipesplit.passes.split.generalise import generalise
 from pipesplit.passes.split.merges import UNKNOWN
 from pipesplit.passes.split.program import SplitProgram
 from pipesplit.state import zero_grads
-from pipesplit.runtime.engine.options import check_arguments, checkpointed_stages, chosen_executor
+from pipesplit.runtime.engine.options import check_arguments, checkpointed_stages, chosen_executor, partial_stages
 from pipesplit.runtime.engine.microbatch import batch_size, split_microbatches, split_target
 from pipesplit.runtime.engine.merge import merge_outputs, output_names
 from pipesplit.runtime.engine.target_probe import target_probe
@@ -161,6 +161,7 @@ class Pipeline:
         rank_of = self.schedule.stage_to_rank
         local = [s for s in prog.stages if self.rank is None or rank_of[s.index] == self.rank]
         ckpt = checkpointed_stages(prog, local, checkpoint)
+        self._partial = partial_stages(prog, local, checkpoint)
         self._prove = executor == "distributed" or transport == "rendezvous"
         streams = {}
         if executor == "distributed":
@@ -200,7 +201,8 @@ class Pipeline:
         split = {a.stage for actions in self.schedule.actions for a in actions if a.kind is ActionKind.BACKWARD_WEIGHT}
         self.workers = {
             i: StageWorker(prog, prog.stages[i], rank_of, checkpointing=i in self._ckpt, stream=self._streams.get(i),
-                           on_gradients=done, split_backward=i in split, compiler=self.compiler)
+                           on_gradients=done, split_backward=i in split, compiler=self.compiler,
+                           head=self._partial.get(i, ()))
             for i in self._local
         }
         for w in self.workers.values():

@@ -19,6 +19,7 @@ from pipesplit.runtime.engine.weight_grads import WeightGraph, input_grads, weig
 from pipesplit.runtime.graphs.compiled import StageCompiler
 from pipesplit.runtime.comm.exchange import RankComm
 from pipesplit.runtime.engine.loss_leaves import called_loss, loss_leaves, output_nodes
+from pipesplit.runtime.engine.recompute_head import RecomputedHead
 from pipesplit.runtime.engine.stage_inputs import StageInputs
 from pipesplit.runtime.graphs import cuda_graphs
 from pipesplit.runtime.graphs.stage_graphs import Deferred, StageGraphs, run_forward, run_weights
@@ -93,6 +94,7 @@ class StageWorker(StageInputs):
         on_gradients: Callable[[Sequence[torch.Tensor]], None] | None = None,
         split_backward: bool = False,
         compiler: StageCompiler | None = None,
+        head: Sequence[str] = (),
     ):
         self.rank_of = rank_of
         self.compiler = compiler  # Pipeline(..., compile=...): the stage runs as torch.compile'd code
@@ -101,7 +103,12 @@ class StageWorker(StageInputs):
         self.saved: dict[int, _Saved] = {}
         self.tracer: Any = None  # a pipesplit.runtime.engine.trace.Trace while Pipeline.trace() is active
         self.on_gradients = on_gradients  # called once a step's last weight gradients are in
-        self.split_backward = split_backward and not checkpointing  # I then W: see runtime/engine/weight_grads.py
+        # ``head``: the stage's first nodes, recomputed in the backward (the plan's partial checkpointing); such
+        # a stage runs eager with its backward whole, as a checkpointed one does
+        self.head, self._heads = list(head), dict[int, RecomputedHead]()
+        if self.head:
+            compiler = self.compiler = None
+        self.split_backward = split_backward and not checkpointing and not self.head  # I then W: see runtime/engine/weight_grads.py
         self.schedule_splits = split_backward  # the schedule issues I and W for this stage (checkpointed or not)
         # (id(stage module), which parameters are trainable) -> its weight graph: freezing or
         # unfreezing a parameter between steps picks (or makes) the graph for the new set
@@ -221,6 +228,8 @@ class StageWorker(StageInputs):
                     except RuntimeError as e:  # torch.compile's own failure (dynamo's errors are RuntimeErrors):
                         compiler.failed(module, self.index, e)  # this stage runs eager (it writes nothing in place:
                         # a rerun is safe). Not Exception: checkpoint's recompute stops by raising one of its own
+                if self.head and data.training:
+                    return self._recomputed(module)(*xs)
                 return module(*xs)
 
         with grad_mode:
@@ -325,6 +334,12 @@ class StageWorker(StageInputs):
             torch.autograd.backward(saved.tensors, saved.grads, inputs=saved.params)
             return
         weight_backward(weights, saved.inters, saved.inter_grads, saved.tensors, saved.grads)
+
+    def _recomputed(self, module: Any) -> RecomputedHead:
+        """The stage module with its head under activation checkpointing, made once per module."""
+        if id(module) not in self._heads:
+            self._heads[id(module)] = RecomputedHead(module, self.head)
+        return self._heads[id(module)]
 
     def _explicit(self, args: Sequence[Any], microbatch_size: Any) -> Parts | None:
         if self.explicit is None:

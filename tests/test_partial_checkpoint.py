@@ -1,0 +1,169 @@
+"""Activation checkpointing within a stage: the first blocks of a stage recompute, planned, priced and run as planned."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+import pipesplit
+from pipesplit import Plan, PipesplitError, PlanError
+from pipesplit.models import GPT, GPTConfig
+from tests.close import assert_close, assert_grads_close
+from tests.test_checkpointing import KW, QUARTERS, Deep
+from tests.training import dot_loss
+
+
+@pytest.fixture(scope="module")
+def deep():
+    """The model, its example, and a cap 15% under the largest stage of the plan made without one."""
+    torch.manual_seed(0)
+    model, x = Deep(), torch.randn(256, 64)
+    free = pipesplit.compile(model, x, **KW)
+    return model, x, free, int(max(free.plan.stage_memory) * 0.85)
+
+
+def _mse(out, y):
+    return torch.nn.functional.mse_loss(out, y)
+
+
+def test_auto_recomputes_only_the_blocks_a_stage_needs_and_beats_whole_stages(deep):
+    model, x, free, cap = deep
+    auto = pipesplit.compile(model, x, max_stage_memory=cap, checkpoint="auto", **KW)
+    plan = auto.plan
+    assert plan.checkpoint_partial and 0 in plan.checkpoint_partial, plan.checkpoint_summary
+    assert 3 not in plan.checkpoint_partial and 3 not in plan.checkpoint  # the last stage holds the fewest
+    assert max(plan.stage_memory_bytes) <= cap
+    # the best of whole stages (the set search alone, on the same split search) is slower
+    stages = [pipesplit.compile(model, x, max_stage_memory=cap, checkpoint=list(range(j)), **KW).plan
+              for j in (1, 2, 3)]
+    whole = min(p.predicted_step_s for p in stages if max(p.stage_memory) <= cap)
+    assert plan.predicted_step_s < whole
+    assert plan.checkpoint_summary[0].startswith("stage 0: block") and "recomputed" in plan.checkpoint_summary[0]
+    assert plan.checkpoint_summary[3] == "stage 3: nothing recomputed"
+    assert plan.checkpoint_labels[0] in auto.report() and "partly checkpointed" in repr(plan)
+    # the hand split of equal quarters, priced with checkpoint="auto": each stage over the cap recomputes a head
+    hand = pipesplit.compile(model, x, split_points=QUARTERS, schedule="1f1b", num_microbatches=8,
+                             max_stage_memory=cap, checkpoint="auto", progress=False).plan
+    assert hand.checkpoint_partial and max(hand.stage_memory) <= cap
+    assert plan.predicted_step_s <= hand.predicted_step_s * (1 + 1e-9)
+
+
+def test_a_dict_asks_for_the_first_blocks_of_stages_and_a_saved_plan_keeps_them(deep, tmp_path):
+    model, x, _, cap = deep
+    prog = pipesplit.compile(model, x, split_points=QUARTERS, schedule="1f1b", num_microbatches=8,
+                             max_stage_memory=cap, checkpoint={0: 2, 1: 4}, progress=False)
+    plan = prog.plan
+    assert plan.checkpoint == [1]  # all 4 blocks of stage 1: the whole stage
+    assert plan.checkpoint_partial == {0: 2 * 2} and plan.checkpoint_labels == {0: "blocks 0-1 of 4 (layers.0 to layers.1)"}
+    none = pipesplit.compile(model, x, split_points=QUARTERS, schedule="1f1b", num_microbatches=8, progress=False).plan
+    assert plan.stage_memory[0] < none.stage_memory[0] and plan.stage_memory[2:] == none.stage_memory[2:]
+    assert plan.predicted_step_s > none.predicted_step_s
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    loaded = Plan.load(path)
+    assert loaded.checkpoint_partial == plan.checkpoint_partial and loaded.checkpoint_labels == plan.checkpoint_labels
+    again = pipesplit.compile(model, x, plan=path, schedule="1f1b", num_microbatches=8, progress=False).plan
+    assert again.checkpoint_partial == plan.checkpoint_partial and again.stage_memory == plan.stage_memory
+    data = json.loads(plan.to_json())
+    data["checkpoint_partial"] = {"0": 99}
+    with pytest.raises(PlanError, match="field 'checkpoint_partial' must be stage index -> how many"):
+        Plan.from_json(json.dumps(data))
+
+
+def test_bad_partial_choices_are_refused_with_the_fix():
+    model, x = Deep(d=8, depth=4), torch.randn(4, 8)
+    with pytest.raises(PlanError, match=r"a dict maps a stage index to how many of its first blocks.*got 0: 0"):
+        pipesplit.compile(model, x, num_stages=2, schedule="1f1b", checkpoint={0: 0})
+    with pytest.raises(PlanError, match=r"got 0: True"):
+        pipesplit.compile(model, x, num_stages=2, schedule="1f1b", checkpoint={0: True})
+    with pytest.raises(PlanError, match=r"asks stage 1 to recompute 3 blocks, but it has 2; ask for 1 to 2"):
+        pipesplit.compile(model, x, num_stages=2, schedule="1f1b", checkpoint={1: 3}, progress=False)
+    with pytest.raises(PlanError, match=r"asks stage 1 to recompute 3 blocks, but it has 2"):  # without a schedule too
+        pipesplit.compile(model, x, num_stages=2, checkpoint={1: 3}, progress=False)
+    with pytest.raises(PlanError, match=r"pass schedule= and num_microbatches= too"):  # a given split is not balanced
+        pipesplit.compile(model, x, split_points=["layers.2"], checkpoint={0: 1}, progress=False)
+    assert pipesplit.compile(model, x, num_stages=2, checkpoint={0: 1}, progress=False).plan.checkpoint_partial == {0: 2}
+
+
+def _count_heads(monkeypatch):
+    """Count the runs of every recomputed head: its forward and its recompute in the backward."""
+    from pipesplit.runtime.engine import recompute_head
+
+    runs = [0]
+    real = recompute_head.checkpoint
+
+    def counting(fn, *args, **kwargs):
+        def counted(*a):
+            runs[0] += 1
+            return fn(*a)
+        assert kwargs == {"use_reentrant": False, "preserve_rng_state": False}
+        return real(counted, *args, **kwargs)
+
+    monkeypatch.setattr(recompute_head, "checkpoint", counting)
+    return runs
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])
+def test_a_partly_checkpointed_step_equals_gradient_accumulation_in_float64(schedule, monkeypatch):
+    torch.manual_seed(1)
+    model = Deep(d=16, depth=8).double()
+    x = torch.randn(8, 16, dtype=torch.float64)
+    prog = pipesplit.compile(model, x, num_stages=2, schedule=schedule, num_microbatches=4, checkpoint={0: 2, 1: 3},
+                             progress=False)
+    assert prog.plan.checkpoint == [] and prog.plan.checkpoint_partial == {0: 4, 1: 6}
+    pipe = pipesplit.Pipeline(prog, schedule, num_microbatches=4, loss_fn=_mse)
+    assert {i: len(w.head) for i, w in pipe.workers.items()} == {0: 4, 1: 6}  # exactly what was planned
+    assert not any(w.checkpointing for w in pipe.workers.values())
+    runs = _count_heads(monkeypatch)
+    xb, y = torch.randn(16, 16, dtype=torch.float64), torch.randn(16, 16, dtype=torch.float64)
+    loss = pipe.step(xb, target=y)
+    assert runs[0] >= 2 * 2 * 4, runs  # each stage's head, for each microbatch, again in its backward
+    want = sum(_mse(model(xm), ym) for xm, ym in zip(xb.chunk(4), y.chunk(4))) / 4
+    want.backward()
+    assert_close(loss, want.detach(), name="loss")
+    assert_grads_close(prog.named_parameters(), model)
+
+
+def test_dropout_is_bit_identical_with_part_of_each_stage_recomputed():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab=64, dim=32, layers=4, heads=2, seq=16, dropout=0.3)).double()
+    x, t = torch.randint(0, 64, (8, 16)), torch.randn(8, 16, 64, dtype=torch.float64)
+    prog = pipesplit.compile(model, torch.randint(0, 64, (2, 16)), num_stages=2, checkpoint={0: 1, 1: 1},
+                             progress=False)
+    assert len(prog.plan.checkpoint_partial) == 2 and prog.plan.checkpoint == []
+    results = []
+    for schedule, ckpt in [("1f1b", False), ("1f1b", None), ("zb_h1", None)]:  # None: as planned
+        pipe = pipesplit.Pipeline(prog, schedule, num_microbatches=4, loss_fn=dot_loss, loss_reduction="sum",
+                                  checkpoint=ckpt)
+        assert all(bool(w.head) == (ckpt is None) for w in pipe.workers.values())
+        torch.manual_seed(7)
+        pipe.zero_grad()
+        loss = pipe.step(x, target=t)
+        results.append((loss.detach().clone(), {n: p.grad.clone() for n, p in pipe.named_parameters()}))
+    first = results[0]
+    for loss, grads in results[1:]:
+        assert torch.equal(loss, first[0])
+        for name, g in grads.items():
+            assert torch.equal(g, first[1][name]), name
+
+
+class _Normed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8)) for _ in range(4))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_a_recomputed_head_that_updates_batchnorm_stats_is_refused():
+    prog = pipesplit.compile(_Normed(), torch.randn(8, 8), num_stages=2, schedule="1f1b", num_microbatches=2,
+                             checkpoint={0: 1}, progress=False)
+    with pytest.raises(PipesplitError, match="stage 0 recomputes its first .* update buffers in place"):
+        pipesplit.Pipeline(prog, "1f1b", num_microbatches=2, loss_fn=_mse)
+    pipesplit.Pipeline(prog, "1f1b", num_microbatches=2, loss_fn=_mse, checkpoint=False)  # the way out it names
