@@ -71,7 +71,7 @@ def draw_config(pick: Callable[[Any], Any], integer: Callable[[int, int], int], 
     return {
         "seed": integer(0, 2**16), "stages": stages, "schedule": schedule, "m": m, "mb": mb,
         "example_batch": example, "mb2": mb2,
-        "order": pick(("auto", "program")), "recompute": pick(("auto", "never")),
+        "order": pick(("auto", "program")), "recompute": pick(("auto", "auto", "never")),
         "cost": pick(("flops", "params", "uniform")),
         "transport": pick(("auto", "rendezvous")) if local else "auto",
         # checkpointing a stage that updates buffers must be refused (they would update twice): drawn, asserted

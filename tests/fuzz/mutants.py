@@ -70,8 +70,8 @@ MUTANTS: list[Mutant] = [
            "passes/aliasing.py",
            (('BATCH_NORM_OPS = {"batch_norm": "training", "native_batch_norm": "training", "_native_batch_norm_legit": '
              '"training",', "BATCH_NORM_OPS = {"),),
-           ({"layers": [L("linear", 0, flag=True), L("batchnorm", 1, arg=0), L("linear", 2, flag=True)]},
-            {"stages": 2, "schedule": "gpipe", "checkpoint": True})),
+           ({"layers": [L("linear", 0, flag=True), L("batchnorm", 1, arg=2), L("linear", 2, flag=True)]},
+            {"stages": 2, "schedule": "gpipe"})),
     Mutant("M04", "runtime", "new: a keyword input's microbatches taken in reverse order (split_microbatches)",
            "pipesplit/runtime/engine/microbatch.py",
            (("            for m, piece in enumerate(value.split(per, dim=batch_dim)):",
@@ -141,8 +141,8 @@ MUTANTS: list[Mutant] = [
              "            got = [torch.zeros_like(w) if g is None else g for g, w in zip(got, wanted)]\n"
              "            reached[:] = [True for g in got]\n"
              "        return [*(o.detach() for o in got_outs), *got]"),),
-           ({"layers": [L("linear", 0, flag=True), L("linear", 0, flag=True), L("act", 1)], "outputs": "tuple"},
-            {"schedule": "zb_h1", "compile": True, "opt": "adamw", "stages": 1, "m": 2})),
+           ({"layers": [L("linear", 0, flag=True), L("detached", 1, arg=0, flag=True), L("act", 2)]},
+            {"schedule": "zb_h1", "compile": True, "opt": "adamw", "stages": 2, "m": 2})),
     Mutant("M17", "checkpointing", "new: a checkpointed stage that writes its input in place recomputes from the written "
            "input (no clone inside the stage)", "pipesplit/runtime/engine/stage_inputs.py",
            (("                own.add(len(args))\n", "                pass\n"),),
@@ -181,18 +181,16 @@ MUTANTS: list[Mutant] = [
            (("        parts = [t.detach().to(device, torch.float64).reshape(-1) * tr.decay ** ((dp - 1 - d) * n)",
              "        parts = [t.detach().to(device, torch.float64).reshape(-1) * tr.decay ** (d * n)"),),
            "tests/test_running_stats.py", leg="mesh"),
-    Mutant("M24", "planning", "new: a value written in place counted as recomputable, and recomputing preferred to "
-           "sending (plan/recompute.py, planner.cheap_to_recompute)", "passes/plan/recompute.py",
-           (("        if classes.is_written(node):\n            continue\n", ""),
-            ("        if nbytes and flops / rate < comm.seconds(nbytes, device_kind, device_kind):", "        if nbytes:",
-             "passes/plan/planner.py")),
-           ({"layers": [L("gate", 0), L("mul_", 1), L("linear", 2, flag=True), L("act", 3), L("linear", 4, flag=True),
+    Mutant("M24", "planning", "new: a value written in place (through a view, after it was made) counted as "
+           "recomputable: a later stage rebuilds it unwritten (plan/recompute.py)", "passes/plan/recompute.py",
+           (("        if classes.is_written(node):\n            continue\n", ""),),
+           ({"layers": [L("gate", 0), L("mul_", 1, flag=True), L("linear", 2, flag=True), L("act", 3), L("linear", 4, flag=True),
                         L("add", 5, 1)]}, {"stages": 3, "schedule": "gpipe", "recompute": "auto"})),
-    Mutant("M25", "planning", "new: a random op counted as pure, and recomputing preferred to sending (dropout redrawn "
-           "in a later stage)", "passes/aliasing.py",
-           (("        if torch.Tag.nondeterministic_seeded in target.tags:\n            return False\n", ""),
-            ("        if nbytes and flops / rate < comm.seconds(nbytes, device_kind, device_kind):", "        if nbytes:",
-             "passes/plan/planner.py")),
+    Mutant("M25", "planning", "new: a random op counted as pure (the tag and fx's impure_random both dropped): a "
+           "later stage redraws a dropout mask it should receive (aliasing.pure_op)", "passes/aliasing.py",
+           (("        if torch.Tag.nondeterministic_seeded in target.tags:\n            return False\n"
+             "        return _is_check(target) or not node.is_impure()",
+             "        return _is_check(target) or not node.is_impure(impure_random=False)"),),
            ({"layers": [L("dropout", 0, flag=True), L("linear", 1, flag=True), L("act", 2), L("linear", 3, flag=True),
                         L("add", 4, 1)]}, {"stages": 3, "schedule": "gpipe", "recompute": "auto"})),
     Mutant("M23", "mesh", "new: the replicas' summed gradients not written back (collectives.finish_data_parallel)",
