@@ -122,7 +122,7 @@ ALLOWED: list[tuple[str, frozenset[str], str]] = [
      "the cut, naming the fix; the planner does not yet keep the write and the read together by itself (a limit, "
      "found by seed 4343 where the generator's inplace_input feature did not see the write)"),
     (r"is written in place and used by stages", frozenset({"state_read"}),
-     "a BatchNorm's running statistics read again after the write, where the cut falls between the write and the "
+     "a norm's running statistics read again after the write, where the cut falls between the write and the "
      "read: with several microbatches in flight the reader would see a later microbatch's write, so the split is "
      "refused, naming the fix (no_split=); the planner does not yet keep them in one stage by itself (a limit)"),
     (r"not in a dimension of its own", frozenset({"layout_tflat"}),

@@ -65,9 +65,10 @@ def main() -> int:
         spec = dataclasses.replace(spec, layers=tuple(
             dataclasses.replace(x, flag=False) if x.op == "dropout" else x for x in spec.layers))
         if mesh is not None:  # running statistics read in the forward are refused on a mesh by design (a replica's
-            # part is not the batch's): the plain BatchNorm, whose statistics the replicas combine
+            # part is not the batch's): the plain norms, whose statistics the replicas combine
             spec = dataclasses.replace(spec, layers=tuple(
-                dataclasses.replace(x, arg=0) if x.op == "batchnorm" and x.arg % 4 == 2 else x for x in spec.layers))
+                dataclasses.replace(x, arg=x.arg - 2) if (x.op, x.arg % 4) in (("batchnorm", 2), ("instancenorm", 3)) else x
+                for x in spec.layers))
         if spec.layout == "tflat":  # refused in pipe(x) by the ranks that join outputs alone: the others hang
             spec = dataclasses.replace(spec, layout="flat")
         cfg = draw_length(draw_config(rng.choice, rng.randint, spec, combos, local=False, force=force), spec)

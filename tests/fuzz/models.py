@@ -115,7 +115,8 @@ def _forward_line(spec: ModelSpec, i: int, layer: Layer) -> list[str]:
         # product: each microbatch must keep the value it read, while later forwards write the buffer)
         "batchnorm": [f"{out} = {m}({x}.transpose(1, 2)).transpose(1, 2)"
                       + (f" * {m}.running_var" if a % 4 == 2 else "")],
-        "instancenorm": [f"{out} = {m}({x}.transpose(1, 2)).transpose(1, 2)"],
+        "instancenorm": [f"{out} = {m}({x}.transpose(1, 2)).transpose(1, 2)"
+                         + (f" * {m}.running_var" if a % 4 == 3 else "")],  # arg 3: tracked, read again
         "groupnorm": [f"{out} = {m}({x}.transpose(1, 2)).transpose(1, 2)"],
         "dropout": [f"{out} = {m}({x})"],
         "sdpa": [f"q, k, v = {m}({x}).view({x}.shape[0], {T}, 3, {HEADS}, {D // HEADS}).permute(2, 0, 3, 1, 4)",
@@ -205,7 +206,7 @@ def model_features(spec: ModelSpec) -> set[str]:
             out.add("dropout_p")
         if layer.op == "linear" and not layer.flag:
             out.add("linear_nobias")
-        if layer.op == "batchnorm" and layer.arg % 4 == 2:
+        if (layer.op, layer.arg % 4) in (("batchnorm", 2), ("instancenorm", 3)):
             out.add("state_read")  # running statistics read after the write, in the same forward
         if layer.op == "mul_" and layer.flag:
             out.add("view_write")
@@ -288,8 +289,8 @@ def draw_model(pick: Callable[[Any], Any], integer: Callable[[int, int], int], o
         put(Layer("dropout", flag=True))
     if "buffer_write" in force and not writes_buffers(tuple(layers)):
         op = pick(("ema", "batchnorm", "batchnorm", "instancenorm"))  # each with running state it writes
-        # a BatchNorm's statistics read again after the write (arg 2; the drawn layers have the plain one)
-        put(Layer(op, arg=1 if op == "instancenorm" else 2 if op == "batchnorm" else 0, flag=pick((False, True))))
+        # running statistics read again after the write (arg 2, 3; the drawn layers have the plain norms too)
+        put(Layer(op, arg=3 if op == "instancenorm" else 2 if op == "batchnorm" else 0, flag=pick((False, True))))
     shared = "shared" in force and pick(("tied_head", "shared_w", "wsum"))
     if shared in ("shared_w", "wsum"):
         if shared == "shared_w" and not any(x.op == "linear" for x in layers):
