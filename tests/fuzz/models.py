@@ -296,6 +296,11 @@ def draw_model(pick: Callable[[Any], Any], integer: Callable[[int, int], int], o
         if shared == "shared_w" and not any(x.op == "linear" for x in layers):
             put(Layer("linear", flag=True))
         layers.append(Layer(shared, src=len(layers), arg=integer(0, 7), flag=pick((False, True))))
+    if "graphed" in force:  # compiled stages: weights their F/I/W graphs treat apart (tests/fuzz/mutants.py M15, M16)
+        if not any(x.op == "wsum" for x in layers) and pick((False, True)):
+            put(Layer("wsum"))  # h * (w1 + w2): autograd hands one gradient tensor to both weights
+        if not any(x.op == "detached" for x in layers) and pick((False, True)):  # a weight no gradient reaches
+            layers.append(Layer("detached", src=len(layers), arg=integer(0, len(layers)), flag=pick((False, True))))
     # a value made from the float input alone at the front, read again by a last layer: the planner may rebuild
     # it in a later stage rather than receive it (recompute="auto"), which it must not do for a random op's
     # result or for a value written in place (through a view) after it was made (tests/fuzz/mutants.py M24, M25)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -192,6 +193,18 @@ MUTANTS: list[Mutant] = [
              "        return _is_check(target) or not node.is_impure(impure_random=False)"),),
            ({"layers": [L("dropout", 0, flag=True), L("linear", 1, flag=True), L("act", 2), L("linear", 3, flag=True),
                         L("add", 4, 1)]}, {"stages": 3, "schedule": "gpipe", "recompute": "auto"})),
+    Mutant("M26", "splitting", "new: a read of a buffer the stage writes in place gets no copy of it (split.snapshots): "
+           "a microbatch's saved value is the buffer a later forward writes",
+           "passes/split/snapshots.py",
+           (("    if not roots:\n        return 0", "    if True:\n        return 0"),),
+           ({"layers": [L("linear", 0, flag=True), L("batchnorm", 1, arg=2), L("linear", 2, flag=True)]},
+            {"stages": 2, "schedule": "1f1b"})),
+    Mutant("M27", "runtime", "new: a buffer written in place and read by two stages is run, not refused "
+           "(state_writes.check_state_writes)", "pipesplit/runtime/state/state_writes.py",
+           (("    shared = prog.shared_mutated_state()\n    if shared:", "    shared = prog.shared_mutated_state()\n"
+             "    if False:"),),
+           ({"layers": [L("linear", 0, flag=True), L("act", 1), L("linear", 2, flag=True), L("batchnorm", 3, arg=2),
+                        L("linear", 4, flag=True), L("linear", 5, flag=True)]}, {"stages": 4, "schedule": "gpipe"})),
     Mutant("M23", "mesh", "new: the replicas' summed gradients not written back (collectives.finish_data_parallel)",
            "pipesplit/runtime/comm/collectives.py",
            (("                g.copy_(flat[offset:offset + g.numel()].view_as(g))\n", "                pass\n"),),
@@ -272,7 +285,8 @@ def fuzz_leg(mutant: Mutant, root: str, minutes: float, seed: int) -> tuple[bool
     except subprocess.TimeoutExpired:
         return True, "timed out (a hang counts as killed)"
     text = out.stdout + out.stderr
-    first = next((line for line in text.splitlines() if line.startswith(("FAILURE", "rank 0: FAILURE"))), "")
+    first = next((line for line in text.splitlines() if line.startswith("FAILURE")
+                  or re.match(r"rank \d+: FAILURE", line)), "")
     cases = next((line.split(" cases checked")[0] for line in text.splitlines() if " cases checked" in line), "?")
     tail = " | ".join(line[:200] for line in text.strip().splitlines()[-6:] if "Warning" not in line)
     return out.returncode != 0, (first[:240] or tail) + f" [{cases} cases]"
