@@ -89,10 +89,10 @@ def main() -> int:
             with open(path, "w") as f:
                 f.write(error)
         print(f"rank {rank} draw {draws - 1}: {outcome} {error[:300]}", file=sys.stderr, flush=True)
+        if error:  # before the all-reduce: the other ranks may still be in the step and time out, ending the group
+            print(f"rank {rank}: FAILURE on draw {draws - 1}: {error}", flush=True)
         flag = torch.tensor([1 if error else 0])
         dist.all_reduce(flag)
-        if error:
-            print(f"rank {rank}: FAILURE on draw {draws - 1}: {error}", flush=True)
         if flag.item():
             failures += 1
             break
