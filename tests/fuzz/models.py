@@ -16,7 +16,7 @@ OPS: dict[str, tuple[bool, bool]] = {
     "dropout": (False, False), "sdpa": (True, False), "mha": (True, False), "act": (False, False),
     "relu_": (False, True), "add": (False, False), "add_": (False, True), "mul_": (False, True),
     "ema": (False, False), "gate": (False, False), "reuse": (False, False), "branch": (False, False),
-    "clamp_w": (True, False), "shared_w": (True, False), "wsum": (True, False),
+    "clamp_w": (True, False), "shared_w": (True, False), "wsum": (True, False), "detached": (True, False),
 }
 ACTS = ("relu", "gelu", "tanh", "silu")
 
@@ -62,6 +62,7 @@ def _init_line(spec: ModelSpec, i: int, layer: Layer) -> list[str]:
     op, f, name = layer.op, layer.flag, f"self.l{i}"
     lines = {
         "linear": [f"{name} = nn.Linear({D}, {D}, bias={f})"],
+        "detached": [f"{name} = nn.Linear({D}, {D}, bias={f})"],
         "clamp_w": [f"{name} = nn.Linear({D}, {D}, bias={f})"],
         "conv1d": [f"{name} = nn.Conv1d({D}, {D}, 3, padding=1, bias={f})"],
         "conv2d": [f"{name} = nn.Conv2d(1, 1, 3, padding=1, bias={f})"],
@@ -110,8 +111,12 @@ def _forward_line(spec: ModelSpec, i: int, layer: Layer) -> list[str]:
         "conv1d": [f"{out} = {m}({x}.transpose(1, 2)).transpose(1, 2)"],
         "conv2d": [f"{out} = {m}({x}.unsqueeze(1)).squeeze(1)"],
         "layernorm": [f"{out} = {m}({x})"],
-        "batchnorm": [f"{out} = {m}({x}.transpose(1, 2)).transpose(1, 2)"],
-        "instancenorm": [f"{out} = {m}({x}.transpose(1, 2)).transpose(1, 2)"],
+        # arg % 4 == 2: the statistics it has just written are read again (saved for the backward of the
+        # product: each microbatch must keep the value it read, while later forwards write the buffer)
+        "batchnorm": [f"{out} = {m}({x}.transpose(1, 2)).transpose(1, 2)"
+                      + (f" * {m}.running_var" if a % 4 == 2 else "")],
+        "instancenorm": [f"{out} = {m}({x}.transpose(1, 2)).transpose(1, 2)"
+                         + (f" * {m}.running_var" if a % 4 == 3 else "")],  # arg 3: tracked, read again
         "groupnorm": [f"{out} = {m}({x}.transpose(1, 2)).transpose(1, 2)"],
         "dropout": [f"{out} = {m}({x})"],
         "sdpa": [f"q, k, v = {m}({x}).view({x}.shape[0], {T}, 3, {HEADS}, {D // HEADS}).permute(2, 0, 3, 1, 4)",
@@ -122,7 +127,10 @@ def _forward_line(spec: ModelSpec, i: int, layer: Layer) -> list[str]:
         "relu_": [f"{out} = self.relu_inplace({x})" if f else f"{out} = {x}.relu_()"],
         "add": [f"{out} = {x} + {other}"],
         "add_": [f"{out} = {x}.add_({other})"],
-        "mul_": [f"{out} = {x}.mul_(2.0)"],
+        # flag: written through a view, so a later read of {x} is the value from before the write in the graph
+        "mul_": [f"{out} = {x}.transpose(1, 2).mul_(2.0).transpose(1, 2)" if f else f"{out} = {x}.mul_(2.0)"],
+        # a weight read only on a branch cut from autograd: no gradient reaches it (None in plain PyTorch)
+        "detached": [f"{out} = {x} + {m}({other}).detach()"],
         "ema": ["with torch.no_grad():", f"    self.ema{i}.mul_(0.9).add_({x}.mean((0, 1)), alpha=0.1)",
                 f"{out} = {x} + self.ema{i}"],
         "gate": [f"{out} = {x} * gate" if spec.kwarg else f"{out} = {x} * 1.5"],
@@ -198,6 +206,10 @@ def model_features(spec: ModelSpec) -> set[str]:
             out.add("dropout_p")
         if layer.op == "linear" and not layer.flag:
             out.add("linear_nobias")
+        if (layer.op, layer.arg % 4) in (("batchnorm", 2), ("instancenorm", 3)):
+            out.add("state_read")  # running statistics read after the write, in the same forward
+        if layer.op == "mul_" and layer.flag:
+            out.add("view_write")
     alias = {0} if not spec.tokens and not spec.table else set()  # values that are the caller's input tensor itself
     for i, layer in enumerate(spec.layers, 1):
         if OPS[layer.op][1] and min(layer.src, i - 1) in alias:
@@ -276,20 +288,36 @@ def draw_model(pick: Callable[[Any], Any], integer: Callable[[int, int], int], o
     if "dropout" in force and not any(x.op == "dropout" and x.flag for x in layers):
         put(Layer("dropout", flag=True))
     if "buffer_write" in force and not writes_buffers(tuple(layers)):
-        op = pick(("ema", "batchnorm", "instancenorm"))  # each with running state it writes
-        put(Layer(op, arg=1 if op == "instancenorm" else 0, flag=pick((False, True))))
+        op = pick(("ema", "batchnorm", "batchnorm", "instancenorm"))  # each with running state it writes
+        # running statistics read again after the write (arg 2, 3; the drawn layers have the plain norms too)
+        put(Layer(op, arg=3 if op == "instancenorm" else 2 if op == "batchnorm" else 0, flag=pick((False, True))))
     shared = "shared" in force and pick(("tied_head", "shared_w", "wsum"))
     if shared in ("shared_w", "wsum"):
         if shared == "shared_w" and not any(x.op == "linear" for x in layers):
             put(Layer("linear", flag=True))
         layers.append(Layer(shared, src=len(layers), arg=integer(0, 7), flag=pick((False, True))))
-    tokens = shared == "tied_head" or ("input_grad" not in force and pick((False, True)))
+    if "graphed" in force:  # compiled stages: weights their F/I/W graphs treat apart (tests/fuzz/mutants.py M15, M16)
+        if not any(x.op == "wsum" for x in layers) and pick((False, True)):
+            put(Layer("wsum"))  # h * (w1 + w2): autograd hands one gradient tensor to both weights
+        if not any(x.op == "detached" for x in layers) and pick((False, True)):  # a weight no gradient reaches
+            layers.append(Layer("detached", src=len(layers), arg=integer(0, len(layers)), flag=pick((False, True))))
+    # a value made from the float input alone at the front, read again by a last layer: the planner may rebuild
+    # it in a later stage rather than receive it (recompute="auto"), which it must not do for a random op's
+    # result or for a value written in place (through a view) after it was made (tests/fuzz/mutants.py M24, M25)
+    bait = shared != "tied_head" and "input_grad" not in force and integer(0, 2) == 2
+    if bait:
+        kind = pick(("gate", "act") if "graphed" in force else ("dropout", "gate", "act"))
+        layers[0] = Layer(kind, 0, arg=integer(0, 3), flag=True)
+        if kind != "dropout" and "graphed" not in force and n > 1 and pick((False, True)):  # a drawn layer
+            layers[1] = Layer("mul_", 1, flag=True)
+        layers.append(Layer("add", src=len(layers), arg=1))
+    tokens = not bait and (shared == "tied_head" or ("input_grad" not in force and pick((False, True))))
     sparse = tokens and "graphed" not in force and integer(0, 3) == 3
     layout = (pick(("tb", "flat", "tflat")) if "non_batch_first" in force else
               ("bt", "bt", "bt", "bt", "tb", "flat", "tflat")[integer(0, 6)])
     return ModelSpec(tuple(layers), tokens=tokens, sparse=sparse,
                      padding_idx=tokens and pick((False, True)), tied_head=tokens and (shared == "tied_head" or pick(
                          (False, True))), kwarg=pick((False, True)),
-                     input_grad=not tokens and ("input_grad" in force or integer(0, 2) == 2),
+                     input_grad=not tokens and ("input_grad" in force or (not bait and integer(0, 2) == 2)),
                      outputs=pick(("tensor", "tuple", "dict")), table=integer(0, 3) == 3,
                      table_grad=pick((False, True)), aux=pick((False, True)), layout=layout)

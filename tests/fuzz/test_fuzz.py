@@ -213,3 +213,50 @@ def test_every_mutant_still_applies():
         for file, old, new in mutants.patches(m):
             with open(os.path.join(mutants.ROOT, file)) as f:
                 assert f.read().count(old) == 1 and old != new, (m.key, file, old)
+
+
+def test_a_zero_gradient_where_the_model_has_none_is_caught(monkeypatch):
+    """A weight read only on a detached branch gets no gradient in plain PyTorch (None: an optimizer skips
+    it); a pipeline that gives it zeros instead (history 1d0ed6f, mutant M16) is reported, with SGD too."""
+    import pipesplit
+
+    spec = ModelSpec((Layer("linear", 0, flag=True), Layer("detached", 1, arg=0, flag=True), Layer("act", 2)))
+    assert "self.l2(v0).detach()" in source(spec)
+    assert run(spec, dict(_CFG)) == "ok"
+    step = pipesplit.Pipeline.step
+
+    def zeros(self, *args, **kwargs):
+        loss = step(self, *args, **kwargs)
+        for p in self.parameters():
+            if p.grad is None and p.requires_grad:
+                p.grad = torch.zeros_like(p)
+        return loss
+
+    monkeypatch.setattr(pipesplit.Pipeline, "step", zeros)
+    with pytest.raises(FuzzFailure, match="l2.weight has a gradient, the model none"):
+        run(spec, dict(_CFG))
+
+
+def test_the_draws_build_what_the_mutants_need():
+    """The shapes tests/fuzz/mutants.py's M03, M16, M24 and M25 need are drawn often (draws only, nothing
+    runs): BatchNorm statistics read after their write; a weight no gradient reaches in a compiled F/I/W
+    stage; a value made from the input at the front (a dropout mask, or one written through a view later)
+    read again by the last layer, where the planner may rebuild it rather than receive it."""
+    from tests.fuzz.check import draw_case
+    from tests.fuzz.configs import SPLIT_BACKWARD
+    from tests.fuzz.models import NOT_GRAPHED
+
+    coverage, seen = Coverage(5), {"state_read": 0, "detached_fiw": 0, "bait_dropout": 0, "bait_view_write": 0}
+    for case in range(400):
+        spec, cfg = draw_case(900_000 + case, coverage.next_force())
+        feats = features(spec, cfg)
+        seen["state_read"] += "state_read" in feats and cfg["m"] > 1 and not cfg["checkpoint"]
+        fiw = cfg["compile"] and (cfg["schedule"] in SPLIT_BACKWARD or cfg["graphs"])
+        seen["detached_fiw"] += fiw and "detached" in feats and not NOT_GRAPHED & feats
+        front = not spec.tokens and not spec.input_grad and spec.layers[-1] == Layer("add", len(spec.layers) - 1, 1)
+        bait = front and cfg["recompute"] == "auto" and cfg["stages"] > 1
+        seen["bait_dropout"] += bait and spec.layers[0].op == "dropout" and spec.layers[0].flag
+        seen["bait_view_write"] += bait and len(spec.layers) > 2 and spec.layers[1] == Layer("mul_", 1, flag=True)
+        # as if each case ran (F/I/W graphs and graph replays as a compiled case of that kind would measure them)
+        coverage.reached(feats | ({"fiw"} if fiw else set()) | ({"graphs_replayed"} if cfg["graphs"] else set()))
+    assert min(seen.values()) >= 8, seen
