@@ -18,6 +18,7 @@ from pipesplit.meta import NodeCost, node_cost, node_module_paths
 from pipesplit.passes.plan.chain import Chain, build_chain, compute_nodes
 from pipesplit.passes.plan.lengths import LengthMix, solve_over_lengths
 from pipesplit.passes.plan.constraints import check_pins_cuttable, forbid_cuts_inside, module_positions, pin_ranges
+from pipesplit.passes.plan.inplace import Requirement, check_cuts_left, keep_writes_with_reads, write_requirements
 from pipesplit.passes.annotate.costs import unknown_ops
 from pipesplit.passes.plan.objective import DEFAULT_FLOPS_PER_S, CommModel, MemoryModel
 from pipesplit.passes.annotate.rates import DeviceRates, device_rates, largest_matmul
@@ -198,6 +199,7 @@ def plan_partition(
     if not program:
         raise PlanError("the model's graph has no operations to split.")
     orders = candidate_orders(program) if order == "auto" else [("program", program)]
+    together = write_requirements(gm)  # in-place writes kept with the reads a cut would separate
     solved: list[_Solved] = []
     for i, (label, nodes) in enumerate(orders):
         # the other orders take the checkpointed stages the program's order chose (the search is the slow part)
@@ -207,6 +209,7 @@ def plan_partition(
                 gm, nodes, label, fn, name, rate, num_stages, rebuild, max_stage_memory=max_stage_memory,
                 slack=slack, known=module_paths or set(), pins=pins or {}, no_split=no_split, schedule=schedule,
                 comm=comm, memory=memory, device_kind=device_kind, rates=rates, checkpoint=chosen, lengths=lengths,
+                together=together,
             ))
         except PlanError:
             if i == 0:  # the program's order: the user's error
@@ -258,9 +261,14 @@ def _solve_order(
     rebuild: set[str], *, max_stage_memory: int | None, slack: float, known: set[str], pins: Mapping[str, int],
     no_split: Sequence[str], schedule: Schedule | None, comm: CommModel, memory: MemoryModel, device_kind: str,
     rates: DeviceRates | None = None, checkpoint: Checkpoint = None, lengths: LengthMix | None = None,
+    together: Sequence[Requirement] = (),
 ) -> _Solved:
     state_factor = memory.training_state_factor(with_optimizer=schedule is not None)
     chain = build_chain(gm, fn, state_factor=state_factor, recompute=rebuild, order=nodes)
+    if together:
+        before = chain.allowed
+        chain.allowed, spans = keep_writes_with_reads(chain.nodes, before, together)
+        check_cuts_left(num_stages, before, chain.allowed, spans)
     if no_split:
         chain.allowed = forbid_cuts_inside(chain.nodes, chain.allowed, no_split, known)
     ranges = pin_ranges(chain.nodes, pins, num_stages, known)

@@ -112,17 +112,9 @@ ALLOWED: list[tuple[str, frozenset[str], str]] = [
      "batch is)"),
     (r"one tensor in the model .*in place", frozenset({"inplace"}),
      "views of one tensor sent over a cut to a stage that writes one of them in place"),
-    (r"writes '[^']+' in place \('[^']+'\), and .* reads .* after that write", frozenset({"inplace"}),
-     "a value written in place in one stage while a later stage reads an alias made before the write (dropout's "
-     "result at p == 0 is one): the split refuses such a cut, naming the fix; the planner does not yet keep "
-     "those ops in one stage by itself (a limit, found by seed 4141)"),
     (r"cannot split into each microbatch's part, so on a mesh", frozenset({"clamp_w", "buffer_write"}),
      "state written in place by an op pipesplit cannot split per microbatch, on a mesh with dp > 1: the replicas "
      "could not agree on it (refused on every rank alike)"),
-    (r"is written in place by stage", frozenset({"inplace_input", "inplace"}),
-     "an input written in place by one stage and read by another that nothing orders after it: the split refuses "
-     "the cut, naming the fix; the planner does not yet keep the write and the read together by itself (a limit, "
-     "found by seed 4343 where the generator's inplace_input feature did not see the write)"),
     (r"is written in place and used by stages", frozenset({"state_read"}),
      "a norm's running statistics read again after the write, where the cut falls between the write and the "
      "read: with several microbatches in flight the reader would see a later microbatch's write, so the split is "
