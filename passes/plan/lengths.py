@@ -232,9 +232,12 @@ def solve_over_lengths(
         per.append(AtLength(length, weight, at_chain, seconds))
     if checkpoint is None:
         longest = per[-1]
-        _, _, checkpoint = best_with_checkpointing(
+        found, _, checkpoint = best_with_checkpointing(
             longest.chain, longest.seconds, schedule, comm=comm, memory=memory, mem_cap=mem_cap, limits=limits,
             device_kind=device_kind, checkpoint=None)
+        # over several lengths a stage is checkpointed whole: one that would recompute only its first
+        # blocks at the longest length recomputes all of its forward (never over the cap; a little slower)
+        checkpoint = frozenset(checkpoint) | frozenset(found.heads)
     best = best_over_lengths(per, schedule, comm=comm, memory=memory, mem_cap=mem_cap, limits=limits,
                              device_kind=device_kind, checkpoint=checkpoint)
     return best, checkpoint
