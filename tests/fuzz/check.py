@@ -67,7 +67,8 @@ def repro(spec: ModelSpec, cfg: dict[str, Any], runner: str = "run_case(Model, I
         *[f"# {line}" for line in pprint.pformat(spec, width=110).splitlines()], "# )",
         source(spec),
         f"IO = {io(spec)!r}", f"CFG = {pprint.pformat(cfg, width=110, sort_dicts=False)}", "",
-        'if __name__ == "__main__":', f"    {runner}", '    print("ok: pipesplit matches plain PyTorch")', ""])
+        'if __name__ == "__main__":', "    torch.set_default_dtype(torch.float64)  # as the fuzzer ran it",
+        f"    {runner}", '    print("ok: pipesplit matches plain PyTorch")', ""])
 
 
 def run(spec: ModelSpec, cfg: dict[str, Any], stats: Stats | None = None, include_known: bool = False,

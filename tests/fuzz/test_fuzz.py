@@ -70,6 +70,28 @@ def test_the_repro_is_a_standalone_script(tmp_path):
     out = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert out.returncode == 0 and "ok: pipesplit matches" in out.stdout, out.stderr[-3000:]
     assert "class Model" in source(spec) and "tests." not in path.read_text()
+    assert "torch.set_default_dtype(torch.float64)" in path.read_text()  # the fuzzer's dtype: float32 fails RTOL
+
+
+def test_rounding_on_a_zero_gradient_passes_and_an_error_does_not():
+    """A gradient zero in exact arithmetic (a bias before an InstanceNorm) rounds on the scale of the
+    largest gradient: 8e-12 beside a gradient of 59 and a loss of 6.5 passes (seed 3535 failed it on
+    the loss's scale alone); 1e-9 of the largest gradient on that tensor does not."""
+    from tests.fuzz.harness import compare_step
+
+    ref = torch.nn.Linear(4, 4).double()
+    big = torch.full((4, 4), 59.0 / 4, dtype=torch.float64)
+    tiny = torch.full((4,), 2.6e-12, dtype=torch.float64)
+    ref.weight.grad, ref.bias.grad = big.clone(), tiny.clone()
+    mine = torch.nn.Linear(4, 4).double()
+    mine.weight.grad, mine.bias.grad = big.clone(), tiny + 4e-12  # |diff| 8e-12
+    held = dict(mine.named_parameters())
+    compare_step(0, torch.tensor(6.5, dtype=torch.float64), torch.tensor(6.5, dtype=torch.float64), held, ref,
+                 {}, None, None)
+    mine.bias.grad = tiny + 59e-9
+    with pytest.raises(AssertionError, match="gradient of bias"):
+        compare_step(0, torch.tensor(6.5, dtype=torch.float64), torch.tensor(6.5, dtype=torch.float64), held, ref,
+                     {}, None, None)
 
 
 def test_a_wrong_gradient_is_caught(monkeypatch):
