@@ -183,7 +183,8 @@ def compile(
             ``schedule`` it defaults to the device's memory less 10%; a plan (or a given split)
             predicted over the cap warns, naming the stage, its bytes and the fix.
         slack: fraction above the optimal bottleneck the planner may spend to send fewer bytes
-            (without ``schedule``; with one, the simulated step time decides).
+            (without ``schedule``; with one, the simulated step time decides); twice that for
+            cuts between the model's repeated blocks, when they price faster (docs/planner.md).
         schedule: plan for this schedule's step time (``"1f1b"``, ``"zb_h1"``, ...): stage
             forward, input- and weight-gradient times plus communication, simulated.
         num_microbatches: microbatches per step for ``schedule`` (default: 4 x stages); the

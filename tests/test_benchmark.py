@@ -338,3 +338,33 @@ def test_benchmark_predicts_and_measures_each_planned_length():
     assert all(t > 0 for t in row.measured_length_s)
     assert row.expected_predicted_s == pytest.approx(0.25 * row.predicted_length_s[0] + 0.75 * row.predicted_length_s[1])
     assert "at each length {16:" in str(res)
+
+
+def test_step_times_are_in_ms_everywhere_and_never_in_scientific_notation(caplog):
+    """A new user's run: the table said "1.35e+03 ± 223" (ms) and the log line above it "1.3547s per step"."""
+    import logging
+
+    from pipesplit.bench.result import ms_text
+
+    assert [ms_text(x) for x in (1.3547, 13.5, 0.1379, 0.0249, 0.00178)] == ["1355", "13500", "138", "24.9", "1.78"]
+    torch.manual_seed(0)
+    with caplog.at_level(logging.INFO, logger="pipesplit"):
+        res = pipesplit.benchmark(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8)),
+                                  torch.randn(8, 8), num_stages=2, schedules="gpipe", num_microbatches=2, warmup=1,
+                                  repeats=1, progress=False)
+    lines = [r.getMessage() for r in caplog.records if "per step" in r.getMessage()]
+    assert lines == [f"pipesplit benchmark: 2 stages, gpipe, m=2, cost flops: {ms_text(res.rows[0].measured_step_s)} ms "
+                     "per step"], lines
+
+
+def test_a_busy_machine_says_its_load_average_as_uptime_does():
+    """It printed "load average 11.27001953125 before, 11.32861328125 after"."""
+    from pipesplit.bench.load import load_summary, load_warning
+
+    quiet = {"load_1min": 11.27001953125, "cores": 2, "time": 0.0, "ticks": {7: ("python", 100)}}
+    text = load_warning(load_summary(quiet, {**quiet, "time": 10.0, "ticks": {7: ("python", 900)},
+                                             "load_1min": 11.32861328125}))
+    assert "load average 11.27 before, 11.33 after" in text, text
+    unknown = load_warning(load_summary({**quiet, "load_1min": None},
+                                        {**quiet, "time": 10.0, "ticks": {7: ("python", 900)}, "load_1min": None}))
+    assert "load average unknown before, unknown after" in unknown, unknown

@@ -380,7 +380,9 @@ def test_no_split_keeps_every_block_whole(gpt6):
         return [i for i in range(6)
                 if len({where[n.name] for n in compute_nodes(gm) if _in_module(n, f"blocks.{i}")}) > 1]
 
-    free = plan_partition(gm, 4, "flops", slack=0.0, module_paths=cap.module_paths)
+    # messages priced free: the balance alone (priced at CPU's 50 us a message, whole blocks are faster)
+    free = plan_partition(gm, 4, "flops", slack=0.0, module_paths=cap.module_paths,
+                          comm=CommModel(latency_s=0.0, bandwidth=1e30))
     assert cut_blocks(free), "the unconstrained optimum should cut inside some block"
     whole = plan_partition(gm, 4, "flops", slack=0.0, no_split=["blocks.*"], module_paths=cap.module_paths)
     assert cut_blocks(whole) == []
@@ -606,3 +608,46 @@ def test_refine_progress_ends_at_the_rounds_it_ran(monkeypatch, converges):
     assert bar.n == bar.total == (1 if converges else 4), (bar.n, bar.total)
     frames = [f for f in shown.getvalue().split("\r") if f.strip()]
     assert f"{bar.n}/{bar.n}" in frames[-1] and ("converged" in frames[-1]) == converges, frames
+
+
+# ------------------------------------------------------------------------- cuts between blocks
+@pytest.fixture(scope="module")
+def llama4():
+    """A 4-layer Hugging Face Llama of hidden size 64 (issue 36: split in 2, it was cut inside attention)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=172, num_hidden_layers=4, num_attention_heads=4,
+                      vocab_size=256, use_cache=False, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    model = LlamaForCausalLM(cfg)
+    ids = torch.randint(0, 256, (2, 16))
+    return model, ids, pipesplit.compile(model, ids, num_stages=2, progress=False)
+
+
+def _blocks_cut(gm, plan, prefix, count):
+    where = plan.assignment()
+    return [i for i in range(count)
+            if len({where[n.name] for n in compute_nodes(gm) if n.name in where and _in_module(n, f"{prefix}.{i}")}) > 1]
+
+
+def test_a_two_stage_llama_is_cut_between_decoder_layers_and_sends_one_tensor(llama4):
+    """Issue 36: the default plan cut inside layer 2's attention and sent 3 tensors (24 KiB) for a bottleneck
+    3.6% lower than the cut between layers 1 and 2 (1 tensor, 8 KiB); priced in seconds, the 2 more messages
+    each way cost more than the balance gained."""
+    model, ids, prog = llama4
+    gm = annotate_costs(capture(model, ids, dynamic=False).gm)
+    assert _blocks_cut(gm, prog.plan, "model.layers", 4) == [], prog.plan.stages
+    sent = [b for b in prog.boundaries if b.kind == "tensor"]
+    assert len(sent) == 1, sent
+    run = torch.randint(0, 256, (3, 16))
+    check_exact(model, (ids,), {}, prog, (run,), {})
+
+
+def test_a_free_link_keeps_the_better_balanced_cut_inside_a_layer(llama4):
+    """The choice is priced, not a rule: with messages free (no latency, a very fast link) the split that
+    balances better is kept, though it cuts inside a decoder layer."""
+    model, ids, prog = llama4
+    free = pipesplit.compile(model, ids, num_stages=2, comm=CommModel(latency_s=0.0, bandwidth=1e30), progress=False)
+    gm = annotate_costs(capture(model, ids, dynamic=False).gm)
+    assert _blocks_cut(gm, free.plan, "model.layers", 4), free.plan.stages
+    assert free.plan.bottleneck < prog.plan.bottleneck

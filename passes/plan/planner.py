@@ -24,6 +24,7 @@ from pipesplit.passes.plan.objective import DEFAULT_FLOPS_PER_S, CommModel, Memo
 from pipesplit.passes.annotate.rates import DeviceRates, device_rates, largest_matmul
 from pipesplit.passes.plan.orders import candidate_orders
 from pipesplit.passes.plan.balance import rebalance
+from pipesplit.passes.plan.blocks import block_paths, prefer_block_cuts
 from pipesplit.passes.plan.partition import StageLimits, largest_stage, solve_candidates, solve_chain
 from pipesplit.passes.plan.recompute import recomputable
 from pipesplit.passes.plan.checkpoint_search import best_with_checkpointing
@@ -200,6 +201,9 @@ def plan_partition(
         raise PlanError("the model's graph has no operations to split.")
     orders = candidate_orders(program) if order == "auto" else [("program", program)]
     together = write_requirements(gm)  # in-place writes kept with the reads a cut would separate
+    # seconds per unit of cost, to price a split between blocks against the free one (None: a unit of its own)
+    per_cost = 1.0 / rate if name == "flops" else 1.0 if name in ("profile", "hybrid") else None
+    blocks = block_paths(gm, num_stages) if per_cost is not None and schedule is None and not pins else []
     solved: list[_Solved] = []
     for i, (label, nodes) in enumerate(orders):
         # the other orders take the checkpointed stages the program's order chose (the search is the slow part)
@@ -209,7 +213,7 @@ def plan_partition(
                 gm, nodes, label, fn, name, rate, num_stages, rebuild, max_stage_memory=max_stage_memory,
                 slack=slack, known=module_paths or set(), pins=pins or {}, no_split=no_split, schedule=schedule,
                 comm=comm, memory=memory, device_kind=device_kind, rates=rates, checkpoint=chosen, lengths=lengths,
-                together=together,
+                together=together, blocks=blocks, per_cost=per_cost,
             ))
         except PlanError:
             if i == 0:  # the program's order: the user's error
@@ -261,7 +265,7 @@ def _solve_order(
     rebuild: set[str], *, max_stage_memory: int | None, slack: float, known: set[str], pins: Mapping[str, int],
     no_split: Sequence[str], schedule: Schedule | None, comm: CommModel, memory: MemoryModel, device_kind: str,
     rates: DeviceRates | None = None, checkpoint: Checkpoint = None, lengths: LengthMix | None = None,
-    together: Sequence[Requirement] = (),
+    together: Sequence[Requirement] = (), blocks: Sequence[str] = (), per_cost: float | None = None,
 ) -> _Solved:
     state_factor = memory.training_state_factor(with_optimizer=schedule is not None)
     chain = build_chain(gm, fn, state_factor=state_factor, recompute=rebuild, order=nodes)
@@ -308,10 +312,16 @@ def _solve_order(
         ok = [c for c in cands if c.bottleneck <= best_b * (1 + slack)]
         starts = min(ok, key=lambda c: (c.cut_bytes, c.bottleneck)).starts
     else:
-        starts = solve_chain(chain, num_stages, mem_cap=max_stage_memory, slack=slack).starts
-        # the stages on each side of the bottleneck by the same rule, for their own bottleneck
-        starts = rebalance(chain, starts, lambda sub, k, _s, _p: solve_chain(sub, k, mem_cap=max_stage_memory,
-                                                                             slack=slack).starts)
+        def split(ch: Chain) -> tuple[int, ...]:
+            found = solve_chain(ch, num_stages, mem_cap=max_stage_memory, slack=slack).starts
+            # the stages on each side of the bottleneck by the same rule, for their own bottleneck
+            return rebalance(ch, found, lambda sub, k, _s, _p: solve_chain(sub, k, mem_cap=max_stage_memory,
+                                                                           slack=slack).starts)
+
+        starts = split(chain)
+        if blocks and per_cost is not None:  # whole blocks per stage unless that is slower, priced in seconds
+            starts = prefer_block_cuts(chain, starts, blocks, split, slack=slack, seconds_per_cost=per_cost,
+                                       comm=comm, device_kind=device_kind)
     return _Solved(label, chain, tuple(starts), largest_stage(chain, starts),
                    int(chain.cut_bytes[list(starts[1:])].sum()))
 

@@ -76,5 +76,10 @@ def load_warning(summary: dict[str, Any]) -> str | None:
         return None
     return (f"the machine was busy: other processes used {100 * summary['others_share']:.0f}% of its "
             f"{summary['cores']} core(s) during the run ({'; '.join(summary['busiest']) or 'many small ones'}; load "
-            f"average {summary['load_1min_before']} before, {summary['load_1min_after']} after), so measured times "
+            f"average {_load(summary['load_1min_before'])} before, {_load(summary['load_1min_after'])} after), so measured times "
             "include waiting for the CPU; re-run on a quiet machine for figures to keep.")
+
+
+def _load(value: float | None) -> str:
+    """A load average as ``uptime`` prints it (11.27, not 11.27001953125); "unknown" where the OS has none."""
+    return "unknown" if value is None else f"{value:.2f}"

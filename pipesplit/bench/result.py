@@ -95,12 +95,14 @@ class BenchRow:
         return dataclasses.asdict(self)
 
 
-def _ms(x: float) -> str:
-    return f"{x * 1e3:.3g}"
+def ms_text(x: float) -> str:
+    """Milliseconds to 3 significant digits, a second or more as a whole number (never 1.35e+03)."""
+    ms = x * 1e3
+    return f"{ms:.0f}" if abs(ms) >= 999.5 else f"{ms:.3g}"
 
 
 def _stages_ms(xs: Sequence[float]) -> str:
-    return " / ".join(_ms(x) for x in xs)
+    return " / ".join(ms_text(x) for x in xs)
 
 
 _COLUMNS = [  # (header, cell) for the printed and Markdown tables
@@ -108,8 +110,8 @@ _COLUMNS = [  # (header, cell) for the printed and Markdown tables
     ("schedule", lambda r: r.schedule),
     ("m", lambda r: str(r.num_microbatches)),
     ("cost", lambda r: r.cost),
-    ("pred step ms", lambda r: _ms(r.predicted_step_s)),
-    ("meas step ms", lambda r: f"{_ms(r.measured_step_s)} ± {_ms(r.measured_step_spread_s)}"),
+    ("pred step ms", lambda r: ms_text(r.predicted_step_s)),
+    ("meas step ms", lambda r: f"{ms_text(r.measured_step_s)} ± {ms_text(r.measured_step_spread_s)}"),
     ("meas/pred", lambda r: f"{r.step_ratio:.2f}"),
     ("bubble pred/meas", lambda r: f"{100 * r.predicted_bubble:.0f}% / {100 * r.measured_bubble:.0f}%"),
     ("time balance pred/meas", lambda r: f"{r.predicted_balance:.2f} / {r.balance:.2f}"),
@@ -231,13 +233,13 @@ class BenchmarkResult:
         lines.insert(1, "  ".join("-" * w for w in widths))
         if self.rows:
             b = self.best()
-            lines.append(f"\nfastest: {b.label}: {_ms(b.measured_step_s)} ms per step, {b.throughput:.4g} samples/s")
+            lines.append(f"\nfastest: {b.label}: {ms_text(b.measured_step_s)} ms per step, {b.throughput:.4g} samples/s")
         for r in self.rows:
             if r.lengths:
-                at = ", ".join(f"{n}: {_ms(p)} / {_ms(m)}" for n, p, m in
+                at = ", ".join(f"{n}: {ms_text(p)} / {ms_text(m)}" for n, p, m in
                                zip(r.lengths, r.predicted_length_s, r.measured_length_s))
                 lines.append(f"{r.label}: step ms pred / meas at each length {{{at}}}; expected "
-                             f"{_ms(r.expected_predicted_s or 0.0)} / {_ms(r.expected_measured_s or 0.0)}")
+                             f"{ms_text(r.expected_predicted_s or 0.0)} / {ms_text(r.expected_measured_s or 0.0)}")
         lines += [f"skipped {what}: {why}" for what, why in self.skipped]
         lines += [f"warning: {w}" for w in self.warnings]
         lines += [f"note: {n}" for n in self.notes]
@@ -304,11 +306,11 @@ class BenchmarkResult:
         d, r = self.details[i], self.rows[i]
         k, n = d.median_step, d.trace.num_steps
         measured = d.trace.timeline(k)
-        step = (f"measured: step {k + 1} of {n} (closest to the median), {_ms(measured.step_time)} ms, "
+        step = (f"measured: step {k + 1} of {n} (closest to the median), {ms_text(measured.step_time)} ms, "
                 f"bubble {100 * measured.bubble_fraction:.0f}%")
-        summary = (f"{r.label}: measured step {_ms(r.measured_step_s)} ms (median of {n}) / predicted "
-                   f"{_ms(r.predicted_step_s)} ms = {r.step_ratio:.2f}x\n"
-                   f"drawn below: the prediction, and measured step {k + 1} of {n} ({_ms(measured.step_time)} ms)"
+        summary = (f"{r.label}: measured step {ms_text(r.measured_step_s)} ms (median of {n}) / predicted "
+                   f"{ms_text(r.predicted_step_s)} ms = {r.step_ratio:.2f}x\n"
+                   f"drawn below: the prediction, and measured step {k + 1} of {n} ({ms_text(measured.step_time)} ms)"
                    + ("" if n == 1 else ", the one closest to the median"))
         return d.prediction.timeline, measured, r.label, {"measured_title": step, "summary": summary}
 
