@@ -488,15 +488,18 @@ def checkpoint_problems(draw):
 @FAST
 @given(checkpoint_problems())
 def test_checkpointed_memory_limits_match_brute_force(problem):
-    """With checkpointing, stage s holds state + one microbatch's activations + its inputs
-    x in_flight[s]: not an interval of starts. The solver still finds the exact best."""
+    """With checkpointing, stage s holds state + one microbatch's activations with its backward's
+    working set + its inputs x in_flight[s]: not an interval of starts. The solver still finds the
+    exact best."""
+    from pipesplit.passes.plan.objective import BACKWARD_WORKING_SET
     from pipesplit.passes.plan.partition import StageLimits, checkpointed_memory_ends, solve_candidates
 
     chain, k, in_flight, cap = problem
     n = chain.n
 
     def held(s, a, b):
-        return stage_memory(chain, a, b) + in_flight[s] * int(chain.cut_bytes[a])
+        act = 0 if chain.act is None else BACKWARD_WORKING_SET * float(chain.act[a:b].sum())
+        return stage_memory(chain, a, b) + act + in_flight[s] * int(chain.cut_bytes[a])
 
     feasible = []
     for cuts in itertools.combinations(range(1, n), k - 1):

@@ -15,6 +15,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from pipesplit.passes.plan.chain import Chain
+from pipesplit.passes.plan.objective import BACKWARD_WORKING_SET
 
 
 def checkpointed_memory_ends(chain: Chain, cap: int, in_flight: Sequence[int]) -> tuple[np.ndarray, ...]:
@@ -22,12 +23,15 @@ def checkpointed_memory_ends(chain: Chain, cap: int, in_flight: Sequence[int]) -
 
     A checkpointed stage ``[i, j)`` keeps its inputs (``cut_bytes[i]``) for each of the
     ``in_flight[s]`` microbatches it holds and one microbatch's activations while it
-    recomputes: ``state + act(i, j) + in_flight[s] * cut_bytes[i]``, shared tensors
+    recomputes, with its backward's working set: ``state + (1 + BACKWARD_WORKING_SET) * act(i, j)
+    + in_flight[s] * cut_bytes[i]``, shared tensors
     once. Returns, per stage, the last end ``j`` that fits for every start ``i`` (``i``
     itself when none does).
     """
     n = chain.n
-    M = np.concatenate([[0], np.cumsum(chain.mem)])  # state + one microbatch's activations
+    act = chain.act if chain.act is not None else np.zeros(chain.n, dtype=np.int64)
+    # state + one microbatch's activations, recomputed, and its backward's working set
+    M = np.concatenate([[0], np.cumsum(chain.mem + BACKWARD_WORKING_SET * act)])
     starts = np.arange(n + 1)
     # next position at or after i that reads each shared tensor (n when none)
     next_read = [np.searchsorted(np.array(pos), starts, side="left") for _, pos in chain.shared]

@@ -81,7 +81,7 @@ class Candidate:
 
 def figures_for(
     chain: Chain, starts: Sequence[int], seconds: np.ndarray, in_flight: Sequence[int],
-    memory: MemoryModel, comm: CommModel, device_kind: str, units: Sequence[int] | None = None,
+    memory: MemoryModel, comm: CommModel, device_kind: str, units: Sequence[float] | None = None,
     checkpoint: Collection[int] | None = None,
 ) -> StageFigures:
     """Per-stage figures of the split at ``starts``; ``checkpoint``: the stages that recompute their
@@ -177,7 +177,7 @@ def choose(cands: Sequence[Candidate]) -> Candidate:
 
 
 def _side_solver(
-    chain: Chain, limits: StageLimits, mem_cap: int | None, in_flight: Sequence[int], units: Sequence[int],
+    chain: Chain, limits: StageLimits, mem_cap: int | None, in_flight: Sequence[int], units: Sequence[float],
     ckpt: frozenset[int], scale: float, slack: float,
 ) -> Solve:
     """``rebalance``'s solver under the plan's limits: pins shifted to the side, memory per stage in flight."""
@@ -198,7 +198,7 @@ def _side_solver(
 
 def _memory_message(
     chain: Chain, schedule: Schedule, in_flight: Sequence[int], cap: int, limits: StageLimits, checkpoint: bool = False,
-    units: Sequence[int] | None = None,
+    units: Sequence[float] | None = None,
 ) -> str:
     act = chain.act if chain.act is not None else np.zeros(chain.n, dtype=np.int64)
     state = int((chain.mem - act).sum()) + sum(nbytes for nbytes, _ in chain.shared)
@@ -219,9 +219,9 @@ def _memory_message(
         )
     return (
         f"{head}: the stages keep {list(in_flight)} microbatches of activations in flight, and with a running "
-        f"backward's gradients hold {list(units)} microbatches' worth at their peak; the model's training "
+        f"backward's working set hold {list(units)} microbatches' worth at their peak; the model's training "
         f"state (parameters, gradients, optimizer) is {state:,} bytes and one microbatch's activations {one:,} "
-        f"bytes, so some stage holds at least {(state + one * min(units)) // schedule.num_stages:,} bytes; "
+        f"bytes, so some stage holds at least {int(state + one * min(units)) // schedule.num_stages:,} bytes; "
         f"{largest}. Use more stages, fewer microbatches in flight (a schedule that holds fewer, or smaller "
         "microbatches), activation checkpointing, or a larger max_stage_memory."
     )
