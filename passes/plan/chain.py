@@ -40,10 +40,19 @@ class Chain:
     # Values live across each cut position (int64, n + 1): of two cuts carrying the same bytes the
     # partition takes the one sending fewer tensors (one message each). None: not counted.
     cut_tensors: np.ndarray | None = None
+    # Bytes of the program's outputs: what the last stage's backward starts from (``cut_bytes[n]`` is 0).
+    output_bytes: int = 0
 
     @property
     def n(self) -> int:
         return len(self.nodes)
+
+    def end_bytes(self) -> np.ndarray:
+        """Per end position ``j`` (``n + 1``), the bytes a stage ending there hands on: ``cut_bytes[j]``,
+        and at ``n`` the program's outputs."""
+        out: np.ndarray = self.cut_bytes.astype(np.int64)
+        out[self.n] = self.output_bytes
+        return out
 
     def node_memory(self) -> np.ndarray:
         """Bytes each node alone would hold as a stage."""
@@ -114,9 +123,10 @@ def build_chain(
                 blocked[i + 1] += 1
                 blocked[last + 1] -= 1
     cut_bytes = np.cumsum(live)[: n + 1]
+    output_bytes = int(cut_bytes[n])
     allowed = np.cumsum(blocked)[: n + 1] == 0
     cut_tensors = np.cumsum(values)[: n + 1]
     cut_bytes[0] = cut_bytes[n] = cut_tensors[0] = cut_tensors[n] = 0
     allowed[0] = allowed[n] = True
     act = np.array([node_cost(node).held_bytes for node in nodes], dtype=np.int64)
-    return Chain(nodes, cost, mem, cut_bytes, allowed, shared, act, cut_tensors)
+    return Chain(nodes, cost, mem, cut_bytes, allowed, shared, act, cut_tensors, output_bytes)

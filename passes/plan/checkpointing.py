@@ -1,6 +1,6 @@
 """Activation checkpointing as a planner decision: which stages recompute their forward, chosen with the cuts.
 
-A checkpointed stage keeps only its inputs for each microbatch in flight (plus one
+A checkpointed stage keeps only its inputs and outputs for each microbatch in flight (plus one
 microbatch's activations while it recomputes) and pays a second forward before each
 backward. Under most schedules the stages hold different numbers of microbatches
 (``1f1b``: stage ``s`` of ``p`` holds ``p - s``), so the stages that need it are the ones

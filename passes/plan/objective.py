@@ -71,8 +71,8 @@ class MemoryModel:
     backward's working set (``BACKWARD_WORKING_SET``), and with a split backward one more per
     microbatch between its I and its W (:func:`activation_units_per_stage`). A microbatch's
     activations count each storage once (a node's ``held_bytes``). With checkpointing, only the
-    stage inputs of in-flight microbatches are kept, plus one microbatch's full activations
-    during its recompute and its backward's working set.
+    stage inputs and outputs of in-flight microbatches are kept, plus one microbatch's full
+    activations during its recompute and its backward's working set.
 
     ``optimizer`` names the optimizer instead of ``optimizer_factor`` (``"sgd"``,
     ``"momentum"``, ``"adam"``, ``"adamw"``, ``"adafactor"``); ``master_weights`` is mixed
@@ -135,7 +135,9 @@ class MemoryModel:
 
         ``units``: one microbatch's activations' worth of memory the stage holds at its peak
         (:func:`activation_units_per_stage`); ``in_flight`` when not given. ``checkpointed``:
-        whether this stage recomputes its forward (default ``self.checkpoint``).
+        whether this stage recomputes its forward (default ``self.checkpoint``); then
+        ``input_bytes`` is what it keeps of each microbatch in flight: its inputs, to recompute
+        from, and its outputs, which its backward starts from.
         """
         if self.checkpoint if checkpointed is None else checkpointed:  # one microbatch recomputed, and its backward
             return state_bytes + input_bytes * in_flight + act_bytes * (1 + BACKWARD_WORKING_SET)

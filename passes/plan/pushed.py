@@ -18,42 +18,72 @@ from pipesplit.passes.plan.chain import Chain
 from pipesplit.passes.plan.objective import BACKWARD_WORKING_SET
 
 
-def checkpointed_memory_ends(chain: Chain, cap: int, in_flight: Sequence[int]) -> tuple[np.ndarray, ...]:
+def checkpointed_memory_ends(chain: Chain, cap: int, in_flight: Sequence[float]) -> tuple[np.ndarray, ...]:
     """``StageLimits.end_hi`` for activation checkpointing under a memory cap.
 
-    A checkpointed stage ``[i, j)`` keeps its inputs (``cut_bytes[i]``) for each of the
-    ``in_flight[s]`` microbatches it holds and one microbatch's activations while it
+    A checkpointed stage ``[i, j)`` keeps its inputs (``cut_bytes[i]``) and its outputs (what
+    it hands on at ``j``: :meth:`Chain.end_bytes`; its backward starts from them) for each of
+    the ``in_flight[s]`` microbatches it holds, and one microbatch's activations while it
     recomputes, with its backward's working set: ``state + (1 + BACKWARD_WORKING_SET) * act(i, j)
-    + in_flight[s] * cut_bytes[i]``, shared tensors
-    once. Returns, per stage, the last end ``j`` that fits for every start ``i`` (``i``
-    itself when none does).
+    + in_flight[s] * (cut_bytes[i] + end_bytes[j])``, shared tensors once. The outputs make
+    the bytes no longer grow with ``j``, so the limit is, per stage, the last end ``j`` such
+    that every end from ``i + 1`` to ``j`` fits (``i`` itself when none does): any end the
+    partition may take fits.
     """
     n = chain.n
     act = chain.act if chain.act is not None else np.zeros(chain.n, dtype=np.int64)
     # state + one microbatch's activations, recomputed, and its backward's working set
     M = np.concatenate([[0], np.cumsum(chain.mem + BACKWARD_WORKING_SET * act)])
+    ends = chain.end_bytes()
     starts = np.arange(n + 1)
     # next position at or after i that reads each shared tensor (n when none)
     next_read = [np.searchsorted(np.array(pos), starts, side="left") for _, pos in chain.shared]
     reads = [np.append(np.array(pos), n) for _, pos in chain.shared]
 
-    def held(i: np.ndarray, j: np.ndarray, k: int) -> np.ndarray:
-        out: np.ndarray = M[j] - M[i] + k * chain.cut_bytes[i]
+    def held(i: np.ndarray, j: np.ndarray, k: float, top: np.ndarray) -> np.ndarray:
+        """The most any end in ``(i, j]`` holds, bounded above: ``top`` is the largest
+        ``M + k * end_bytes`` over those ends, and shared state only grows with ``j``."""
+        out: np.ndarray = top - M[i] + k * chain.cut_bytes[i]
         for (nbytes, _), nxt, pos in zip(chain.shared, next_read, reads):
             out = out + nbytes * (pos[nxt[i]] < j)
         return out
 
-    cache: dict[int, np.ndarray] = {}
+    cache: dict[float, np.ndarray] = {}
     for k in in_flight:
         if k in cache:
             continue
+        kk = max(k, 1)
+        table = _range_max_table(M + kk * ends)
         lo, hi = starts.copy(), np.full(n + 1, n)  # held(i, lo) fits (empty stage holds nothing we count)
         while np.any(lo < hi):
             mid = (lo + hi + 1) // 2
-            fits = held(starts, mid, max(k, 1)) <= cap
+            fits = held(starts, mid, kk, _range_max(table, np.minimum(starts + 1, mid), mid)) <= cap
+            fits |= lo >= hi
             lo, hi = np.where(fits, mid, lo), np.where(fits, hi, mid - 1)
         cache[k] = lo
     return tuple(cache[k] for k in in_flight)
+
+
+def _range_max_table(values: np.ndarray) -> list[np.ndarray]:
+    """A sparse table: level ``l`` holds the maxima of ``values`` over windows of ``2**l``."""
+    table = [values.astype(np.float64)]
+    width = 1
+    while 2 * width <= len(values):
+        prev = table[-1]
+        table.append(np.maximum(prev[:-width], prev[width:]))
+        width *= 2
+    return table
+
+
+def _range_max(table: list[np.ndarray], a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Per element, the maximum of the table's values over ``[a, b]`` (inclusive, ``a <= b``)."""
+    level = np.floor(np.log2(np.maximum(b - a + 1, 1))).astype(np.int64)
+    out = np.empty(len(a), dtype=np.float64)
+    for lv in np.unique(level):
+        sel = level == lv
+        row = table[int(lv)]
+        out[sel] = np.maximum(row[a[sel]], row[b[sel] - (1 << int(lv)) + 1])
+    return out
 
 
 def _range_chmin(lo: np.ndarray, hi: np.ndarray, values: np.ndarray, n: int) -> np.ndarray:

@@ -91,6 +91,7 @@ def figures_for(
     if checkpoint is None:
         checkpoint = range(len(starts)) if memory.checkpoint else ()
     costs, mem = [], []
+    ends = chain.end_bytes()
     for s, (a, b) in enumerate(zip(bounds, bounds[1:])):
         f, i, w = seconds[a:b].sum(axis=0)
         ck = s in checkpoint
@@ -100,6 +101,8 @@ def figures_for(
         state = float((chain.mem[a:b] - act[a:b]).sum())
         state += sum(nbytes for nbytes, pos in chain.shared if any(a <= p < b for p in pos))
         inputs = float(chain.cut_bytes[a]) if a > 0 else 0.0
+        if ck:  # it keeps its outputs of each microbatch in flight too: its backward starts from them
+            inputs += float(ends[b])
         mem.append(memory.held_bytes(state, float(act[a:b].sum()), inputs, in_flight[s],
                                      None if units is None else units[s], checkpointed=ck))
     comm_s = [comm.seconds(float(chain.cut_bytes[c]), device_kind, device_kind) for c in starts[1:]]
