@@ -37,7 +37,7 @@ from pipesplit.meta import node_module_paths  # noqa: E402
 from pipesplit.passes.annotate.rates import device_rates, largest_matmul  # noqa: E402
 from pipesplit.passes.plan.chain import build_chain, compute_nodes  # noqa: E402
 from pipesplit.passes.plan.objective import (  # noqa: E402
-    CommModel, MemoryModel, activation_units_per_stage, in_flight_per_stage, step_time,
+    CommModel, MemoryModel, activation_units_per_stage, in_flight_per_stage, split_stages, step_time,
 )
 from pipesplit.passes.plan.planner import cheap_to_recompute, cost_function  # noqa: E402
 from pipesplit.passes.plan.pricing import price_plan  # noqa: E402
@@ -174,7 +174,8 @@ def compare(shape: Shape, cap: int) -> dict[str, Any]:
         starts = [0] + [first_of[shape.layer.format(i=b)] for b in bounds]
         best = None
         for ckpt in [[]] + [list(range(j)) for j in range(1, k + 1)]:
-            fig = figures_for(chain, starts, seconds, in_flight, shape.memory, CommModel(), "cpu", units, ckpt)
+            fig = figures_for(chain, starts, seconds, in_flight, shape.memory, CommModel(), "cpu", units, ckpt,
+                              split_stages(sched))
             if max(fig.memory) > cap:
                 continue
             step = step_time(sched, fig)

@@ -10,7 +10,9 @@ import logging
 from pipesplit.errors import PlanError
 from pipesplit.passes.plan.chain import Chain
 from pipesplit.passes.plan.checkpointing import candidate_sets, needed
-from pipesplit.passes.plan.objective import CommModel, MemoryModel, activation_units_per_stage, in_flight_per_stage, step_time
+from pipesplit.passes.plan.objective import (
+    CommModel, MemoryModel, activation_units_per_stage, in_flight_per_stage, split_stages, step_time,
+)
 from pipesplit.passes.plan.partition import StageLimits
 from pipesplit.passes.plan.step_planner import Candidate, best_for_schedule, figures_for
 from pipesplit.schedules import Schedule
@@ -52,7 +54,8 @@ def best_with_checkpointing(
         plain = figures_for(chain, cand.starts, seconds, in_flight, memory, comm, device_kind, units, ())
         keep = needed(plain.memory, mem_cap)
         if keep != tried:  # a stage of the set that fits without: it need not pay the second forward
-            fig = figures_for(chain, cand.starts, seconds, in_flight, memory, comm, device_kind, units, keep)
+            fig = figures_for(chain, cand.starts, seconds, in_flight, memory, comm, device_kind, units, keep,
+                              split_stages(schedule))
             cand = Candidate(cand.starts, fig, step_time(schedule, fig), cand.cut_bytes)
         found.append((cand.step_s, len(keep), cand, ideal, keep))
         log.debug("checkpointing %s (of %s tried%s): step %.6g", sorted(keep), sorted(tried), ", quick" if quick else "",

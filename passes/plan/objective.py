@@ -208,6 +208,11 @@ def activation_units_per_stage(schedule: Schedule) -> list[float]:
     return peak
 
 
+def split_stages(schedule: Schedule) -> frozenset[int]:
+    """The stages whose backward ``schedule`` splits into an input-gradient (I) and a weight-gradient (W) action."""
+    return frozenset(a.stage for actions in schedule.actions for a in actions if a.kind is ActionKind.BACKWARD_WEIGHT)
+
+
 def step_time(schedule: Schedule, figures: StageFigures) -> float:
     """The simulated step time of ``schedule`` with these stage and cut costs."""
     comm: float | Sequence[float] = figures.comm if figures.comm else 0.0

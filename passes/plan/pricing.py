@@ -17,7 +17,8 @@ from pipesplit.passes.annotate.rates import device_rates, largest_matmul
 from pipesplit.passes.plan.chain import build_chain, compute_nodes
 from pipesplit.passes.plan.checkpointing import Checkpoint, check_checkpoint, describe, fixed_set, needed
 from pipesplit.passes.plan.objective import (
-    DEFAULT_FLOPS_PER_S, CommModel, MemoryModel, activation_units_per_stage, in_flight_per_stage, step_time,
+    DEFAULT_FLOPS_PER_S, CommModel, MemoryModel, activation_units_per_stage, in_flight_per_stage, split_stages,
+    step_time,
 )
 from pipesplit.passes.plan.planner import CostSpec, cost_function
 from pipesplit.passes.plan.step_planner import figures_for, node_seconds, step_lower_bound
@@ -49,7 +50,7 @@ def price_plan(
     if ckpt is None:
         plain = figures_for(chain, starts, seconds, in_flight, memory, comm, device_kind, units, ())
         ckpt = needed(plain.memory, max_stage_memory)
-    fig = figures_for(chain, starts, seconds, in_flight, memory, comm, device_kind, units, ckpt)
+    fig = figures_for(chain, starts, seconds, in_flight, memory, comm, device_kind, units, ckpt, split_stages(schedule))
     plan.schedule, plan.num_microbatches = schedule.name, schedule.num_microbatches
     plan.predicted_step_s = step_time(schedule, fig)
     plan.ideal_step_s = step_lower_bound(seconds, schedule, len(ckpt) == k)

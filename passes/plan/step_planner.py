@@ -23,7 +23,7 @@ from pipesplit.errors import PlanError
 from pipesplit.meta import node_cost
 from pipesplit.passes.plan.chain import Chain
 from pipesplit.passes.plan.objective import (
-    CommModel, MemoryModel, StageFigures, activation_units_per_stage, in_flight_per_stage, step_time,
+    CommModel, MemoryModel, StageFigures, activation_units_per_stage, in_flight_per_stage, split_stages, step_time,
 )
 from pipesplit.passes.plan.balance import Solve, rebalance
 from pipesplit.passes.plan.checkpointing import checkpoint_limits, recompute_scale
@@ -82,10 +82,17 @@ class Candidate:
 def figures_for(
     chain: Chain, starts: Sequence[int], seconds: np.ndarray, in_flight: Sequence[int],
     memory: MemoryModel, comm: CommModel, device_kind: str, units: Sequence[float] | None = None,
-    checkpoint: Collection[int] | None = None,
+    checkpoint: Collection[int] | None = None, split: Collection[int] = (),
 ) -> StageFigures:
     """Per-stage figures of the split at ``starts``; ``checkpoint``: the stages that recompute their
-    forward (default: every stage under ``MemoryModel(checkpoint=True)``, else none)."""
+    forward (default: every stage under ``MemoryModel(checkpoint=True)``, else none); ``split``: the
+    stages whose backward the schedule splits into I and W (:func:`split_stages`).
+
+    A checkpointed stage runs its forward again before its backward; where the backward is split,
+    the runtime's I recomputes the forward for the input gradients and its W recomputes it again
+    and walks the whole graph for the weight gradients (measured on a GPT's stages under zb_h1: I
+    = F + I, W = F + I + W of the plain stage; the first stage, whose inputs take no gradient,
+    does all of it in W)."""
     bounds = list(starts) + [chain.n]
     act = chain.act if chain.act is not None else np.zeros(chain.n, dtype=np.int64)
     if checkpoint is None:
@@ -95,8 +102,10 @@ def figures_for(
     for s, (a, b) in enumerate(zip(bounds, bounds[1:])):
         f, i, w = seconds[a:b].sum(axis=0)
         ck = s in checkpoint
-        # a checkpointed stage runs its forward again before its backward
-        costs.append(StageCost(float(f), float(i + f if ck else i), float(w)))
+        if ck and s in split:
+            costs.append(StageCost(float(f), float(f + i) if a > 0 else 0.0, float(f + i + w)))
+        else:  # a checkpointed stage runs its forward again before its backward
+            costs.append(StageCost(float(f), float(i + f if ck else i), float(w)))
         # chain.mem already counts trainable state x (1 + grad + optimizer): see plan_partition
         state = float((chain.mem[a:b] - act[a:b]).sum())
         state += sum(nbytes for nbytes, pos in chain.shared if any(a <= p < b for p in pos))
@@ -155,7 +164,7 @@ def best_for_schedule(
                 continue
     cands = []
     for st in dict.fromkeys(starts):
-        fig = figures_for(chain, st, seconds, in_flight, memory, comm, device_kind, units, ckpt)
+        fig = figures_for(chain, st, seconds, in_flight, memory, comm, device_kind, units, ckpt, split_stages(schedule))
         cands.append(Candidate(st, fig, step_time(schedule, fig), int(sum(chain.cut_bytes[list(st[1:])]))))
     return choose(cands), step_lower_bound(seconds, schedule, len(ckpt) == k)
 
