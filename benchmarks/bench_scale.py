@@ -39,7 +39,7 @@ from pipesplit.meta import node_module_paths  # noqa: E402
 from pipesplit.passes.annotate.rates import device_rates, largest_matmul  # noqa: E402
 from pipesplit.passes.plan.chain import build_chain, compute_nodes  # noqa: E402
 from pipesplit.passes.plan.objective import (  # noqa: E402
-    CommModel, MemoryModel, activation_units_per_stage, in_flight_per_stage, step_time,
+    CommModel, MemoryModel, activation_units_per_stage, in_flight_per_stage, split_stages, step_time,
 )
 from pipesplit.passes.plan.partial_checkpoint import find_blocks, shortest_heads  # noqa: E402
 from pipesplit.passes.plan.planner import cheap_to_recompute, cost_function  # noqa: E402
@@ -176,7 +176,8 @@ def expert_layouts(shape: Shape, chain: Any, seconds: Any, sched: Any, cap: int,
         choices.append(("first layers each stage needs", sorted(whole), heads))
         best = None
         for text, ckpt, heads in choices:
-            fig = figures_for(chain, starts, seconds, in_flight, shape.memory, CommModel(), "cpu", units, ckpt, heads)
+            fig = figures_for(chain, starts, seconds, in_flight, shape.memory, CommModel(), "cpu", units, ckpt, heads,
+                              split=split_stages(sched))
             if max(fig.memory) > cap:
                 continue
             step = step_time(sched, fig)

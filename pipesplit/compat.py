@@ -23,11 +23,12 @@ from torch.fx._lazy_graph_module import _LazyGraphModule as LazyGraphModule
 from torch.fx.experimental import symbolic_shapes
 from torch.fx.experimental.proxy_tensor import make_fx  # traces a stage's forward + backward (stage_graphs)
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
+from torch.utils._python_dispatch import TorchDispatchMode  # every op of a thread (bench/stage_memory: what a stage allocates)
 
 __all__ = [
     "TORCH_FLOOR", "TORCH_VERSION", "HigherOrderOperator", "LazyGraphModule", "OpOverload", "OpOverloadPacket",
     "EXPORTS_META_MODELS", "GROUP_NORM_WEIGHT_GRAD_ALONE_CRASHES", "data_dependent", "forward_hooks", "set_forward_hooks", "STATE_MUTATIONS", "TORCH_LOGGERS", "FAKE_TENSOR_LOGGER", "fake_mode",
-    "has_compatible_shallow_copy_type",
+    "has_compatible_shallow_copy_type", "TorchDispatchMode",
     "hint_at", "is_concrete_int", "make_fx", "one_process_checkpoint", "optimization_hint", "pytree", "torch_csv_send_waits",
 ]
 

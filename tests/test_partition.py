@@ -488,20 +488,27 @@ def checkpoint_problems(draw):
 @FAST
 @given(checkpoint_problems())
 def test_checkpointed_memory_limits_match_brute_force(problem):
-    """With checkpointing, stage s holds state + one microbatch's activations + its inputs
-    x in_flight[s]: not an interval of starts. The solver still finds the exact best."""
+    """With checkpointing, stage s holds state + one microbatch's activations with its backward's
+    working set + its inputs and outputs x in_flight[s]: not an interval of starts, nor of ends. A
+    stage may end at j when every end from its start to j fits (so any end the partition takes fits);
+    under that rule the solver still finds the exact best."""
+    from pipesplit.passes.plan.objective import BACKWARD_WORKING_SET
     from pipesplit.passes.plan.partition import StageLimits, checkpointed_memory_ends, solve_candidates
 
     chain, k, in_flight, cap = problem
     n = chain.n
 
     def held(s, a, b):
-        return stage_memory(chain, a, b) + in_flight[s] * int(chain.cut_bytes[a])
+        act = 0 if chain.act is None else BACKWARD_WORKING_SET * float(chain.act[a:b].sum())
+        return stage_memory(chain, a, b) + act + in_flight[s] * int(chain.cut_bytes[a] + chain.end_bytes()[b])
+
+    def fits(s, a, b):
+        return all(held(s, a, e) <= cap for e in range(a + 1, b + 1))
 
     feasible = []
     for cuts in itertools.combinations(range(1, n), k - 1):
         bounds = [0, *cuts, n]
-        if all(held(s, a, b) <= cap for s, (a, b) in enumerate(zip(bounds, bounds[1:]))):
+        if all(fits(s, a, b) for s, (a, b) in enumerate(zip(bounds, bounds[1:]))):
             bottleneck = max(float(chain.cost[a:b].sum()) for a, b in zip(bounds, bounds[1:]))
             feasible.append((bottleneck, int(sum(chain.cut_bytes[c] for c in cuts)), (0, *cuts)))
     limits = StageLimits(end_hi=checkpointed_memory_ends(chain, cap, in_flight))

@@ -16,7 +16,7 @@ from pipesplit.passes.plan.chain import build_chain, compute_nodes
 from pipesplit.passes.annotate.costs import annotate_costs
 from pipesplit.passes.annotate.rates import device_rates
 from pipesplit.passes.plan.objective import (
-    DEFAULT_FLOPS_PER_S, CommModel, MemoryModel, activation_units_per_stage, in_flight_per_stage, step_time,
+    BACKWARD_WORKING_SET, DEFAULT_FLOPS_PER_S, CommModel, MemoryModel, activation_units_per_stage, in_flight_per_stage, step_time,
 )
 from pipesplit.passes.plan.planner import cost_function, plan_partition
 from pipesplit.passes.plan.recompute import recomputable
@@ -109,9 +109,10 @@ def test_schedule_aware_plan_through_compile(gpt6):
 
 # ------------------------------------------------------------------------- memory
 def _independent_memory(gm, stages, in_flight, memory=MemoryModel()):
-    """Parameters x (1 + grad + Adam) + buffers, plus one microbatch's outputs x ``in_flight`` (the
-    activation units: microbatches in flight, a running backward, gradients kept for W); with
-    checkpointing, the stage's inputs x microbatches in flight plus one microbatch's outputs."""
+    """Parameters x (1 + grad + Adam) + buffers, plus one microbatch's new storage x ``in_flight`` (the
+    activation units: microbatches in flight, a running backward's working set, gradients kept for W);
+    with checkpointing, the stage's inputs and outputs x microbatches in flight plus one microbatch's
+    new storage with its backward's working set."""
     by_name = {n.name: n for n in compute_nodes(gm)}
     stage_of = {name: s for s, names in enumerate(stages) for name in names}
     out = []
@@ -121,10 +122,12 @@ def _independent_memory(gm, stages, in_flight, memory=MemoryModel()):
         for a in {a for n in nodes for a in n.all_input_nodes if a.op == "get_attr"}:
             c = node_cost(a)
             state[str(a.target)] = c.param_bytes * (memory.state_factor if c.trainable else 1)
-        act = sum(node_cost(n).out_bytes for n in nodes)
+        act = sum(node_cost(n).held_bytes for n in nodes)  # each storage once (views, in-place writes: none)
         if memory.checkpoint:
             received = {a for n in nodes for a in n.all_input_nodes if stage_of.get(a.name, s) < s}
-            out.append(sum(state.values()) + act + sum(node_cost(a).out_bytes for a in received) * in_flight[s])
+            handed_on = {n for n in nodes if any(stage_of.get(u.name, len(stages)) > s for u in n.users)}
+            kept = sum(node_cost(a).out_bytes for a in received | handed_on)  # per microbatch in flight
+            out.append(sum(state.values()) + act * (1 + BACKWARD_WORKING_SET) + kept * in_flight[s])
         else:
             out.append(sum(state.values()) + act * in_flight[s])
     return out
@@ -135,8 +138,8 @@ def test_memory_cap_counts_the_microbatches_1f1b_keeps_in_flight(wide):
     k = 4
     schedule = get_schedule("1f1b", num_stages=k, num_ranks=k, num_microbatches=8)
     assert in_flight_per_stage(schedule) == [4, 3, 2, 1]
-    in_flight = activation_units_per_stage(schedule)  # and one more for the backward running
-    assert in_flight == [5, 4, 3, 2]
+    in_flight = activation_units_per_stage(schedule)  # and half one more for the backward running
+    assert in_flight == [4.5, 3.5, 2.5, 1.5]
     free = plan_partition(gm, k, "flops", schedule=schedule, recompute="never")
     assert free.stage_memory == pytest.approx(_independent_memory(gm, free.stages, in_flight))
 
@@ -165,7 +168,9 @@ def test_checkpointing_plans_under_a_cap_that_no_split_meets_without_it(wide):
     an independent count gives, and the step pays the recomputed forward."""
     _, _, _, gm = wide
     k = 4
-    schedule = get_schedule("1f1b", num_stages=k, num_ranks=k, num_microbatches=8)
+    # gpipe: every stage holds all 8 microbatches. Under 1f1b this model's state outweighs what
+    # checkpointing saves once its outputs in flight and a backward's working set are counted
+    schedule = get_schedule("gpipe", num_stages=k, num_ranks=k, num_microbatches=8)
     in_flight = in_flight_per_stage(schedule)
     ck = MemoryModel(checkpoint=True)
     free = plan_partition(gm, k, "flops", schedule=schedule, recompute="never")

@@ -11,7 +11,9 @@ import numpy as np
 from pipesplit.errors import PlanError
 from pipesplit.passes.plan.chain import Chain
 from pipesplit.passes.plan.checkpointing import candidate_sets, needed
-from pipesplit.passes.plan.objective import CommModel, MemoryModel, activation_units_per_stage, in_flight_per_stage, step_time
+from pipesplit.passes.plan.objective import (
+    CommModel, MemoryModel, activation_units_per_stage, in_flight_per_stage, split_stages, step_time,
+)
 from pipesplit.passes.plan.partition import StageLimits
 from pipesplit.passes.plan.partial_checkpoint import asked_heads, find_blocks
 from pipesplit.passes.plan.partial_search import reweigh, with_shortest_heads
@@ -44,7 +46,8 @@ def best_with_checkpointing(
         cand, ideal = best_for_schedule(chain, seconds, schedule, checkpoint=frozenset(asked), **kw)  # type: ignore[arg-type]
         whole, heads = asked_heads(find_blocks(chain), cand.starts, chain.n, asked)
         in_flight, units = in_flight_per_stage(schedule), activation_units_per_stage(schedule)
-        fig = figures_for(chain, cand.starts, seconds, in_flight, memory, comm, device_kind, units, whole, heads)
+        fig = figures_for(chain, cand.starts, seconds, in_flight, memory, comm, device_kind, units, whole, heads,
+                          split=split_stages(schedule))
         return Candidate(cand.starts, fig, step_time(schedule, fig), cand.cut_bytes, heads, whole), ideal, whole
     if checkpoint is not None or mem_cap is None:
         chosen = checkpoint if checkpoint is not None else frozenset()
@@ -67,7 +70,8 @@ def best_with_checkpointing(
         plain = figures_for(chain, cand.starts, seconds, in_flight, memory, comm, device_kind, units, ())
         keep = needed(plain.memory, mem_cap)
         if keep != tried:  # a stage of the set that fits without: it need not pay the second forward
-            fig = figures_for(chain, cand.starts, seconds, in_flight, memory, comm, device_kind, units, keep)
+            fig = figures_for(chain, cand.starts, seconds, in_flight, memory, comm, device_kind, units, keep,
+                              split=split_stages(schedule))
             cand = Candidate(cand.starts, fig, step_time(schedule, fig), cand.cut_bytes)
         found.append((cand.step_s, len(keep), cand, ideal, keep))
         shorten(cand)

@@ -1,6 +1,6 @@
 """Activation checkpointing as a planner decision: which stages recompute their forward, chosen with the cuts.
 
-A checkpointed stage keeps only its inputs for each microbatch in flight (plus one
+A checkpointed stage keeps only its inputs and outputs for each microbatch in flight (plus one
 microbatch's activations while it recomputes) and pays a second forward before each
 backward. Under most schedules the stages hold different numbers of microbatches
 (``1f1b``: stage ``s`` of ``p`` holds ``p - s``), so the stages that need it are the ones
@@ -61,7 +61,7 @@ def fixed_set(value: Checkpoint, num_stages: int, all_of_them: bool = False) -> 
     return frozenset(value)
 
 
-def candidate_sets(units: Sequence[int]) -> list[frozenset[int]]:
+def candidate_sets(units: Sequence[float]) -> list[frozenset[int]]:
     """No stage, then the ``j`` stages holding the most microbatches (earlier first among equals), up to all."""
     order = sorted(range(len(units)), key=lambda s: (-units[s], s))
     return [frozenset(order[:j]) for j in range(len(units) + 1)]
@@ -82,7 +82,7 @@ def recompute_scale(seconds: np.ndarray) -> float:
 
 
 def checkpoint_limits(
-    chain: Chain, cap: int | None, in_flight: Sequence[int], units: Sequence[int], ckpt: frozenset[int],
+    chain: Chain, cap: int | None, in_flight: Sequence[int], units: Sequence[float], ckpt: frozenset[int],
     start_lo: np.ndarray | None, start_hi: np.ndarray | None, scale: float,
 ) -> StageLimits:
     """Per-stage limits when the stages in ``ckpt`` are checkpointed: a plain stage holds all its

@@ -32,7 +32,7 @@ from pipesplit.passes.annotate.rates import DeviceRates
 from pipesplit.passes.plan.chain import Chain, build_chain, compute_nodes
 from pipesplit.passes.plan.checkpoint_search import best_with_checkpointing
 from pipesplit.passes.plan.objective import (
-    CommModel, MemoryModel, StageFigures, activation_units_per_stage, in_flight_per_stage, step_time,
+    CommModel, MemoryModel, StageFigures, activation_units_per_stage, in_flight_per_stage, split_stages, step_time,
 )
 from pipesplit.passes.plan.partition import StageLimits
 from pipesplit.passes.plan.step_planner import (
@@ -186,7 +186,8 @@ def best_over_lengths(
         raise errors[-1]
     scored: list[tuple[Candidate, list[float]]] = []
     for st in dict.fromkeys(starts):
-        figs = [figures_for(at.chain, st, at.seconds, in_flight, memory, comm, device_kind, units, checkpoint)
+        figs = [figures_for(at.chain, st, at.seconds, in_flight, memory, comm, device_kind, units, checkpoint,
+                            split=split_stages(schedule))
                 for at in per]
         peak = [max(f.memory[s] for f in figs) for s in range(len(st))]
         if mem_cap is not None and max(peak) > mem_cap:
@@ -263,6 +264,7 @@ def steps_over_lengths(
         with costs_at(gm, mix, length):
             chain = build_chain(gm, fn, state_factor=factor, recompute=recompute, order=nodes)
             seconds = node_seconds(nodes, "flops", fn, flops_per_s, rates)
-        fig = figures_for(chain, starts, seconds, in_flight, memory, comm, device_kind, units, checkpoint)
+        fig = figures_for(chain, starts, seconds, in_flight, memory, comm, device_kind, units, checkpoint,
+                          split=split_stages(schedule))
         steps.append(step_time(schedule, fig))
     return steps

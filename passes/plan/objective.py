@@ -49,6 +49,13 @@ class CommModel:
         return messages * lat + nbytes / bw
 
 
+# A running backward's working set, in one microbatch's activations: the gradients it makes while it
+# frees the activations it has used (and a checkpointed stage's the same, over the one microbatch it
+# recomputes). Measured on a GPT's stages (benchmarks/bench_memory.py, every storage counted): 0.1-0.45
+# over the activations in flight for plain stages, 0.4-0.6 over the recomputed microbatch for
+# checkpointed ones; a whole microbatch more (the figure before) put plain stages 14-22% over.
+BACKWARD_WORKING_SET = 0.5
+
 # Optimizer state per parameter, in moments (tensors the size of the parameter): SGD keeps none, SGD
 # with momentum one, Adam/AdamW two; Adafactor factors its second moment into a row and a column
 # (a few bytes per matrix row, counted as none) and keeps no first moment by default.
@@ -60,11 +67,12 @@ class MemoryModel:
     """Bytes a stage holds during training.
 
     parameters x (1 + grad_factor + optimizer_factor) + activations of one microbatch x
-    the microbatches the schedule keeps in flight on that stage, one more for a running
-    backward's gradients, and with a split backward one more per microbatch between its I
-    and its W (:func:`activation_units_per_stage`). With checkpointing, only the stage
-    inputs of in-flight microbatches are kept, plus one microbatch's full activations
-    during its recompute.
+    the microbatches the schedule keeps in flight on that stage, half one more for a running
+    backward's working set (``BACKWARD_WORKING_SET``), and with a split backward one more per
+    microbatch between its I and its W (:func:`activation_units_per_stage`). A microbatch's
+    activations count each storage once (a node's ``held_bytes``). With checkpointing, only the
+    stage inputs and outputs of in-flight microbatches are kept, plus one microbatch's full
+    activations during its recompute and its backward's working set.
 
     ``optimizer`` names the optimizer instead of ``optimizer_factor`` (``"sgd"``,
     ``"momentum"``, ``"adam"``, ``"adamw"``, ``"adafactor"``); ``master_weights`` is mixed
@@ -118,23 +126,25 @@ class MemoryModel:
         return lambda itemsize: 1.0 + self.grad_factor
 
     def stage_bytes(self, param_bytes: float, act_bytes: float, input_bytes: float, in_flight: int,
-                    units: int | None = None) -> float:
+                    units: float | None = None) -> float:
         return self.held_bytes(param_bytes * self.state_factor, act_bytes, input_bytes, in_flight, units)
 
     def held_bytes(self, state_bytes: float, act_bytes: float, input_bytes: float, in_flight: int,
-                   units: int | None = None, checkpointed: bool | None = None) -> float:
+                   units: float | None = None, checkpointed: bool | None = None) -> float:
         """Like :meth:`stage_bytes` with ``state_bytes`` already counting gradients and optimizer state.
 
         ``units``: one microbatch's activations' worth of memory the stage holds at its peak
         (:func:`activation_units_per_stage`); ``in_flight`` when not given. ``checkpointed``:
-        whether this stage recomputes its forward (default ``self.checkpoint``).
+        whether this stage recomputes its forward (default ``self.checkpoint``); then
+        ``input_bytes`` is what it keeps of each microbatch in flight: its inputs, to recompute
+        from, and its outputs, which its backward starts from.
         """
-        if self.checkpoint if checkpointed is None else checkpointed:
-            return state_bytes + input_bytes * in_flight + act_bytes
+        if self.checkpoint if checkpointed is None else checkpointed:  # one microbatch recomputed, and its backward
+            return state_bytes + input_bytes * in_flight + act_bytes * (1 + BACKWARD_WORKING_SET)
         return state_bytes + act_bytes * (in_flight if units is None else units)
 
     def partial_bytes(self, state_bytes: float, head_bytes: float, tail_bytes: float, input_bytes: float,
-                      in_flight: int, units: int | None = None) -> float:
+                      in_flight: int, units: float | None = None) -> float:
         """A stage recomputing only its first blocks: its inputs per microbatch in flight, the tail's
         activations (with what crosses into it) per unit, the head's for one microbatch while it recomputes."""
         return state_bytes + input_bytes * in_flight + tail_bytes * (in_flight if units is None else units) + head_bytes
@@ -169,20 +179,22 @@ def in_flight_per_stage(schedule: Schedule) -> list[int]:
     return peak
 
 
-def activation_units_per_stage(schedule: Schedule) -> list[int]:
+def activation_units_per_stage(schedule: Schedule) -> list[float]:
     """The most memory a stage holds at once for its activations, in one microbatch's activations.
 
     The microbatches in flight (:func:`in_flight_per_stage`), plus, while a backward (B or
-    I) runs, its gradient buffers (one more), plus, with a split backward, the gradients kept
-    at the weight-consuming operations from a microbatch's I until its W (at most one more
-    per such microbatch). Measured against a real step in ``tests/memory_check.py``.
+    I) runs, its working set (``BACKWARD_WORKING_SET`` of a microbatch: the gradients it makes
+    as it frees what it has used), plus, with a split backward, the gradients kept at the
+    weight-consuming operations from a microbatch's I until its W (at most one more per such
+    microbatch). Measured against a real step in ``tests/memory_check.py`` and
+    ``benchmarks/bench_memory.py``.
 
     >>> from pipesplit.schedules import get_schedule
     >>> one_f_one_b = get_schedule("1f1b", num_stages=4, num_microbatches=8)
     >>> in_flight_per_stage(one_f_one_b), activation_units_per_stage(one_f_one_b)
-    ([4, 3, 2, 1], [5, 4, 3, 2])
+    ([4, 3, 2, 1], [4.5, 3.5, 2.5, 1.5])
     """
-    peak = [0] * schedule.num_stages
+    peak = [0.0] * schedule.num_stages
     for actions in schedule.actions:
         held, waiting = [0] * schedule.num_stages, [0] * schedule.num_stages  # waiting: I ran, W not yet
         for a in actions:
@@ -191,7 +203,7 @@ def activation_units_per_stage(schedule: Schedule) -> list[int]:
                 held[s] += 1
                 peak[s] = max(peak[s], held[s] + waiting[s])
             elif a.kind in (ActionKind.FULL_BACKWARD, ActionKind.BACKWARD_INPUT):
-                peak[s] = max(peak[s], held[s] + waiting[s] + 1)
+                peak[s] = max(peak[s], held[s] + waiting[s] + BACKWARD_WORKING_SET)
                 if a.kind is ActionKind.FULL_BACKWARD:
                     held[s] -= 1
                 else:
@@ -200,6 +212,11 @@ def activation_units_per_stage(schedule: Schedule) -> list[int]:
                 held[s] -= 1
                 waiting[s] = max(waiting[s] - 1, 0)
     return peak
+
+
+def split_stages(schedule: Schedule) -> frozenset[int]:
+    """The stages whose backward ``schedule`` splits into an input-gradient (I) and a weight-gradient (W) action."""
+    return frozenset(a.stage for actions in schedule.actions for a in actions if a.kind is ActionKind.BACKWARD_WEIGHT)
 
 
 def step_time(schedule: Schedule, figures: StageFigures) -> float:

@@ -100,7 +100,7 @@ def _block_of(node: fx.Node, prefix: str) -> int:
 
 
 def head_bytes(chain: Chain, blocks: Blocks, memory: MemoryModel, state: float, a: int, b: int, h: int,
-               in_flight: int, units: int | None) -> float:
+               in_flight: int, units: float | None) -> float:
     """Bytes stage ``[a, b)`` holds recomputing its head ``[a, h)`` (see the module's docstring)."""
     head = float(blocks.act_sum[h] - blocks.act_sum[a])
     tail = float(blocks.act_sum[b] - blocks.act_sum[h]) + float(chain.cut_bytes[h])
@@ -110,7 +110,7 @@ def head_bytes(chain: Chain, blocks: Blocks, memory: MemoryModel, state: float, 
 
 def shortest_heads(
     chain: Chain, blocks: Blocks, memory: MemoryModel, starts: Sequence[int], plain: Sequence[float],
-    states: Sequence[float], in_flight: Sequence[int], units: Sequence[int], cap: int,
+    states: Sequence[float], in_flight: Sequence[int], units: Sequence[float], cap: int,
 ) -> tuple[frozenset[int], dict[int, int]]:
     """For each stage over ``cap`` without checkpointing, the shortest head that fits (its end position),
     or the whole stage (in the set) where no head short of it fits."""

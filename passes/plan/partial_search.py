@@ -12,7 +12,7 @@ import numpy as np
 
 from pipesplit.passes.plan.chain import Chain
 from pipesplit.passes.plan.objective import (
-    CommModel, MemoryModel, activation_units_per_stage, in_flight_per_stage, step_time,
+    CommModel, MemoryModel, activation_units_per_stage, in_flight_per_stage, split_stages, step_time,
 )
 from pipesplit.passes.plan.partial_checkpoint import Blocks, shortest_heads
 from pipesplit.passes.plan.partition import StageLimits, solve_candidates
@@ -33,7 +33,8 @@ def with_shortest_heads(
     bounds = list(starts) + [chain.n]
     states = [stage_state(chain, act, a, b) for a, b in zip(bounds, bounds[1:])]
     whole, heads = shortest_heads(chain, blocks, memory, starts, plain.memory, states, in_flight, units, cap)
-    fig = figures_for(chain, starts, seconds, in_flight, memory, comm, device_kind, units, whole, heads)
+    fig = figures_for(chain, starts, seconds, in_flight, memory, comm, device_kind, units, whole, heads,
+                      split=split_stages(schedule))
     if max(fig.memory) > cap:
         return None
     return Candidate(tuple(starts), fig, step_time(schedule, fig), int(chain.cut_bytes[list(starts[1:])].sum()),

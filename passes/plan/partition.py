@@ -291,11 +291,11 @@ class StageLimits:
     cost_scale: tuple[float, ...] | None = None
 
 
-def stage_memory_limits(chain: Chain, cap: int, in_flight: Sequence[int]) -> tuple[np.ndarray, ...]:
+def stage_memory_limits(chain: Chain, cap: int, in_flight: Sequence[float]) -> tuple[np.ndarray, ...]:
     """Per-stage memory windows when stage ``s`` holds ``in_flight[s]`` microbatches of activations."""
     act = chain.act if chain.act is not None else np.zeros(chain.n, dtype=np.int64)
     state = chain.mem - act
-    cache: dict[int, np.ndarray] = {}
+    cache: dict[float, np.ndarray] = {}
     for k in in_flight:
         if k not in cache:
             cache[k] = _memory_starts(chain, cap, state + max(k, 1) * act)

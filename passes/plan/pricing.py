@@ -17,7 +17,8 @@ from pipesplit.passes.annotate.rates import device_rates, largest_matmul
 from pipesplit.passes.plan.chain import build_chain, compute_nodes
 from pipesplit.passes.plan.checkpointing import Checkpoint, check_checkpoint, describe, fixed_set
 from pipesplit.passes.plan.objective import (
-    DEFAULT_FLOPS_PER_S, CommModel, MemoryModel, activation_units_per_stage, in_flight_per_stage, step_time,
+    DEFAULT_FLOPS_PER_S, CommModel, MemoryModel, activation_units_per_stage, in_flight_per_stage, split_stages,
+    step_time,
 )
 from pipesplit.passes.plan.planner import CostSpec, cost_function
 from pipesplit.passes.plan.partial_checkpoint import asked_heads, find_blocks, plan_fields, shortest_heads
@@ -63,7 +64,8 @@ def price_plan(
                                      max_stage_memory)
     if ckpt is None:
         ckpt = frozenset()
-    fig = figures_for(chain, starts, seconds, in_flight, memory, comm, device_kind, units, ckpt, heads)
+    fig = figures_for(chain, starts, seconds, in_flight, memory, comm, device_kind, units, ckpt, heads,
+                      split=split_stages(schedule))
     plan.schedule, plan.num_microbatches = schedule.name, schedule.num_microbatches
     plan.predicted_step_s = step_time(schedule, fig)
     plan.ideal_step_s = step_lower_bound(seconds, schedule, len(ckpt) == k)

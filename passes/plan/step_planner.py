@@ -23,7 +23,7 @@ from pipesplit.errors import PlanError
 from pipesplit.meta import node_cost
 from pipesplit.passes.plan.chain import Chain
 from pipesplit.passes.plan.objective import (
-    CommModel, MemoryModel, StageFigures, activation_units_per_stage, in_flight_per_stage, step_time,
+    CommModel, MemoryModel, StageFigures, activation_units_per_stage, in_flight_per_stage, split_stages, step_time,
 )
 from pipesplit.passes.plan.balance import Solve, rebalance
 from pipesplit.passes.plan.checkpointing import checkpoint_limits, recompute_scale
@@ -83,24 +83,37 @@ class Candidate:
 
 def figures_for(
     chain: Chain, starts: Sequence[int], seconds: np.ndarray, in_flight: Sequence[int],
-    memory: MemoryModel, comm: CommModel, device_kind: str, units: Sequence[int] | None = None,
-    checkpoint: Collection[int] | None = None, heads: Mapping[int, int] | None = None,
+    memory: MemoryModel, comm: CommModel, device_kind: str, units: Sequence[float] | None = None,
+    checkpoint: Collection[int] | None = None, heads: Mapping[int, int] | None = None, split: Collection[int] = (),
 ) -> StageFigures:
     """Per-stage figures of the split at ``starts``; ``checkpoint``: the stages that recompute their
     forward (default: every stage under ``MemoryModel(checkpoint=True)``, else none); ``heads``: stage ->
-    the chain position where the part it recomputes ends (:mod:`pipesplit.passes.plan.partial_checkpoint`)."""
+    the chain position where the part it recomputes ends (:mod:`pipesplit.passes.plan.partial_checkpoint`);
+    ``split``: the stages whose backward the schedule splits into I and W (:func:`split_stages`).
+
+    A checkpointed stage runs its forward again before its backward; where the backward is split,
+    the runtime's I recomputes the forward for the input gradients and its W recomputes it again
+    and walks the whole graph for the weight gradients (measured on a GPT's stages under zb_h1: I
+    = F + I, W = F + I + W of the plain stage; the first stage, whose inputs take no gradient,
+    does all of it in W). A stage recomputing its head under a split backward is charged the head's
+    forward in I and again in W (not measured: taken as the whole stage's rule, conservatively)."""
     bounds = list(starts) + [chain.n]
     act = chain.act if chain.act is not None else np.zeros(chain.n, dtype=np.int64)
     if checkpoint is None:
         checkpoint = range(len(starts)) if memory.checkpoint else ()
     costs, mem = [], []
+    ends = chain.end_bytes()
     for s, (a, b) in enumerate(zip(bounds, bounds[1:])):
         f, i, w = seconds[a:b].sum(axis=0)
         ck = s in checkpoint
         h = heads.get(s) if heads else None
-        # a checkpointed stage runs its forward (or its head's) again before its backward
-        redo = f if ck else 0.0 if h is None else seconds[a:h, 0].sum()
-        costs.append(StageCost(float(f), float(i + redo), float(w)))
+        if ck and s in split:
+            costs.append(StageCost(float(f), float(f + i) if a > 0 else 0.0, float(f + i + w)))
+        elif h is not None and not ck:  # its head's forward again before its backward (twice if split)
+            redo = float(seconds[a:h, 0].sum())
+            costs.append(StageCost(float(f), float(i + redo), float(w + redo if s in split else w)))
+        else:  # a checkpointed stage runs its forward again before its backward
+            costs.append(StageCost(float(f), float(i + f if ck else i), float(w)))
         # chain.mem already counts trainable state x (1 + grad + optimizer): see plan_partition
         state = stage_state(chain, act, a, b)
         inputs = float(chain.cut_bytes[a]) if a > 0 else 0.0
@@ -109,6 +122,8 @@ def figures_for(
             mem.append(memory.partial_bytes(state, float(act[a:h].sum()), tail, inputs, in_flight[s],
                                             None if units is None else units[s]))
             continue
+        if ck:  # it keeps its outputs of each microbatch in flight too: its backward starts from them
+            inputs += float(ends[b])
         mem.append(memory.held_bytes(state, float(act[a:b].sum()), inputs, in_flight[s],
                                      None if units is None else units[s], checkpointed=ck))
     comm_s = [comm.seconds(float(chain.cut_bytes[c]), device_kind, device_kind) for c in starts[1:]]
@@ -179,7 +194,8 @@ def schedule_candidates(
                 continue
     cands = []
     for st in dict.fromkeys(starts):
-        fig = figures_for(chain, st, seconds, in_flight, memory, comm, device_kind, units, ckpt)
+        fig = figures_for(chain, st, seconds, in_flight, memory, comm, device_kind, units, ckpt,
+                          split=split_stages(schedule))
         cands.append(Candidate(st, fig, step_time(schedule, fig), int(sum(chain.cut_bytes[list(st[1:])]))))
     return cands
 
@@ -204,7 +220,7 @@ def choose(cands: Sequence[Candidate]) -> Candidate:
 
 
 def _side_solver(
-    chain: Chain, limits: StageLimits, mem_cap: int | None, in_flight: Sequence[int], units: Sequence[int],
+    chain: Chain, limits: StageLimits, mem_cap: int | None, in_flight: Sequence[int], units: Sequence[float],
     ckpt: frozenset[int], scale: float, slack: float,
 ) -> Solve:
     """``rebalance``'s solver under the plan's limits: pins shifted to the side, memory per stage in flight."""
@@ -225,7 +241,7 @@ def _side_solver(
 
 def _memory_message(
     chain: Chain, schedule: Schedule, in_flight: Sequence[int], cap: int, limits: StageLimits, checkpoint: bool = False,
-    units: Sequence[int] | None = None,
+    units: Sequence[float] | None = None,
 ) -> str:
     act = chain.act if chain.act is not None else np.zeros(chain.n, dtype=np.int64)
     state = int((chain.mem - act).sum()) + sum(nbytes for nbytes, _ in chain.shared)
@@ -246,9 +262,9 @@ def _memory_message(
         )
     return (
         f"{head}: the stages keep {list(in_flight)} microbatches of activations in flight, and with a running "
-        f"backward's gradients hold {list(units)} microbatches' worth at their peak; the model's training "
+        f"backward's working set hold {list(units)} microbatches' worth at their peak; the model's training "
         f"state (parameters, gradients, optimizer) is {state:,} bytes and one microbatch's activations {one:,} "
-        f"bytes, so some stage holds at least {(state + one * min(units)) // schedule.num_stages:,} bytes; "
+        f"bytes, so some stage holds at least {int(state + one * min(units)) // schedule.num_stages:,} bytes; "
         f"{largest}. Use more stages, fewer microbatches in flight (a schedule that holds fewer, or smaller "
         "microbatches), activation checkpointing, or a larger max_stage_memory."
     )
