@@ -63,7 +63,8 @@ def checkpointed_memory_ends(chain: Chain, cap: int, in_flight: Sequence[float])
             best = np.where(ok, np.maximum(best, run), best)
             if t < len(chain.shared):
                 lo = np.maximum(lo, thresholds[t][i] + 1)
-        return best + base
+        result: np.ndarray = best + base
+        return result
 
     cache: dict[float, np.ndarray] = {}
     for k in in_flight:
