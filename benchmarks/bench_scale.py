@@ -232,6 +232,11 @@ def checkpoint_text(plan: pipesplit.Plan) -> str:
     return " + ".join(parts)
 
 
+def step_text(seconds: float) -> str:
+    """A predicted step in seconds, never in scientific notation (``10340``, ``0.0123``)."""
+    return f"{seconds:.0f}" if seconds >= 100 else f"{seconds:.3g}"
+
+
 def fmt_layout(counts: list[int]) -> str:
     return "/".join(map(str, counts))
 
@@ -275,11 +280,11 @@ def main(argv: list[str] | None = None) -> int:
         unit = GiB if not a.smoke else 2**20
         mem = "GiB" if not a.smoke else "MiB"
         rows.append([shape.name, shape.stages, "pipesplit", fmt_layout(ours["layout"]) + " nodes",
-                     str(ours["checkpoint"]), f"{ours['step']:.4g}", f"{ratio:.3f}",
+                     str(ours["checkpoint"]), step_text(ours['step']), f"{ratio:.3f}",
                      f"{ours['memory'] / unit:.1f} / {cap / unit:.1f} {mem}", f"{ours['compile_s']:.1f}"])
         only = ours["stages_only"]
         rows.append([shape.name, shape.stages, "pipesplit, whole stages only", fmt_layout(only["layout"]) + " nodes",
-                     only["checkpoint"], f"{only['step']:.4g}", f"{ours['step'] / only['step']:.3f}",
+                     only["checkpoint"], step_text(only['step']), f"{ours['step'] / only['step']:.3f}",
                      f"{only['memory'] / unit:.1f} / {cap / unit:.1f} {mem}", ""])
         for label, e in [("best expert", best), ("even expert", even)]:
             if e is None:
@@ -287,11 +292,11 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             fits = e["memory"] is not None
             rows.append([shape.name, shape.stages, f"{label} ({e['name']})", fmt_layout(e["layout"]) + " layers",
-                         str(e["checkpoint"]) if fits else "none fits", f"{e['step']:.4g}" if fits else "-",
+                         str(e["checkpoint"]) if fits else "none fits", step_text(e['step']) if fits else "-",
                          f"{ours['step'] / e['step']:.3f}" if fits else "-",
                          f"{e['memory'] / unit:.1f} / {cap / unit:.1f} {mem}" if fits else "-", ""])
         rows.append([shape.name, shape.stages, f"({len(experts)} expert layouts; pipesplit re-priced as a saved plan: "
-                     f"{got['ours']['repriced']:.4g})", "", "", "", "", "", ""])
+                     f"{step_text(got['ours']['repriced'])})", "", "", "", "", "", ""])
         for row in rows[-5:-1]:  # as each shape completes (a long run)
             print("row:", " | ".join(map(str, row)), flush=True)
     print()
