@@ -140,10 +140,11 @@ MUTANTS: list[Mutant] = [
     Mutant("M16", "compiled", "history 1d0ed6f: F/I/W graphs give a weight the outputs do not reach a zero gradient",
            "pipesplit/runtime/graphs/stage_parts.py",
            (("            reached[:] = [g is not None for g in got]\n"
-             "        return [*(o.detach() for o in got_outs), *(g for g in got if g is not None)]",
+             "        return [*(o.detach() if isinstance(o, torch.Tensor) else o for o in got_outs), "
+             "*(g for g in got if g is not None)]",
              "            got = [torch.zeros_like(w) if g is None else g for g, w in zip(got, wanted)]\n"
              "            reached[:] = [True for g in got]\n"
-             "        return [*(o.detach() for o in got_outs), *got]"),),
+             "        return [*(o.detach() if isinstance(o, torch.Tensor) else o for o in got_outs), *got]"),),
            ({"layers": [L("linear", 0, flag=True), L("detached", 1, arg=0, flag=True), L("act", 2)]},
             {"schedule": "zb_h1", "compile": True, "opt": "adamw", "stages": 2, "m": 2})),
     Mutant("M17", "checkpointing", "new: a checkpointed stage that writes its input in place recomputes from the written "
