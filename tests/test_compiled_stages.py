@@ -210,6 +210,31 @@ def test_a_weight_the_outputs_do_not_reach_keeps_no_gradient_under_compiled_grap
     assert torch.equal(held["unused.weight"].detach(), before)
 
 
+def test_a_weight_read_only_into_a_detached_value_keeps_no_gradient_under_compiled_graphs():
+    """Found by the one-hour fuzz run (seed 2712, case 129): ``x + lin(h).detach()`` gives ``lin`` no
+    gradient in plain PyTorch (None), but the check for weights the outputs do not reach looked through
+    the detach, so the stage compiled and its weight got zeros (an optimizer then steps it). A gradient
+    does not flow back through a detach: the stage runs eager, and says so."""
+
+    class Detached(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.side, self.used = torch.nn.Linear(8, 8, bias=False), torch.nn.Linear(8, 8, bias=False)
+
+        def forward(self, x):
+            return self.used(x) + self.side(x).detach()
+
+    torch.manual_seed(0)
+    model = Detached()
+    prog = pipesplit.compile(model, torch.randn(2, 8), num_stages=1, progress=False)
+    pipe = pipesplit.Pipeline(prog, "zb_h1", num_microbatches=1, loss_fn=dot_loss, loss_reduction="sum",
+                              num_ranks=1, compile=AOT)
+    with pytest.warns(UserWarning, match="'side.weight' does not reach its outputs"):
+        pipe.step(torch.randn(2, 8), target=torch.randn(2, 8))
+    held = dict(pipe.named_parameters())
+    assert held["side.weight"].grad is None and held["used.weight"].grad is not None
+
+
 def test_autocast_turned_on_later_runs_the_split_eager_under_it():
     """Graphs traced without autocast must not run under it (they would compute in float32 where the
     model computes in bfloat16): a step under autocast after plain steps runs the split eager, as the

@@ -36,7 +36,8 @@ def compile_blocker(module: torch.nn.Module, live: Sequence[int] | None = None) 
             if why is not None:
                 return why
     results = list(next(n for n in module.graph.nodes if n.op == "output").args[0])
-    reached = ancestors([r for i, r in enumerate(results) if live is None or i in live])
+    # a gradient does not flow back through a detach: what only a detached value reads gets none
+    reached = ancestors([r for i, r in enumerate(results) if live is None or i in live], stop=DETACH_OPS)
     params = {name for name, _ in module.named_parameters()}
     dead = [str(n.target) for n in module.graph.nodes if n.op == "get_attr" and str(n.target) in params
             and n not in reached]
@@ -69,14 +70,20 @@ def unsupported(module: torch.nn.Module, params: Sequence[torch.Tensor], checkpo
     return None
 
 
-def ancestors(roots: Sequence[Any]) -> set[fx.Node]:
+DETACH_OPS = frozenset({torch.ops.aten.detach.default})
+
+
+def ancestors(roots: Sequence[Any], stop: frozenset[Any] = frozenset()) -> set[fx.Node]:
+    """The nodes ``roots`` are computed from (``roots`` included), not looking past a node whose
+    target is in ``stop``."""
     seen: set[fx.Node] = set()
     stack = [r for r in roots if isinstance(r, fx.Node)]
     while stack:
         n = stack.pop()
         if n not in seen:
             seen.add(n)
-            stack.extend(n.all_input_nodes)
+            if not (n.op == "call_function" and n.target in stop):
+                stack.extend(n.all_input_nodes)
     return seen
 
 
