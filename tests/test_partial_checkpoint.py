@@ -167,3 +167,35 @@ def test_a_recomputed_head_that_updates_batchnorm_stats_is_refused():
     with pytest.raises(PipesplitError, match="stage 0 recomputes its first .* update buffers in place"):
         pipesplit.Pipeline(prog, "1f1b", num_microbatches=2, loss_fn=_mse)
     pipesplit.Pipeline(prog, "1f1b", num_microbatches=2, loss_fn=_mse, checkpoint=False)  # the way out it names
+
+
+class _Norms(nn.Module):
+    """The fuzz case's model: a dead branch and two GroupNorms over transposed rows."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1 = nn.GroupNorm(2, 8, affine=False)
+        self.a2, self.b2 = nn.Parameter(torch.randn(8) * 0.5), nn.Parameter(torch.randn(8) * 0.5)
+        self.l4 = nn.GroupNorm(2, 8, affine=True)
+
+    def forward(self, x):
+        v1 = self.l1(x.transpose(1, 2)).transpose(1, 2)
+        v1 * (self.a2 + self.b2) + self.b2  # noqa: B018 (dead: export drops it)
+        return self.l4((x * 0.5).transpose(1, 2)).transpose(1, 2)
+
+
+def test_a_partly_checkpointed_stage_survives_a_new_batch_size():
+    """Found by the one-hour fuzz run (seed 2712, case 306): the re-capture at a new batch size names the
+    stages' nodes afresh, and a head named by the old graph's nodes was refused ("none of which its graph
+    has now"). The head carries over to the new capture; the step equals gradient accumulation."""
+    torch.manual_seed(0)
+    model = _Norms().double()
+    prog = pipesplit.compile(model, torch.randn(2, 4, 8, dtype=torch.float64), num_stages=4, cost="uniform",
+                             checkpoint={0: 1, 2: 1, 3: 1}, progress=False)
+    pipe = pipesplit.Pipeline(prog, "zb_h1", num_microbatches=1, loss_fn=dot_loss, loss_reduction="sum")
+    x, y = torch.randn(1, 4, 8, dtype=torch.float64), torch.randn(1, 4, 8, dtype=torch.float64)
+    loss = pipe.step(x, target=y)  # a batch of 1, captured at 2: a re-capture
+    want = dot_loss(model(x), y)
+    want.backward()
+    assert_close(loss, want.detach(), name="loss")
+    assert_grads_close(prog.named_parameters(), model)

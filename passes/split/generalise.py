@@ -234,6 +234,19 @@ def carry_stages(
     return [[n.name for n in compute if stage[n] == s] for s in range(len(old_stages))], renamed
 
 
+def carry_heads(old_stages: list[list[str]], new_stages: list[list[str]], renamed: dict[str, str],
+                heads: dict[int, int]) -> dict[int, int]:
+    """``Plan.checkpoint_partial`` (stage -> how many of its first nodes recompute) on the new capture's
+    stages: the head ends where its last node that the new graph has ends (sizes the new graph reads
+    may sit inside it); a head none of whose nodes the new graph has recomputes its stage's first node."""
+    out = {}
+    for s, n in heads.items():
+        at = {name: i for i, name in enumerate(new_stages[s])}
+        ends = [at[renamed[name]] for name in old_stages[s][:n] if renamed.get(name) in at]
+        out[s] = min(max(ends, default=0) + 1, len(new_stages[s]))
+    return out
+
+
 def carry_times(old_gm: fx.GraphModule, new_gm: fx.GraphModule, renamed: dict[str, str]) -> int:
     """Copy the profiled (or calibrated) times of ``old_gm``'s nodes onto their matches in
     ``new_gm``, whose costs were just annotated from scratch; returns how many were carried.
@@ -332,7 +345,9 @@ def _swap_in_dynamic_capture(prog: "SplitProgram", why: str, every_dim: bool, le
     keep = recomputable(gm, captured.mutated_targets)
     recompute = [renamed[r] for r in prog.plan.recompute if renamed.get(r) in keep]
     plan = dataclasses.replace(prog.plan, stages=stages, recompute=recompute,
-                               capture="every_dim" if captured.every_dim else "dynamic")
+                               capture="every_dim" if captured.every_dim else "dynamic",
+                               checkpoint_partial=carry_heads(prog.plan.stages, stages, renamed,
+                                                              prog.plan.checkpoint_partial))
     split = split_graph(gm, stages, [str(s.device) for s in prog.stages], recompute=recompute)
     prog.respecialise(captured, split, plan)
     prog.recapture = None  # the last capture: the model is no longer needed
