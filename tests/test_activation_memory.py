@@ -90,31 +90,31 @@ def _measured_against_planned(schedule, checkpoint, microbatches=4, layers=4, di
     return prog.plan, [p / m for p, m in zip(prog.plan.stage_memory_bytes, got.peak)]
 
 
-@pytest.mark.parametrize("schedule, high", [("1f1b", 1.15), ("gpipe", 1.2)])
-def test_planned_stage_memory_is_within_15_percent_of_a_measured_step(schedule, high):
-    """The planner counted a microbatch's activations as every node's output (views again) and a whole
-    microbatch more for a running backward: 1.8-2.1x the measured peak of a GPT's plain stages
-    (benchmarks/bench_memory.py). Each storage once, and half a microbatch for the backward's working set.
-    Under gpipe every microbatch is in flight, and a new storage autograd does not keep (an embedding's
-    lookup, added to the positions) counts once per microbatch: stage 0 is 1.14-1.16x (left open)."""
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_planned_stage_memory_is_a_budget_a_measured_step_stays_under(schedule):
+    """The planner's per-stage figure is a budget: a step measured in one process (every storage counted,
+    benchmarks/bench_memory.py) stays under it, today by 1.8-2.1x on a GPT's plain stages (every output
+    counted, views too, and a whole microbatch for the running backward: a fit to one process, each storage
+    once and half a microbatch, went over under torchrun, tests/memory_check.py). The upper bound says how
+    far over it is, so a change that doubles it again fails."""
     plan, ratios = _measured_against_planned(schedule, False)
     assert plan.checkpoint == []
-    assert all(0.85 <= r <= high for r in ratios), ratios
+    assert all(1.0 <= r <= 2.3 for r in ratios), ratios
 
 
-def test_a_checkpointed_stages_planned_memory_is_within_15_percent_of_a_measured_step():
+def test_a_checkpointed_stages_planned_memory_is_a_budget_a_measured_step_stays_under():
     """A checkpointed stage holds one microbatch's activations while it recomputes and its backward's
-    working set on top: counting the activations alone put it 13-21% under the measured peak."""
+    working set on top (1.8-1.9x the measured peak today)."""
     plan, ratios = _measured_against_planned("1f1b", True)
     assert plan.checkpoint == [0, 1]
-    assert all(0.85 <= r <= 1.15 for r in ratios), ratios
+    assert all(1.0 <= r <= 2.3 for r in ratios), ratios
 
 
 def test_a_checkpointed_stage_holding_every_microbatch_keeps_their_outputs_too():
     """Under gpipe a checkpointed stage holds all its microbatches, and the runtime keeps each one's
     outputs until its backward (the backward starts from them): counted with the inputs only, a GPT's
-    checkpointed stages were predicted 0.77-0.84x their measured peak (benchmarks/bench_memory.py;
-    here 0.83x and 0.75x, now 1.12x and 0.95x)."""
+    checkpointed stages were predicted under their measured peak (0.83x and 0.75x with each storage counted
+    once). With the outputs the figure is a budget again (1.5-1.9x)."""
     plan, ratios = _measured_against_planned("gpipe", True, microbatches=8, layers=2, dim=128, rows=8)
     assert plan.checkpoint == [0, 1]
-    assert all(0.85 <= r <= 1.15 for r in ratios), ratios
+    assert all(1.0 <= r <= 2.3 for r in ratios), ratios

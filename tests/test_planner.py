@@ -122,7 +122,7 @@ def _independent_memory(gm, stages, in_flight, memory=MemoryModel()):
         for a in {a for n in nodes for a in n.all_input_nodes if a.op == "get_attr"}:
             c = node_cost(a)
             state[str(a.target)] = c.param_bytes * (memory.state_factor if c.trainable else 1)
-        act = sum(node_cost(n).held_bytes for n in nodes)  # each storage once (views, in-place writes: none)
+        act = sum(node_cost(n).out_bytes for n in nodes)  # every output, views too: the planner's budget
         if memory.checkpoint:
             received = {a for n in nodes for a in n.all_input_nodes if stage_of.get(a.name, s) < s}
             handed_on = {n for n in nodes if any(stage_of.get(u.name, len(stages)) > s for u in n.users)}
@@ -138,8 +138,8 @@ def test_memory_cap_counts_the_microbatches_1f1b_keeps_in_flight(wide):
     k = 4
     schedule = get_schedule("1f1b", num_stages=k, num_ranks=k, num_microbatches=8)
     assert in_flight_per_stage(schedule) == [4, 3, 2, 1]
-    in_flight = activation_units_per_stage(schedule)  # and half one more for the backward running
-    assert in_flight == [4.5, 3.5, 2.5, 1.5]
+    in_flight = activation_units_per_stage(schedule)  # and one more for the backward running
+    assert in_flight == [5, 4, 3, 2]
     free = plan_partition(gm, k, "flops", schedule=schedule, recompute="never")
     assert free.stage_memory == pytest.approx(_independent_memory(gm, free.stages, in_flight))
 
