@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
+from pipesplit.compat import optimization_hint
 from pipesplit.passes.aliasing import inplace_inputs
 from pipesplit.passes.split.program import SplitProgram, Stage
 from pipesplit.runtime.comm.exchange import RankComm
@@ -51,6 +52,26 @@ class StageInputs:
             self._written = (module, frozenset(self.stage.mutated_inputs & set(now)))
         return self._written[1]
 
+    def _as_sent(self, name: str, value: torch.Tensor) -> torch.Tensor:
+        """A received tensor the stage writes in place, in the memory layout the model made it with (a
+        transposed view, say): a transport delivers it contiguous, and an op that reads it before the
+        write then saves it itself where the model's saved a copy, so the write broke that op's backward
+        under torchrun (a linear on a transposed conv output, then a ``mul_``: autograd's version error)."""
+        node = next((n for n in self.stage.module.graph.nodes if n.op == "placeholder" and n.name == name), None) \
+            if isinstance(getattr(self.stage.module, "graph", None), torch.fx.Graph) else None
+        val = None if node is None else node.meta.get("val")
+        if not isinstance(val, torch.Tensor) or val.dim() != value.dim() or val.dim() < 2:
+            return value
+        try:
+            strides = [int(optimization_hint(st)) for st in val.stride()]
+        except Exception:  # a layout export cannot say: as received
+            return value
+        order = sorted(range(val.dim()), key=lambda d: -strides[d])  # outermost first
+        if order == list(range(val.dim())):
+            return value
+        inverse = [order.index(d) for d in range(val.dim())]
+        return value.permute(order).contiguous().permute(inverse)
+
     def like(self, msg: Message, data: StepData) -> Like:
         """Shape, dtype and device of ``msg`` as this stage receives it (an activation or its gradient)."""
         return self._like(self.bounds[(msg.name, msg.src, msg.dst)], data)
@@ -82,6 +103,7 @@ class StageInputs:
         leaf)). Also the positions the stage writes in place (cloned inside the stage) and the
         caller's rows such a write goes back to."""
         received: dict[tuple[str, int], Any] = {}
+        written_now = self._written_inputs()
         for name, kind, where in self.stage.inputs:
             if kind != "stage":
                 continue
@@ -90,11 +112,12 @@ class StageInputs:
                 received[(name, where)] = self._scalar(b, data)
                 continue
             value = self._to_device(comm.take(Message("F", name, where, self.index, m)))
+            if name in written_now and isinstance(value, torch.Tensor):
+                value = self._as_sent(name, value)
             if data.training and b.requires_grad:
                 value = value.detach().requires_grad_(True)
             received[(name, where)] = value
         args: list[Any] = []
-        written_now = self._written_inputs()
         own: set[int] = set()  # positions of the inputs the stage writes in place (relu_, +=): cloned inside
         write_back: list[tuple[int, torch.Tensor]] = []  # (position, the caller's rows) a write goes back to
         for name, kind, where in self.stage.inputs:
