@@ -50,12 +50,9 @@ def merge_outputs(
     merged: list[Any] = []
     weights: list[torch.Tensor | None] = []
     one = len(per_microbatch) * replicas == 1
-    named: list[Sequence[str] | None] = [None]
 
-    def name_of(i: int) -> str:
-        if named[0] is None:
-            named[0] = (names() if callable(names) else names) or []
-        listed = named[0] or []
+    def name_of(i: int) -> str:  # for a refusal's message only: the names are built then
+        listed = (names() if callable(names) else names) or []
         return f" {listed[i]}" if i < len(listed) and listed[i] else ""
 
     for i, (values, rule) in enumerate(zip(zip(*per_microbatch), merges)):
