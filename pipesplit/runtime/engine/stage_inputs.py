@@ -38,6 +38,7 @@ class StageInputs:
         self._shapes: dict[tuple[str, int, Any], tuple[int, ...]] = {}  # (boundary, source, microbatch sizes)
         self._ints: dict[tuple[str, int, Any], int] = {}
         self._written: tuple[torch.nn.Module, frozenset[str]] | None = None
+        self._layouts: tuple[torch.nn.Module, dict[str, list[int] | None]] | None = None  # see _layout
         self.written_inputs = {where for s in prog.stages for name, kind, where in s.inputs  # flat input indices
                                if kind == "input" and name in s.mutated_inputs}
 
@@ -57,20 +58,33 @@ class StageInputs:
         transposed view, say): a transport delivers it contiguous, and an op that reads it before the
         write then saves it itself where the model's saved a copy, so the write broke that op's backward
         under torchrun (a linear on a transposed conv output, then a ``mul_``: autograd's version error)."""
-        node = next((n for n in self.stage.module.graph.nodes if n.op == "placeholder" and n.name == name), None) \
-            if isinstance(getattr(self.stage.module, "graph", None), torch.fx.Graph) else None
-        val = None if node is None else node.meta.get("val")
-        if not isinstance(val, torch.Tensor) or val.dim() != value.dim() or val.dim() < 2:
+        order = self._layout(name)
+        if order is None or len(order) != value.dim():
             return value
-        try:
-            strides = [int(optimization_hint(st)) for st in val.stride()]
-        except Exception:  # a layout export cannot say: as received
-            return value
-        order = sorted(range(val.dim()), key=lambda d: -strides[d])  # outermost first
-        if order == list(range(val.dim())):
-            return value
-        inverse = [order.index(d) for d in range(val.dim())]
+        inverse = [order.index(d) for d in range(value.dim())]
         return value.permute(order).contiguous().permute(inverse)
+
+    def _layout(self, name: str) -> list[int] | None:
+        """The order of input ``name``'s dimensions in memory, outermost first, as the capture saw it
+        (None: row-major or unknown), found once per module."""
+        module = self.stage.module
+        if self._layouts is None or self._layouts[0] is not module:
+            self._layouts = (module, {})
+        known = self._layouts[1]
+        if name not in known:
+            graph = getattr(module, "graph", None)
+            node = next((n for n in graph.nodes if n.op == "placeholder" and n.name == name), None) \
+                if isinstance(graph, torch.fx.Graph) else None
+            val = None if node is None else node.meta.get("val")
+            order = None
+            if isinstance(val, torch.Tensor) and val.dim() >= 2:
+                try:
+                    strides = [int(optimization_hint(st)) for st in val.stride()]
+                    order = sorted(range(val.dim()), key=lambda d: -strides[d])
+                except Exception:  # a layout export cannot say: as received
+                    order = None
+            known[name] = None if order == list(range(len(order or []))) else order
+        return known[name]
 
     def like(self, msg: Message, data: StepData) -> Like:
         """Shape, dtype and device of ``msg`` as this stage receives it (an activation or its gradient)."""
