@@ -6,16 +6,16 @@ import operator
 import inspect
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Collection, cast
+from typing import Any, Collection
 
 import torch
 import torch.fx as fx
 from torch import nn
-from torch.export import Dim
 
 from pipesplit.compat import EXPORTS_META_MODELS, is_concrete_int, pytree
 from pipesplit.distinct import distinct_inputs
-from pipesplit.dims import EVERY_DIM, DimSpec, check_declared, dims_for
+from pipesplit.dims import EVERY_DIM, DimSpec, check_declared
+from pipesplit.dynamic_spec import argument_of_each_leaf, dynamic_shapes, ranges
 from pipesplit.errors import CaptureError
 from pipesplit.examples import blamed_on_input, check_example, check_input_dtypes, keyword_inputs
 from pipesplit.export import export_quietly, unlift
@@ -127,65 +127,6 @@ def as_args(example_input: Any) -> tuple[Any, ...]:
     return example_input if isinstance(example_input, tuple) else (example_input,)
 
 
-def _dynamic_shapes(
-    model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], batch_dim: int, unbatched: Collection[str] = (),
-    dims: DimSpec | None = None,
-) -> dict[str, Any]:
-    """Mark the batch dim of every tensor input ``Dim.AUTO`` (dynamic wherever the model allows),
-    and the dimensions ``dims`` names (:mod:`pipesplit.dims`), except in the arguments named in
-    ``unbatched``, which stay static."""
-    bound = inspect.signature(model.forward).bind(*args, **kwargs)
-
-    def spec(name: str, x: Any) -> Any:
-        if isinstance(x, torch.Tensor) and x.dim() > batch_dim:
-            more = dims_for(dims or {}, name, x.dim(), batch_dim)
-            return {batch_dim: Dim.AUTO, **{d: Dim.AUTO if r is None else Dim.AUTO(min=r[0], max=r[1]) for d, r in more.items()}}
-        return None
-
-    return {
-        name: pytree.tree_map(lambda x: None, value) if name in unbatched
-        else pytree.tree_map(lambda x, name=name: spec(name, x), value)
-        for name, value in bound.arguments.items()
-    }
-
-
-def _argument_of_each_leaf(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[str]:
-    """For each flat input (in ``tree_flatten((args, kwargs))`` order), the forward() argument it belongs to."""
-    params = list(inspect.signature(model.forward).parameters.values())
-    leaves, _ = pytree.tree_flatten_with_path((args, kwargs))
-    out = []
-    for path, _leaf in leaves:
-        where, key = cast(Any, path[0]).idx, cast(Any, path[1])  # (args, kwargs)[where], then a position or a name
-        if where == 0:
-            i = key.idx
-            p = params[min(i, len(params) - 1)]
-            out.append(p.name if p.kind is not inspect.Parameter.VAR_POSITIONAL else f"{p.name}[{i}]")
-        else:
-            out.append(str(key.key))
-    return out
-
-
-def _ranges(ep: Any, val: torch.Tensor) -> dict[int, tuple[int, int | None]]:
-    """The sizes export assumed for each dynamic dimension of an input (from its range constraints)."""
-    out: dict[int, tuple[int, int | None]] = {}
-    for dim, size in enumerate(val.shape):
-        if is_concrete_int(size):
-            continue
-        vr = ep.range_constraints.get(cast(torch.SymInt, size).node.expr)
-        if vr is None:
-            continue
-        out[dim] = (_finite(vr.lower) or 0, _finite(vr.upper))
-    return out
-
-
-def _finite(bound: Any) -> int | None:
-    """A range bound as an int, None for torch's and sympy's infinities."""
-    try:
-        return int(bound)
-    except (TypeError, ValueError, OverflowError, AttributeError):
-        return None
-
-
 def _state_entries(model: nn.Module) -> tuple[list[StateEntry], dict[int, int]]:
     """Distinct state tensors of ``model`` by identity, with every alias name."""
     entries: list[StateEntry] = []
@@ -243,7 +184,7 @@ def _input_infos(
         val = node.meta.get("val")
         if isinstance(val, torch.Tensor):
             shape = tuple(static_dim(d) for d in val.shape)
-            info = InputInfo(node.name, True, shape, val.dtype, None, _ranges(ep, val), fixed)
+            info = InputInfo(node.name, True, shape, val.dtype, None, ranges(ep, val), fixed)
             info.batched = info.has_batch_dim(batch_dim) and (not dynamic or shape[batch_dim] is None)
             infos.append(info)
         else:
@@ -315,8 +256,8 @@ def capture(
     check_example(model, args, given, batch_dim, unbatched)
     kwargs = no_cache_kwargs(model, given, notes)
     try:
-        owners = _argument_of_each_leaf(model, args, kwargs)
-        dyn = _dynamic_shapes(model, args, kwargs, batch_dim, unbatched, dims)
+        owners = argument_of_each_leaf(model, args, kwargs)
+        dyn = dynamic_shapes(model, args, kwargs, batch_dim, unbatched, dims)
     except TypeError as e:
         raise CaptureError(
             f"the example inputs do not fit {type(model).__name__}.forward{inspect.signature(model.forward)}: {e}. "

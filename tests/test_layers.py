@@ -30,8 +30,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "pipesplit.export", "pipesplit.models", "pipesplit.passes")),  # passes/__init__ imports nothing
     ("schedules: pure data", ("pipesplit.schedules",)),
     ("graph analyses", ("pipesplit.passes.aliasing", "pipesplit.passes.lookups")),
-    ("capture", ("pipesplit.capture", "pipesplit.dims", "pipesplit.distinct", "pipesplit.examples", "pipesplit.inputs",
-                 "pipesplit.structure", "pipesplit.kv_cache")),
+    ("capture", ("pipesplit.capture", "pipesplit.dims", "pipesplit.dynamic_spec", "pipesplit.distinct", "pipesplit.examples",
+                 "pipesplit.inputs", "pipesplit.structure", "pipesplit.kv_cache")),
     ("annotate", ("pipesplit.passes.annotate",)),
     ("plan", ("pipesplit.passes.plan", "pipesplit.plan", "pipesplit.options")),
     ("split", ("pipesplit.passes.split", "pipesplit.materialize", "pipesplit.dot", "pipesplit.report",
