@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -199,3 +200,66 @@ def test_a_partly_checkpointed_stage_survives_a_new_batch_size():
     want.backward()
     assert_close(loss, want.detach(), name="loss")
     assert_grads_close(prog.named_parameters(), model)
+
+
+def _blocks(depth=4, dim=16, dropout=0.0):
+    """A stack of the GPT's blocks over float embeddings, so the caller's input gets a gradient too."""
+    from pipesplit.models import Block
+
+    return nn.Sequential(*[Block(GPTConfig(dim=dim, heads=2, seq=8, dropout=dropout)) for _ in range(depth)])
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])
+def test_a_partly_checkpointed_stage_runs_compiled_and_equals_gradient_accumulation(schedule, recwarn):
+    """Under compile= the recomputed head and the kept tail run as two compiled graphs (they ran eager before,
+    the rest of the pipeline compiled); under zb_h1 the stage runs its whole backward at I (a compiled backward
+    runs once). Loss, every parameter's and the input's gradient, and the optimizer's next step."""
+    torch.manual_seed(0)
+    model = _blocks().double()
+    ref = copy.deepcopy(model)
+    prog = pipesplit.compile(model, torch.randn(2, 8, 16, dtype=torch.float64), num_stages=2, checkpoint={0: 1},
+                             progress=False)
+    assert prog.plan.checkpoint == [] and list(prog.plan.checkpoint_partial) == [0]
+    pipe = pipesplit.Pipeline(prog, schedule, num_microbatches=4, loss_fn=dot_loss, loss_reduction="sum",
+                              compile={"backend": "aot_eager"}, progress=False)
+    x = torch.randn(8, 8, 16, dtype=torch.float64, requires_grad=True)
+    xr, t = x.detach().clone().requires_grad_(), torch.randn(8, 8, 16, dtype=torch.float64)
+    loss = pipe.step(x, target=t)
+    want = sum(dot_loss(ref(xm), tm) for xm, tm in zip(xr.chunk(4), t.chunk(4)))
+    want.backward()
+    assert_close(loss, want.detach(), name="loss")
+    assert_grads_close(prog.named_parameters(), ref)
+    assert_close(x.grad, xr.grad, name="input gradient")
+    for opt in (torch.optim.SGD(pipe.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)):
+        opt.step()
+    held = dict(prog.named_parameters())
+    for name, p in ref.named_parameters():
+        assert_close(held[name].detach(), p.detach(), name=f"{name} after a step")
+    # compiled: the head and the tail, no stage eager, no warning saying so
+    parts = sorted(getattr(m, "pipesplit_part", "") for m in pipe.compiler._compiled.keys())
+    assert parts == ["", "head", "tail"] if schedule == "1f1b" else parts[-2:] == ["head", "tail"], parts
+    assert pipe.compiler.eager == [] and not [w for w in recwarn if "runs eager" in str(w.message)]
+
+
+def test_dropout_in_a_compiled_head_recomputes_the_same_masks():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab=64, dim=32, layers=4, heads=2, seq=16, dropout=0.3)).double()
+    x, t = torch.randint(0, 64, (8, 16)), torch.randn(8, 16, 64, dtype=torch.float64)
+    prog = pipesplit.compile(model, torch.randint(0, 64, (2, 16)), num_stages=2, checkpoint={0: 1, 1: 1},
+                             progress=False)
+    results = []
+    for schedule, ckpt in [("1f1b", False), ("1f1b", None), ("zb_h1", None)]:  # None: as planned
+        pipe = pipesplit.Pipeline(prog, schedule, num_microbatches=4, loss_fn=dot_loss, loss_reduction="sum",
+                                  checkpoint=ckpt, compile={"backend": "aot_eager"}, progress=False)
+        torch.manual_seed(7)
+        pipe.zero_grad()
+        loss = pipe.step(x, target=t)
+        parts = [getattr(m, "pipesplit_part", "") for m in pipe.compiler._compiled.keys()]
+        assert pipe.compiler.eager == [] and parts.count("head") == (2 if ckpt is None else 0), (schedule, parts)
+        results.append((loss.detach().clone(), {n: p.grad.clone() for n, p in pipe.named_parameters()}))
+    first = results[0]
+    for loss, grads in results[1:]:  # a mask drawn anew in the recompute would change the gradients
+        assert torch.equal(loss, first[0])
+        for name, g in grads.items():
+            assert torch.equal(g, first[1][name]), name
+
