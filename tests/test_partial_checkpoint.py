@@ -263,3 +263,36 @@ def test_dropout_in_a_compiled_head_recomputes_the_same_masks():
         for name, g in grads.items():
             assert torch.equal(g, first[1][name]), name
 
+
+def test_pipeline_takes_the_first_blocks_of_stages_as_compile_does(monkeypatch):
+    torch.manual_seed(1)
+    model = Deep(d=16, depth=8).double()
+    x = torch.randn(8, 16, dtype=torch.float64)
+    halves = dict(split_points=["layers.4"], schedule="1f1b", num_microbatches=4, progress=False)
+    planned = pipesplit.compile(model, x, checkpoint={0: 1}, **halves).plan
+    prog = pipesplit.compile(model, x, checkpoint={0: 3}, **halves)
+    assert prog.plan.checkpoint_partial == {0: 6}
+    # the Pipeline's choice, not the plan's: stage 0's first block (as compile counts it), stage 1 whole
+    pipe = pipesplit.Pipeline(prog, "1f1b", num_microbatches=4, loss_fn=_mse, checkpoint={0: 1, 1: 4})
+    assert len(pipe.workers[0].head) == planned.checkpoint_partial[0] == 2
+    assert pipe.workers[1].checkpointing and not pipe.workers[1].head and not pipe.workers[0].checkpointing
+    runs = _count_heads(monkeypatch)
+    xb, y = torch.randn(16, 16, dtype=torch.float64), torch.randn(16, 16, dtype=torch.float64)
+    loss = pipe.step(xb, target=y)
+    assert runs[0] == 2 * 4  # stage 0's head, for each microbatch, again in its backward
+    assert [h.num_nodes for h in pipe.workers[0]._heads.values()] == [2]  # as asked, not the plan's 6
+    want = sum(_mse(model(xm), ym) for xm, ym in zip(xb.chunk(4), y.chunk(4))) / 4
+    want.backward()
+    assert_close(loss, want.detach(), name="loss")
+    assert_grads_close(prog.named_parameters(), model)
+
+
+def test_pipeline_refuses_bad_blocks_with_the_numbers():
+    model, x = Deep(d=8, depth=4), torch.randn(4, 8)
+    prog = pipesplit.compile(model, x, num_stages=2, progress=False)
+    for bad, match in [({2: 1}, r"checkpoint names stages \[2\]; a plan of 2 stages has stages 0..1"),
+                       ({1: 3}, r"asks stage 1 to recompute 3 blocks, but it has 2; ask for 1 to 2"),
+                       ({0: 0}, r"a dict maps a stage index to how many of its first blocks.*got 0: 0"),
+                       ({0: 1.5}, r"got 0: 1.5"), ("all", r"checkpoint must be True, False, None .* or a dict")]:
+        with pytest.raises(PipesplitError, match=match):
+            pipesplit.Pipeline(prog, "1f1b", num_microbatches=2, loss_fn=_mse, checkpoint=bad)

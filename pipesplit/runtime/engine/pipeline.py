@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from contextlib import contextmanager
-from typing import Any, Callable, Collection, Iterator, Mapping, Optional, Sequence, cast
+from typing import Any, Callable, Collection, Iterator, Mapping, Optional, cast
 
 import torch
 from torch import nn
@@ -18,7 +18,7 @@ from pipesplit.passes.split.generalise import generalise
 from pipesplit.passes.split.merges import UNKNOWN
 from pipesplit.passes.split.program import SplitProgram
 from pipesplit.state import zero_grads
-from pipesplit.runtime.engine.options import check_arguments, checkpointed_stages, chosen_executor, partial_stages
+from pipesplit.runtime.engine.options import Checkpoint, check_arguments, checkpointed_stages, chosen_executor, partial_stages
 from pipesplit.runtime.engine.merge import merge_outputs, output_names
 from pipesplit.runtime.comm.collectives import Layout, StepCollectives
 from pipesplit.runtime.graphs.compiled import StageCompiler
@@ -56,10 +56,10 @@ class Pipeline:
     stages of its own rank and keeps only their parameters.
 
     ``checkpoint`` recomputes stages' activations in the backward instead of keeping
-    them: ``True`` (every stage), a list of stage indices, or ``False``. Left as None it
-    follows the plan: exactly the stages ``prog.plan.checkpoint`` lists (chosen by
-    ``compile(checkpoint=...)``; its memory figures count only those stages' inputs of the
-    microbatches in flight).
+    them: ``True`` (every stage), a list of stage indices, ``{stage: n}`` (the stage's first
+    ``n`` blocks, as ``compile(checkpoint={stage: n})`` plans it), or ``False``. Left as None it
+    follows the plan: exactly what ``prog.plan.checkpoint`` and ``prog.plan.checkpoint_partial``
+    name (chosen by ``compile(checkpoint=...)``; its memory figures count on that).
 
     Communication follows a plan proven free of deadlock under NCCL's semantics (see
     :func:`pipesplit.schedules.rendezvous.comm_plan` and :mod:`pipesplit.schedules.issue`):
@@ -106,7 +106,7 @@ class Pipeline:
         num_ranks: int | None = None,
         batch_dim: int | None = None,  # default: the program's (compile(..., batch_dim=...))
         loss_reduction: str = "mean",  # "mean": loss_fn averages over the batch; "sum": it sums
-        checkpoint: bool | Sequence[int] | None = None,  # default: as planned (prog.plan.checkpoint)
+        checkpoint: Checkpoint = None,  # default: as planned (prog.plan.checkpoint, .checkpoint_partial)
         timeout: float = 300.0,
         executor: str = "auto",
         target_batch_dim: int | None | str = "same",  # default: batch_dim; None: every microbatch gets it whole

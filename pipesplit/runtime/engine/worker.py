@@ -339,10 +339,8 @@ class StageWorker(StageInputs):
 
     def _recomputed(self, module: Any) -> RecomputedHead:
         """The stage module with its head under activation checkpointing, made once per module."""
-        if id(module) not in self._heads:  # the plan's head now: a re-capture renames the stage's nodes
-            n = self.prog.plan.checkpoint_partial.get(self.index)
-            head = self.prog.plan.stages[self.index][:n] if n else self.head
-            self._heads[id(module)] = RecomputedHead(module, head)
+        if id(module) not in self._heads:  # as many of the plan's nodes now: a re-capture renames the stage's nodes
+            self._heads[id(module)] = RecomputedHead(module, self.prog.plan.stages[self.index][:len(self.head)])
         return self._heads[id(module)]
 
     def _explicit(self, args: Sequence[Any], microbatch_size: Any) -> Parts | None:
