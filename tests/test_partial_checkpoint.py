@@ -296,3 +296,40 @@ def test_pipeline_refuses_bad_blocks_with_the_numbers():
                        ({0: 1.5}, r"got 0: 1.5"), ("all", r"checkpoint must be True, False, None .* or a dict")]:
         with pytest.raises(PipesplitError, match=match):
             pipesplit.Pipeline(prog, "1f1b", num_microbatches=2, loss_fn=_mse, checkpoint=bad)
+
+
+class _InplaceRelu(nn.Module):
+    def forward(self, x):
+        return x.relu_()
+
+
+class _WritesItsInput(nn.Module):
+    """The fuzz case's model (seed 177 of the compiled partial draws): stage 1's head is ``relu_`` on its input."""
+
+    def __init__(self):
+        super().__init__()
+        self.ln, self.act = nn.LayerNorm(8), _InplaceRelu()
+
+    def forward(self, x):
+        v = x * 2
+        return self.act(self.ln(v)) + v
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_head_that_writes_its_input_in_place_recomputes_from_the_input_as_it_came(compiled):
+    """Found by the fuzzer's compiled partial draws, eager too: the stage cloned the inputs it writes outside the
+    head's checkpoint, so the head's relu_ wrote the very tensor the recompute replays from (autograd's "modified
+    by an inplace operation"). The clones are made inside what recomputes; the tail reads the written ones."""
+    torch.manual_seed(0)
+    model = _WritesItsInput().double()
+    prog = pipesplit.compile(model, torch.randn(2, 4, 8, dtype=torch.float64), split_points=["act"],
+                             schedule="1f1b", num_microbatches=2, checkpoint={1: 1}, progress=False)
+    assert prog.plan.stages[1][0] == "relu_" and prog.plan.checkpoint_partial == {1: 1}, prog.plan.stages
+    pipe = pipesplit.Pipeline(prog, "1f1b", num_microbatches=2, loss_fn=dot_loss, loss_reduction="sum",
+                              compile={"backend": "aot_eager"} if compiled else False, progress=False)
+    x, t = torch.randn(4, 4, 8, dtype=torch.float64), torch.randn(4, 4, 8, dtype=torch.float64)
+    loss = pipe.step(x, target=t)
+    want = sum(dot_loss(model(xm), tm) for xm, tm in zip(x.chunk(2), t.chunk(2)))
+    want.backward()
+    assert_close(loss, want.detach(), name="loss")
+    assert_grads_close(prog.named_parameters(), model)

@@ -13,7 +13,7 @@ masks) are the forward's, bit for bit.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Collection
+from typing import Any, Callable, Collection, Sequence
 
 import torch.fx as fx
 from torch.utils.checkpoint import checkpoint
@@ -61,20 +61,30 @@ class RecomputedHead:
         setattr(self.tail, "pipesplit_part", "tail")
         self.num_nodes = len(inside)
 
-    def __call__(self, *xs: Any, run: Callable[..., Any] | None = None) -> Any:
-        """The stage on ``xs``; ``run(piece, *args)``, where given, runs the head and the tail (compiled)."""
+    def __call__(self, *xs: Any, run: Callable[..., Any] | None = None, own: Sequence[int] = (),
+                 prepare: Callable[[Sequence[Any]], tuple[Any, ...]] | None = None) -> Any:
+        """The stage on ``xs``; ``run(piece, *args)``, where given, runs the head and the tail (compiled).
+        ``prepare`` clones the inputs at ``own``, which the stage writes in place: inside the recomputed
+        part, so the recompute starts from the inputs as they came, and the tail reads the written clones."""
         call: Callable[..., Any] = run if run is not None else _eager
         start = stream_copy()  # the stage's random stream where the head begins
         ran: list[bool] = []
 
         def head(*args: Any) -> Any:
+            if prepare is not None:
+                args = prepare(args)
             if not ran:  # the forward: on the stage's stream, which the tail goes on drawing from
                 ran.append(True)
-                return call(self.head, *args)
-            with resumed_stream(start):  # the recompute: the same draws again
-                return call(self.head, *args)
+                outs = call(self.head, *args)
+            else:
+                with resumed_stream(start):  # the recompute: the same draws again
+                    outs = call(self.head, *args)
+            return (*outs, *(args[i] for i in own))
 
         outs = checkpoint(head, *xs, use_reentrant=False, preserve_rng_state=False)
+        if own:
+            written = dict(zip(own, outs[len(outs) - len(own):]))
+            outs, xs = outs[:len(outs) - len(own)], tuple(written.get(i, x) for i, x in enumerate(xs))
         return call(self.tail, *xs, *outs)
 
 

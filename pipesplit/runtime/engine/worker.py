@@ -202,11 +202,18 @@ class StageWorker(StageInputs):
         if compiler is not None and explicit is None and compiler.blocked(module, self.index, self._live_outputs()):
             compiler = None
 
+        def owned(xs: Sequence[Any]) -> tuple[Any, ...]:
+            """The inputs the stage writes in place, cloned (inside what recomputes, which replays from the originals)."""
+            xs = tuple(x.clone() if i in own else x for i, x in enumerate(xs))
+            if not first_run:
+                first_run.append(xs)
+            return xs
+
+        partly = bool(self.head) and data.training
+
         def run_stage(*xs: Any) -> Any:  # checkpointing replays it, masks and all, from the same seed
-            if own:
-                xs = tuple(x.clone() if i in own else x for i, x in enumerate(xs))
-                if not first_run:
-                    first_run.append(xs)
+            if own and not partly:  # a recomputed head clones them itself (RecomputedHead)
+                xs = owned(xs)
             with random_stream(seed, device):
                 if explicit is not None:
                     assert self.explicit is not None
@@ -223,15 +230,16 @@ class StageWorker(StageInputs):
                         return self.stage.module(*xs)
                 if compiler is not None:
                     try:
-                        if self.head and data.training:  # the head and the tail, each compiled
+                        if partly:  # the head and the tail, each compiled
                             return self._recomputed(module)(
-                                *xs, run=lambda piece, *a: compiler.run(piece, self.index, mb_size, *a))
+                                *xs, run=lambda piece, *a: compiler.run(piece, self.index, mb_size, *a),
+                                own=sorted(own), prepare=owned)
                         return compiler.run(module, self.index, mb_size, *xs)
                     except RuntimeError as e:  # torch.compile's own failure (dynamo's errors are RuntimeErrors):
                         compiler.failed(module, self.index, e)  # this stage runs eager (it writes nothing in place:
                         # a rerun is safe). Not Exception: checkpoint's recompute stops by raising one of its own
-                if self.head and data.training:
-                    return self._recomputed(module)(*xs)
+                if partly:
+                    return self._recomputed(module)(*xs, own=sorted(own), prepare=owned)
                 return module(*xs)
 
         with grad_mode:
