@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -196,6 +197,139 @@ def test_a_partly_checkpointed_stage_survives_a_new_batch_size():
     x, y = torch.randn(1, 4, 8, dtype=torch.float64), torch.randn(1, 4, 8, dtype=torch.float64)
     loss = pipe.step(x, target=y)  # a batch of 1, captured at 2: a re-capture
     want = dot_loss(model(x), y)
+    want.backward()
+    assert_close(loss, want.detach(), name="loss")
+    assert_grads_close(prog.named_parameters(), model)
+
+
+def _blocks(depth=4, dim=16, dropout=0.0):
+    """A stack of the GPT's blocks over float embeddings, so the caller's input gets a gradient too."""
+    from pipesplit.models import Block
+
+    return nn.Sequential(*[Block(GPTConfig(dim=dim, heads=2, seq=8, dropout=dropout)) for _ in range(depth)])
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])
+def test_a_partly_checkpointed_stage_runs_compiled_and_equals_gradient_accumulation(schedule, recwarn):
+    """Under compile= the recomputed head and the kept tail run as two compiled graphs (they ran eager before,
+    the rest of the pipeline compiled); under zb_h1 the stage runs its whole backward at I (a compiled backward
+    runs once). Loss, every parameter's and the input's gradient, and the optimizer's next step."""
+    torch.manual_seed(0)
+    model = _blocks().double()
+    ref = copy.deepcopy(model)
+    prog = pipesplit.compile(model, torch.randn(2, 8, 16, dtype=torch.float64), num_stages=2, checkpoint={0: 1},
+                             progress=False)
+    assert prog.plan.checkpoint == [] and list(prog.plan.checkpoint_partial) == [0]
+    pipe = pipesplit.Pipeline(prog, schedule, num_microbatches=4, loss_fn=dot_loss, loss_reduction="sum",
+                              compile={"backend": "aot_eager"}, progress=False)
+    x = torch.randn(8, 8, 16, dtype=torch.float64, requires_grad=True)
+    xr, t = x.detach().clone().requires_grad_(), torch.randn(8, 8, 16, dtype=torch.float64)
+    loss = pipe.step(x, target=t)
+    want = sum(dot_loss(ref(xm), tm) for xm, tm in zip(xr.chunk(4), t.chunk(4)))
+    want.backward()
+    assert_close(loss, want.detach(), name="loss")
+    assert_grads_close(prog.named_parameters(), ref)
+    assert_close(x.grad, xr.grad, name="input gradient")
+    for opt in (torch.optim.SGD(pipe.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)):
+        opt.step()
+    held = dict(prog.named_parameters())
+    for name, p in ref.named_parameters():
+        assert_close(held[name].detach(), p.detach(), name=f"{name} after a step")
+    # compiled: the head and the tail, no stage eager, no warning saying so
+    parts = sorted(getattr(m, "pipesplit_part", "") for m in pipe.compiler._compiled.keys())
+    assert parts == ["", "head", "tail"] if schedule == "1f1b" else parts[-2:] == ["head", "tail"], parts
+    assert pipe.compiler.eager == [] and not [w for w in recwarn if "runs eager" in str(w.message)]
+
+
+def test_dropout_in_a_compiled_head_recomputes_the_same_masks():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab=64, dim=32, layers=4, heads=2, seq=16, dropout=0.3)).double()
+    x, t = torch.randint(0, 64, (8, 16)), torch.randn(8, 16, 64, dtype=torch.float64)
+    prog = pipesplit.compile(model, torch.randint(0, 64, (2, 16)), num_stages=2, checkpoint={0: 1, 1: 1},
+                             progress=False)
+    results = []
+    for schedule, ckpt in [("1f1b", False), ("1f1b", None), ("zb_h1", None)]:  # None: as planned
+        pipe = pipesplit.Pipeline(prog, schedule, num_microbatches=4, loss_fn=dot_loss, loss_reduction="sum",
+                                  checkpoint=ckpt, compile={"backend": "aot_eager"}, progress=False)
+        torch.manual_seed(7)
+        pipe.zero_grad()
+        loss = pipe.step(x, target=t)
+        parts = [getattr(m, "pipesplit_part", "") for m in pipe.compiler._compiled.keys()]
+        assert pipe.compiler.eager == [] and parts.count("head") == (2 if ckpt is None else 0), (schedule, parts)
+        results.append((loss.detach().clone(), {n: p.grad.clone() for n, p in pipe.named_parameters()}))
+    first = results[0]
+    for loss, grads in results[1:]:  # a mask drawn anew in the recompute would change the gradients
+        assert torch.equal(loss, first[0])
+        for name, g in grads.items():
+            assert torch.equal(g, first[1][name]), name
+
+
+def test_pipeline_takes_the_first_blocks_of_stages_as_compile_does(monkeypatch):
+    torch.manual_seed(1)
+    model = Deep(d=16, depth=8).double()
+    x = torch.randn(8, 16, dtype=torch.float64)
+    halves = dict(split_points=["layers.4"], schedule="1f1b", num_microbatches=4, progress=False)
+    planned = pipesplit.compile(model, x, checkpoint={0: 1}, **halves).plan
+    prog = pipesplit.compile(model, x, checkpoint={0: 3}, **halves)
+    assert prog.plan.checkpoint_partial == {0: 6}
+    # the Pipeline's choice, not the plan's: stage 0's first block (as compile counts it), stage 1 whole
+    pipe = pipesplit.Pipeline(prog, "1f1b", num_microbatches=4, loss_fn=_mse, checkpoint={0: 1, 1: 4})
+    assert len(pipe.workers[0].head) == planned.checkpoint_partial[0] == 2
+    assert pipe.workers[1].checkpointing and not pipe.workers[1].head and not pipe.workers[0].checkpointing
+    runs = _count_heads(monkeypatch)
+    xb, y = torch.randn(16, 16, dtype=torch.float64), torch.randn(16, 16, dtype=torch.float64)
+    loss = pipe.step(xb, target=y)
+    assert runs[0] == 2 * 4  # stage 0's head, for each microbatch, again in its backward
+    assert [h.num_nodes for h in pipe.workers[0]._heads.values()] == [2]  # as asked, not the plan's 6
+    want = sum(_mse(model(xm), ym) for xm, ym in zip(xb.chunk(4), y.chunk(4))) / 4
+    want.backward()
+    assert_close(loss, want.detach(), name="loss")
+    assert_grads_close(prog.named_parameters(), model)
+
+
+def test_pipeline_refuses_bad_blocks_with_the_numbers():
+    model, x = Deep(d=8, depth=4), torch.randn(4, 8)
+    prog = pipesplit.compile(model, x, num_stages=2, progress=False)
+    for bad, match in [({2: 1}, r"checkpoint names stages \[2\]; a plan of 2 stages has stages 0..1"),
+                       ({1: 3}, r"asks stage 1 to recompute 3 blocks, but it has 2; ask for 1 to 2"),
+                       ({0: 0}, r"a dict maps a stage index to how many of its first blocks.*got 0: 0"),
+                       ({0: 1.5}, r"got 0: 1.5"), ("all", r"checkpoint must be True, False, None .* or a dict")]:
+        with pytest.raises(PipesplitError, match=match):
+            pipesplit.Pipeline(prog, "1f1b", num_microbatches=2, loss_fn=_mse, checkpoint=bad)
+
+
+class _InplaceRelu(nn.Module):
+    def forward(self, x):
+        return x.relu_()
+
+
+class _WritesItsInput(nn.Module):
+    """The fuzz case's model (seed 177 of the compiled partial draws): stage 1's head is ``relu_`` on its input."""
+
+    def __init__(self):
+        super().__init__()
+        self.ln, self.act = nn.LayerNorm(8), _InplaceRelu()
+
+    def forward(self, x):
+        v = x * 2
+        return self.act(self.ln(v)) + v
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_head_that_writes_its_input_in_place_recomputes_from_the_input_as_it_came(compiled):
+    """Found by the fuzzer's compiled partial draws, eager too: the stage cloned the inputs it writes outside the
+    head's checkpoint, so the head's relu_ wrote the very tensor the recompute replays from (autograd's "modified
+    by an inplace operation"). The clones are made inside what recomputes; the tail reads the written ones."""
+    torch.manual_seed(0)
+    model = _WritesItsInput().double()
+    prog = pipesplit.compile(model, torch.randn(2, 4, 8, dtype=torch.float64), split_points=["act"],
+                             schedule="1f1b", num_microbatches=2, checkpoint={1: 1}, progress=False)
+    assert prog.plan.stages[1][0] == "relu_" and prog.plan.checkpoint_partial == {1: 1}, prog.plan.stages
+    pipe = pipesplit.Pipeline(prog, "1f1b", num_microbatches=2, loss_fn=dot_loss, loss_reduction="sum",
+                              compile={"backend": "aot_eager"} if compiled else False, progress=False)
+    x, t = torch.randn(4, 4, 8, dtype=torch.float64), torch.randn(4, 4, 8, dtype=torch.float64)
+    loss = pipe.step(x, target=t)
+    want = sum(dot_loss(model(xm), tm) for xm, tm in zip(x.chunk(2), t.chunk(2)))
     want.backward()
     assert_close(loss, want.detach(), name="loss")
     assert_grads_close(prog.named_parameters(), model)

@@ -80,13 +80,18 @@ _INDEXED = re.compile(r"^(?:(.*)\.)?(\d+)$")
 
 def find_blocks(chain: Chain) -> Blocks:
     """The chain's nodes by the repeated block ``prefix.i`` they ran in (the model's, :func:`repeated_in`)."""
-    found = repeated_in(chain.nodes)
+    return node_blocks(chain.nodes, chain.act)
+
+
+def node_blocks(nodes: Sequence[fx.Node], act: np.ndarray | None = None) -> Blocks:
+    """:func:`find_blocks` of nodes in a chain's order (``act``: their activation bytes; None: not counted)."""
+    found = repeated_in(nodes)
     prefix = found[0] if found is not None else None
-    ids = np.full(chain.n, -1, dtype=np.int64)
+    ids = np.full(len(nodes), -1, dtype=np.int64)
     if prefix is not None:
-        for i, node in enumerate(chain.nodes):
+        for i, node in enumerate(nodes):
             ids[i] = _block_of(node, prefix)
-    act = chain.act if chain.act is not None else np.zeros(chain.n, dtype=np.int64)
+    act = act if act is not None else np.zeros(len(nodes), dtype=np.int64)
     return Blocks(ids, prefix if prefix is not None and (ids >= 0).any() else None,
                   np.concatenate([[0], np.cumsum(act)]))
 

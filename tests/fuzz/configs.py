@@ -86,8 +86,9 @@ def draw_config(pick: Callable[[Any], Any], integer: Callable[[int, int], int], 
         # with checkpoint: half the time the plan names the stages (compile(checkpoint=[...]), drawn as a
         # bit mask) and the Pipeline checkpoints what was planned, exactly those
         "checkpoint_plan": integer(0, 1) == 1, "checkpoint_mask": integer(1, 2**stages - 1),
-        # planned, half the time those stages recompute only their first block (compile(checkpoint={s: 1}))
-        "checkpoint_partial": integer(0, 1) == 1,
+        # planned, half the time those stages recompute only their first block (compile(checkpoint={s: 1})),
+        # three times in four under compile= (the head and the tail then run as two compiled graphs)
+        "checkpoint_partial": integer(0, 3) >= (1 if compiled else 2),
     }
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from contextlib import contextmanager
-from typing import Any, Callable, Collection, Iterator, Mapping, Optional, Sequence, cast
+from typing import Any, Callable, Collection, Iterator, Mapping, Optional, cast
 
 import torch
 from torch import nn
@@ -13,15 +13,13 @@ from torch import nn
 from pipesplit.checks import known_keywords
 from pipesplit.compat import pytree
 from pipesplit.errors import PipesplitError, ScheduleError
-from pipesplit.materialize import check_initialised, init_weights
+from pipesplit.materialize import init_weights
 from pipesplit.passes.split.generalise import generalise
 from pipesplit.passes.split.merges import UNKNOWN
 from pipesplit.passes.split.program import SplitProgram
 from pipesplit.state import zero_grads
-from pipesplit.runtime.engine.options import check_arguments, checkpointed_stages, chosen_executor, partial_stages
-from pipesplit.runtime.engine.microbatch import batch_size, split_microbatches, split_target
+from pipesplit.runtime.engine.options import Checkpoint, check_arguments, checkpointed_stages, chosen_executor, partial_stages
 from pipesplit.runtime.engine.merge import merge_outputs, output_names
-from pipesplit.runtime.engine.target_probe import target_probe
 from pipesplit.runtime.comm.collectives import Layout, StepCollectives
 from pipesplit.runtime.graphs.compiled import StageCompiler
 from pipesplit.runtime.comm.distributed import place_rank, start_communicator
@@ -29,6 +27,7 @@ from pipesplit.runtime.comm.exchange import RankComm, program_edges
 from pipesplit.runtime.comm.grad_edges import GradientEdges
 from pipesplit.runtime.state.state_writes import check_state_writes
 from pipesplit.runtime.comm.rendezvous import RendezvousTransport
+from pipesplit.runtime.engine.prepare import prepare_step
 from pipesplit.runtime.engine.steps import run_distributed_step, run_local_step
 from pipesplit.runtime.engine.threads import RankThreads
 from pipesplit.runtime.engine.trace import Trace
@@ -57,10 +56,10 @@ class Pipeline:
     stages of its own rank and keeps only their parameters.
 
     ``checkpoint`` recomputes stages' activations in the backward instead of keeping
-    them: ``True`` (every stage), a list of stage indices, or ``False``. Left as None it
-    follows the plan: exactly the stages ``prog.plan.checkpoint`` lists (chosen by
-    ``compile(checkpoint=...)``; its memory figures count only those stages' inputs of the
-    microbatches in flight).
+    them: ``True`` (every stage), a list of stage indices, ``{stage: n}`` (the stage's first
+    ``n`` blocks, as ``compile(checkpoint={stage: n})`` plans it), or ``False``. Left as None it
+    follows the plan: exactly what ``prog.plan.checkpoint`` and ``prog.plan.checkpoint_partial``
+    name (chosen by ``compile(checkpoint=...)``; its memory figures count on that).
 
     Communication follows a plan proven free of deadlock under NCCL's semantics (see
     :func:`pipesplit.schedules.rendezvous.comm_plan` and :mod:`pipesplit.schedules.issue`):
@@ -107,7 +106,7 @@ class Pipeline:
         num_ranks: int | None = None,
         batch_dim: int | None = None,  # default: the program's (compile(..., batch_dim=...))
         loss_reduction: str = "mean",  # "mean": loss_fn averages over the batch; "sum": it sums
-        checkpoint: bool | Sequence[int] | None = None,  # default: as planned (prog.plan.checkpoint)
+        checkpoint: Checkpoint = None,  # default: as planned (prog.plan.checkpoint, .checkpoint_partial)
         timeout: float = 300.0,
         executor: str = "auto",
         target_batch_dim: int | None | str = "same",  # default: batch_dim; None: every microbatch gets it whole
@@ -250,43 +249,7 @@ class Pipeline:
 
     # ------------------------------------------------------------------ running
     def _prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any], target: Any, training: bool) -> StepData:
-        if self.prog.uninitialised:
-            check_initialised(self.prog)
-        flat = self.prog.flatten_inputs(args, kwargs, whole_batch=True)
-        m, first = self.num_microbatches, self.dp_rank * self.num_microbatches  # this replica's share
-        total = m * self.dp_size
-        inputs = split_microbatches(flat, self.prog.inputs, total, self.batch_dim)[first:first + m]
-        mb = batch_size(inputs[0], self.prog.inputs, self.batch_dim)
-        if self.prog.ensure_batch(int(mb), f" (a microbatch: a batch of {mb * total} in {total} microbatches)"):
-            # the new capture tells batches from tables better (a (T, D) table beside (B, T, D) inputs)
-            inputs = split_microbatches(flat, self.prog.inputs, total, self.batch_dim)[first:first + m]
-        if self._generation != self.prog.generation:  # new graphs (re-captured here or by another Pipeline)
-            self._build()
-        if self._grad_edges.stale(flat, training, self.executor == "distributed"):  # a cut newly carries gradients
-            self._build()
-        if training and self.loss_fn is None:
-            raise PipesplitError("step() needs a loss_fn: Pipeline(prog, ..., loss_fn=lambda out, target: ...).")
-        targets = probe = None
-        if target is not None:
-            targets = split_target(target, total, self.target_batch_dim, mb * total, self.batch_dim,
-                                   self._target_unbatched)[first:first + m]
-            if self._probed:
-                probe = target_probe(target, self.target_batch_dim, mb * total, total, self._target_unbatched,
-                                     self._target_confirmed)
-        scale = 1.0 / total if self.loss_reduction == "mean" else 1.0
-        return StepData(inputs, targets, self.loss_fn, scale, training, mb, seed=self._step_seed(),
-                        microbatch_offset=first, whole=flat, dp_size=self.dp_size, target_probe=probe,
-                        sizes=self.prog.sizes_of(inputs[0]))
-
-    def _step_seed(self) -> int:
-        """One draw from torch's default generator per step, rank 0's on every rank (reproducible by seeding).
-        A program without random ops draws nothing, so torch's generator advances as the model's would."""
-        if not self.prog.random_ops:
-            return 0
-        seed = int(torch.randint(0, 2**62, ()).item())
-        if self.collectives is not None and self.prog.random_ops:
-            seed = self.collectives.step_seed(seed)
-        return seed
+        return prepare_step(self, args, kwargs, target, training)  # see runtime/engine/prepare.py
 
     def step(self, *args: Any, target: Any = None, **kwargs: Any) -> torch.Tensor | None:
         """Forward and backward over all microbatches; gradients accumulate into ``.grad``.

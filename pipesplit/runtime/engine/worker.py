@@ -104,10 +104,9 @@ class StageWorker(StageInputs):
         self.tracer: Any = None  # a pipesplit.runtime.engine.trace.Trace while Pipeline.trace() is active
         self.on_gradients = on_gradients  # called once a step's last weight gradients are in
         # ``head``: the stage's first nodes, recomputed in the backward (the plan's partial checkpointing); such
-        # a stage runs eager with its backward whole, as a checkpointed one does
+        # a stage runs its backward whole (under a split schedule, all of it at I: a compiled backward runs
+        # once), its head and tail as two compiled graphs under compile=
         self.head, self._heads = list(head), dict[int, RecomputedHead]()
-        if self.head:
-            compiler = self.compiler = None
         self.split_backward = split_backward and not checkpointing and not self.head  # I then W: see runtime/engine/weight_grads.py
         self.schedule_splits = split_backward  # the schedule issues I and W for this stage (checkpointed or not)
         # (id(stage module), which parameters are trainable) -> its weight graph: freezing or
@@ -116,7 +115,7 @@ class StageWorker(StageInputs):
         # compile= under a split backward: the stage as compiled F/I/W graphs (runtime/graphs/stage_graphs.py)
         # (or under any schedule where CUDA graphs are asked for and the device can capture them)
         self.explicit = (StageGraphs(compiler, stage.index, self.split_backward, stage.device)
-                         if compiler is not None and (self.split_backward or (
+                         if compiler is not None and not self.head and (self.split_backward or (
                              compiler.graphs and cuda_graphs.backend_for(stage.device) is not None)) else None)
         self.backwards_done = 0
         self._slots: tuple[torch.nn.Module, list[tuple[dict[str, Any], str]]] | None = None
@@ -194,7 +193,7 @@ class StageWorker(StageInputs):
         # a zero-bubble stage's I/W split runs as explicit compiled F/I/W graphs, or eager through the
         # weight graph's own autograd nodes (which a compiled graph would fuse into one; warned once)
         compiler, mb_size = (self.compiler if weights is None else None), data.size_key
-        if compiler is not None and explicit is None and data.training and self.schedule_splits:
+        if compiler is not None and explicit is None and data.training and self.schedule_splits and not self.head:
             # checkpointed under a split schedule: I keeps the graph for W, which compiled code's backward
             # (run once, its buffers donated) refuses with a raw error (the fuzzer: zb_v + checkpoint)
             compiler.warn_eager_stage(self.index, "it is checkpointed under a schedule that splits its backward "
@@ -203,11 +202,18 @@ class StageWorker(StageInputs):
         if compiler is not None and explicit is None and compiler.blocked(module, self.index, self._live_outputs()):
             compiler = None
 
+        def owned(xs: Sequence[Any]) -> tuple[Any, ...]:
+            """The inputs the stage writes in place, cloned (inside what recomputes, which replays from the originals)."""
+            xs = tuple(x.clone() if i in own else x for i, x in enumerate(xs))
+            if not first_run:
+                first_run.append(xs)
+            return xs
+
+        partly = bool(self.head) and data.training
+
         def run_stage(*xs: Any) -> Any:  # checkpointing replays it, masks and all, from the same seed
-            if own:
-                xs = tuple(x.clone() if i in own else x for i, x in enumerate(xs))
-                if not first_run:
-                    first_run.append(xs)
+            if own and not partly:  # a recomputed head clones them itself (RecomputedHead)
+                xs = owned(xs)
             with random_stream(seed, device):
                 if explicit is not None:
                     assert self.explicit is not None
@@ -224,12 +230,16 @@ class StageWorker(StageInputs):
                         return self.stage.module(*xs)
                 if compiler is not None:
                     try:
+                        if partly:  # the head and the tail, each compiled
+                            return self._recomputed(module)(
+                                *xs, run=lambda piece, *a: compiler.run(piece, self.index, mb_size, *a),
+                                own=sorted(own), prepare=owned)
                         return compiler.run(module, self.index, mb_size, *xs)
                     except RuntimeError as e:  # torch.compile's own failure (dynamo's errors are RuntimeErrors):
                         compiler.failed(module, self.index, e)  # this stage runs eager (it writes nothing in place:
                         # a rerun is safe). Not Exception: checkpoint's recompute stops by raising one of its own
-                if self.head and data.training:
-                    return self._recomputed(module)(*xs)
+                if partly:
+                    return self._recomputed(module)(*xs, own=sorted(own), prepare=owned)
                 return module(*xs)
 
         with grad_mode:
@@ -301,7 +311,7 @@ class StageWorker(StageInputs):
             grads = input_grads(None, saved.tensors, saved.grads, [*leaves, anchor], [])[0][:len(leaves)]
             if saved.loss_leaves:
                 torch.autograd.backward(saved.tensors, saved.grads, inputs=saved.loss_leaves, retain_graph=True)
-        elif split:  # also the gradients W starts from (see runtime/engine/weight_grads.py)
+        elif split and not self.head:  # also the gradients W starts from (see runtime/engine/weight_grads.py)
             weights = saved.weights if saved.inters else None
             grads, saved.inter_grads = input_grads(weights, saved.tensors, saved.grads, leaves, saved.inters)
             if saved.loss_leaves:  # the loss function's own: through its few ops only, the graph kept for W
@@ -337,10 +347,8 @@ class StageWorker(StageInputs):
 
     def _recomputed(self, module: Any) -> RecomputedHead:
         """The stage module with its head under activation checkpointing, made once per module."""
-        if id(module) not in self._heads:  # the plan's head now: a re-capture renames the stage's nodes
-            n = self.prog.plan.checkpoint_partial.get(self.index)
-            head = self.prog.plan.stages[self.index][:n] if n else self.head
-            self._heads[id(module)] = RecomputedHead(module, head)
+        if id(module) not in self._heads:  # as many of the plan's nodes now: a re-capture renames the stage's nodes
+            self._heads[id(module)] = RecomputedHead(module, self.prog.plan.stages[self.index][:len(self.head)])
         return self._heads[id(module)]
 
     def _explicit(self, args: Sequence[Any], microbatch_size: Any) -> Parts | None:

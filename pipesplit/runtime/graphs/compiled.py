@@ -157,7 +157,8 @@ def _graph_words(module: torch.nn.Module, stage: int, microbatch_size: Hashable)
     """``stage 2's F graph, microbatches of 4, training``: what a first call compiles, in words
     (``microbatch_size``: the size, or ``(size, other sizes...)`` where a length varies)."""
     part = getattr(module, "pipesplit_part", "")
-    graph = {"F": "forward graph", "I": "input-gradient graph", "W": "weight-gradient graph"}.get(part, "module")
+    graph = {"F": "forward graph", "I": "input-gradient graph", "W": "weight-gradient graph",
+             "head": "recomputed head", "tail": "graph after its recomputed head"}.get(part, "module")
     mode = "with gradients" if torch.is_grad_enabled() else "without gradients"
     if isinstance(microbatch_size, tuple):
         size = f"microbatches of {microbatch_size[0]}, other sizes {list(microbatch_size[1:])}"
