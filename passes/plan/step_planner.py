@@ -91,12 +91,11 @@ def figures_for(
     the chain position where the part it recomputes ends (:mod:`pipesplit.passes.plan.partial_checkpoint`);
     ``split``: the stages whose backward the schedule splits into I and W (:func:`split_stages`).
 
-    A checkpointed stage runs its forward again before its backward; where the backward is split,
-    the runtime's I recomputes the forward for the input gradients and its W recomputes it again
-    and walks the whole graph for the weight gradients (measured on a GPT's stages under zb_h1: I
-    = F + I, W = F + I + W of the plain stage; the first stage, whose inputs take no gradient,
-    does all of it in W). A stage recomputing its head under a split backward is charged the head's
-    forward in I and again in W (not measured: taken as the whole stage's rule, conservatively)."""
+    A checkpointed stage runs its forward again before its backward; where the schedule splits the
+    backward, the runtime runs the whole of it (input and weight gradients) in I and nothing in W: an I
+    keeping the recomputed graph for W held it until the step ended, and W recomputed it again
+    (:meth:`pipesplit.runtime.engine.worker.StageWorker.backward_input`). A stage recomputing its head
+    does the same, its head's forward again in I."""
     bounds = list(starts) + [chain.n]
     act = chain.act if chain.act is not None else np.zeros(chain.n, dtype=np.int64)
     if checkpoint is None:
@@ -107,11 +106,12 @@ def figures_for(
         f, i, w = seconds[a:b].sum(axis=0)
         ck = s in checkpoint
         h = heads.get(s) if heads else None
-        if ck and s in split:
-            costs.append(StageCost(float(f), float(f + i) if a > 0 else 0.0, float(f + i + w)))
-        elif h is not None and not ck:  # its head's forward again before its backward (twice if split)
+        if ck and s in split:  # the whole backward in I
+            costs.append(StageCost(float(f), float(f + i + w), 0.0))
+        elif h is not None and not ck:  # its head's forward again before its backward (the whole of it in I if split)
             redo = float(seconds[a:h, 0].sum())
-            costs.append(StageCost(float(f), float(i + redo), float(w + redo if s in split else w)))
+            costs.append(StageCost(float(f), float(i + redo + w), 0.0) if s in split else
+                         StageCost(float(f), float(i + redo), float(w)))
         else:  # a checkpointed stage runs its forward again before its backward
             costs.append(StageCost(float(f), float(i + f if ck else i), float(w)))
         # chain.mem already counts trainable state x (1 + grad + optimizer): see plan_partition
