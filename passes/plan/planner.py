@@ -47,7 +47,7 @@ def evaluate(gm: fx.GraphModule, stages: list[list[str]], cost_name: str, cost_f
         for a in attrs:
             c = node_cost(a)
             params[id(operator.attrgetter(str(a.target))(gm))] = c.param_bytes * (2 if c.trainable else 1)
-        memory.append(sum(params.values()) + sum(node_cost(n).out_bytes for n in nodes))  # as the chain counts it
+        memory.append(sum(params.values()) + sum(node_cost(n).held_bytes for n in nodes))  # each storage once
         out = 0
         for n in nodes:
             consumers = {stage_of.get(u.name, last) for u in n.users} - {s}

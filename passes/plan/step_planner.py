@@ -28,6 +28,7 @@ from pipesplit.passes.plan.objective import (
 from pipesplit.passes.plan.balance import Solve, rebalance
 from pipesplit.passes.plan.checkpointing import checkpoint_limits, recompute_scale
 from pipesplit.passes.plan.partition import StageLimits, solve_candidates
+from pipesplit.passes.plan.stage_bytes import stage_bytes
 from pipesplit.passes.annotate.rates import DeviceRates, priced
 from pipesplit.schedules import Schedule, StageCost
 
@@ -101,7 +102,7 @@ def figures_for(
     if checkpoint is None:
         checkpoint = range(len(starts)) if memory.checkpoint else ()
     costs, mem = [], []
-    ends = chain.end_bytes()
+    act_sum = np.concatenate([[0], np.cumsum(act)])
     for s, (a, b) in enumerate(zip(bounds, bounds[1:])):
         f, i, w = seconds[a:b].sum(axis=0)
         ck = s in checkpoint
@@ -115,17 +116,8 @@ def figures_for(
         else:  # a checkpointed stage runs its forward again before its backward
             costs.append(StageCost(float(f), float(i + f if ck else i), float(w)))
         # chain.mem already counts trainable state x (1 + grad + optimizer): see plan_partition
-        state = stage_state(chain, act, a, b)
-        inputs = float(chain.cut_bytes[a]) if a > 0 else 0.0
-        if h is not None and not ck:
-            tail = float(act[h:b].sum()) + float(chain.cut_bytes[h])
-            mem.append(memory.partial_bytes(state, float(act[a:h].sum()), tail, inputs, in_flight[s],
-                                            None if units is None else units[s]))
-            continue
-        if ck:  # it keeps its outputs of each microbatch in flight too: its backward starts from them
-            inputs += float(ends[b])
-        mem.append(memory.held_bytes(state, float(act[a:b].sum()), inputs, in_flight[s],
-                                     None if units is None else units[s], checkpointed=ck))
+        mem.append(stage_bytes(chain, memory, stage_state(chain, act, a, b), a, b, in_flight[s],
+                               None if units is None else units[s], checkpointed=ck, head=h, act_sum=act_sum))
     comm_s = [comm.seconds(float(chain.cut_bytes[c]), device_kind, device_kind) for c in starts[1:]]
     return StageFigures(costs, comm_s, mem, list(in_flight))
 
@@ -167,7 +159,35 @@ def schedule_candidates(
     mem_cap: int | None, limits: StageLimits, device_kind: str, checkpoint: frozenset[int] | None = None,
     quick: bool = False,
 ) -> list[Candidate]:
-    """Every split :func:`best_for_schedule` chooses from, each with its simulated step."""
+    """Every split :func:`best_for_schedule` chooses from, each with its simulated step.
+
+    The solver's memory limits count each stage's nodes; the figures also count what it receives
+    (:mod:`pipesplit.passes.plan.stage_bytes`), which depends on where it starts and ends. Splits whose
+    figures go over ``mem_cap`` are dropped, and where that leaves none, solved again with the limits
+    lowered by the least overshoot (twice at most)."""
+    room = mem_cap
+    for _ in range(3):
+        cands = _candidates(chain, seconds, schedule, comm=comm, memory=memory, mem_cap=mem_cap, room=room,
+                            limits=limits, device_kind=device_kind, checkpoint=checkpoint, quick=quick)
+        if mem_cap is None or room is None:
+            return cands
+        fits = [c for c in cands if max(c.figures.memory) <= mem_cap]
+        if fits:
+            return fits
+        room = int(room - (min(max(c.figures.memory) for c in cands) - mem_cap) * 1.01) - 1
+    k = schedule.num_stages
+    ckpt = (frozenset(range(k)) if memory.checkpoint else frozenset()) if checkpoint is None else checkpoint
+    in_flight, units = in_flight_per_stage(schedule), activation_units_per_stage(schedule)
+    raise PlanError(_memory_message(chain, schedule, in_flight, mem_cap, limits, len(ckpt) == k,
+                                    [in_flight[s] if s in ckpt else units[s] for s in range(k)]))
+
+
+def _candidates(
+    chain: Chain, seconds: np.ndarray, schedule: Schedule, *, comm: CommModel, memory: MemoryModel,
+    mem_cap: int | None, room: int | None, limits: StageLimits, device_kind: str, checkpoint: frozenset[int] | None,
+    quick: bool,
+) -> list[Candidate]:
+    """The candidates of :func:`schedule_candidates` with the solver's memory limits at ``room`` bytes."""
     k = schedule.num_stages
     in_flight = in_flight_per_stage(schedule)
     units = activation_units_per_stage(schedule)
@@ -175,7 +195,7 @@ def schedule_candidates(
     # what multiplies one microbatch's activations: its inputs' count when checkpointed, else the units
     held = [in_flight[s] if s in ckpt else units[s] for s in range(k)]
     scale = recompute_scale(seconds)
-    limits = checkpoint_limits(chain, mem_cap, in_flight, units, ckpt, limits.start_lo, limits.start_hi, scale)
+    limits = checkpoint_limits(chain, room, in_flight, units, ckpt, limits.start_lo, limits.start_hi, scale)
     try:
         splits = solve_candidates(chain, k, QUICK_SLACKS if quick else SLACKS, limits=limits,
                                   precision=10 if quick else 20)
@@ -186,7 +206,7 @@ def schedule_candidates(
     base = list(dict.fromkeys(split.starts for split in splits))
     starts = list(base)
     for side_slack in () if quick else REBALANCE_SLACKS:
-        solve = _side_solver(chain, limits, mem_cap, in_flight, units, ckpt, scale, side_slack)
+        solve = _side_solver(chain, limits, room, in_flight, units, ckpt, scale, side_slack)
         for split in base:
             try:
                 starts.append(rebalance(chain, split, solve))
