@@ -168,12 +168,13 @@ def schedule_candidates(
     (:mod:`pipesplit.passes.plan.stage_bytes`), which depends on where it starts and ends. Splits whose
     figures go over ``mem_cap`` are dropped, and where that leaves none, solved again with the limits
     lowered by the least overshoot (twice at most)."""
+    if mem_cap is None:
+        return _candidates(chain, seconds, schedule, comm=comm, memory=memory, mem_cap=None, room=None,
+                           limits=limits, device_kind=device_kind, checkpoint=checkpoint, quick=quick)
     room = mem_cap
     for _ in range(3):
         cands = _candidates(chain, seconds, schedule, comm=comm, memory=memory, mem_cap=mem_cap, room=room,
                             limits=limits, device_kind=device_kind, checkpoint=checkpoint, quick=quick)
-        if mem_cap is None or room is None:
-            return cands
         fits = [c for c in cands if max(c.figures.memory) <= mem_cap]
         if fits:
             return fits
