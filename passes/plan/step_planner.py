@@ -165,16 +165,26 @@ def schedule_candidates(
     """Every split :func:`best_for_schedule` chooses from, each with its simulated step.
 
     The solver's memory limits count each stage's nodes; the figures also count what it receives
-    (:mod:`pipesplit.passes.plan.stage_bytes`), which depends on where it starts and ends. Splits whose
-    figures go over ``mem_cap`` are dropped, and where that leaves none, solved again with the limits
-    lowered by the least overshoot (twice at most)."""
+    (:mod:`pipesplit.passes.plan.stage_bytes`), which depends on where it starts and ends: the limits
+    leave room for a typical cut's inputs per microbatch in flight, splits whose figures still go over
+    ``mem_cap`` are dropped, and where that leaves none, solved again with the limits lowered by the
+    least overshoot (twice at most)."""
     if mem_cap is None:
         return _candidates(chain, seconds, schedule, comm=comm, memory=memory, mem_cap=None, room=None,
                            limits=limits, device_kind=device_kind, checkpoint=checkpoint, quick=quick)
-    room = mem_cap
+    # the limits start with room for a stage's received inputs at a typical cut, so that the first solve fits
+    inner = chain.cut_bytes[1:chain.n][chain.allowed[1:chain.n]]
+    typical = float(np.median(inner)) if inner.size else 0.0
+    room = int(mem_cap - typical * (max(in_flight_per_stage(schedule), default=0) + 1))
     for _ in range(3):
-        cands = _candidates(chain, seconds, schedule, comm=comm, memory=memory, mem_cap=mem_cap, room=room,
-                            limits=limits, device_kind=device_kind, checkpoint=checkpoint, quick=quick)
+        try:
+            cands = _candidates(chain, seconds, schedule, comm=comm, memory=memory, mem_cap=mem_cap, room=room,
+                                limits=limits, device_kind=device_kind, checkpoint=checkpoint, quick=quick)
+        except PlanError:
+            if room >= mem_cap:
+                raise
+            room = mem_cap  # that room was too little for any split: the figures decide
+            continue
         fits = [c for c in cands if max(c.figures.memory) <= mem_cap]
         if fits:
             return fits
