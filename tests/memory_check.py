@@ -3,10 +3,11 @@
 Every tensor storage created on this rank while a step runs (activations kept for the
 backward, gradients, receive buffers posted ahead, sent tensors not yet let go, scratch)
 is counted from its creation until it is freed; the peak of that sum is compared with
-what the planner budgets for the stage beyond its weights and optimizer state (the
-activations of every microbatch the schedule keeps in flight, and the gradients). A
-runtime that kept activations past their backward, or sent tensors past their send,
-would exceed it. Prints one line per rank; exits non-zero if a stage goes over.
+what the planner predicts for the stage beyond its weights and optimizer state (the
+activations of every microbatch the schedule keeps in flight, what it receives, and the
+gradients). A runtime that kept activations past their backward, or sent tensors past their
+send, would exceed it; a model that counted far more than a step holds would fall under
+``LOW``. Prints one line per rank; exits non-zero if a stage is out of that band.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import pipesplit  # noqa: E402
+from pipesplit.bench.stage_memory import new_storages  # noqa: E402
 from pipesplit.models import gpt  # noqa: E402
 from tests.launch import end_rank  # noqa: E402
 
@@ -42,9 +44,8 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        for t in pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
-                self._count(t.untyped_storage())
+        for storage in new_storages(out, (args, kwargs)):  # a parameter's view is no new storage
+            self._count(storage)
         return out
 
     def _count(self, storage: torch.UntypedStorage) -> None:
@@ -60,6 +61,11 @@ class LiveBytes(TorchDispatchMode):
         with self._lock:
             if self._refs.pop(key, None) is not None:
                 self.live -= size
+
+
+# measured / predicted per rank: the figure is an upper bound, and tight (this tiny GPT: 0.77-0.98;
+# 0.45-0.72 under the former budget, which counted every output and a whole microbatch per backward)
+LOW = 0.75
 
 
 def main() -> int:
@@ -103,10 +109,10 @@ def check(model, schedule: str, m: int, mb: int, rank: int, world: int) -> bool:
             pipe.step(x, target=y)
         peaks.append(live.peak)
     peak = max(peaks[1:])  # the first step also makes one-off caches
-    ok = peak <= budget
+    ok = LOW * budget <= peak <= budget
     print(f"rank {rank}/{world}: {schedule} peak {peak / 2**20:.2f} MiB, planner budget {budget / 2**20:.2f} MiB "
           f"(estimate {estimate / 2**20:.2f} MiB less weights and optimizer state), "
-          f"ratio {peak / budget:.2f}: {'ok' if ok else 'OVER'}", flush=True)
+          f"ratio {peak / budget:.2f}: {'ok' if ok else 'OVER' if peak > budget else 'UNDER'}", flush=True)
     return ok
 
 

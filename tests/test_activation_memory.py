@@ -67,15 +67,15 @@ def test_views_and_in_place_writes_hold_nothing_new():
         assert views and all(c.held_bytes == 0 for c in views), (name, views, held)
 
 
-def _measured_against_planned(schedule, checkpoint, microbatches=4, layers=4, dim=128, rows=4):
-    """Each stage's planned peak (``plan.stage_memory_bytes``) over its peak measured in a real Adam step
-    (every storage its thread allocates, live until freed; parameters and Adam's state)."""
+def _measured_against_planned(schedule, checkpoint, microbatches=4, layers=4, dim=128, rows=4, stages=2, seq=64):
+    """Each stage's peak measured in a real Adam step (every storage its thread allocates, live until freed;
+    parameters and Adam's state) over its planned peak (``plan.stage_memory_bytes``)."""
     from pipesplit.bench.stage_memory import measure_pipeline
 
     torch.manual_seed(0)
-    model = gpt(layers=layers, dim=dim, vocab=256, seq=64, heads=4)
-    x = torch.randint(0, 256, (rows, 64))
-    prog = pipesplit.compile(model, x, num_stages=2, schedule=schedule, num_microbatches=microbatches,
+    model = gpt(layers=layers, dim=dim, vocab=256, seq=seq, heads=4)
+    x = torch.randint(0, 256, (rows, seq))
+    prog = pipesplit.compile(model, x, num_stages=stages, schedule=schedule, num_microbatches=microbatches,
                              checkpoint=checkpoint, progress=False)
     pipe = pipesplit.Pipeline(prog, schedule, num_microbatches=microbatches,
                               loss_fn=lambda o, y: torch.nn.functional.cross_entropy(o.flatten(0, 1), y.flatten()))
@@ -83,38 +83,60 @@ def _measured_against_planned(schedule, checkpoint, microbatches=4, layers=4, di
 
     def batch(i):
         g = torch.Generator().manual_seed(i)
-        return (torch.randint(0, 256, (rows * microbatches, 64), generator=g),), torch.randint(
-            0, 256, (rows * microbatches, 64), generator=g)
+        return (torch.randint(0, 256, (rows * microbatches, seq), generator=g),), torch.randint(
+            0, 256, (rows * microbatches, seq), generator=g)
 
     got = measure_pipeline(pipe, batch, optimizer=optimizer, memory_steps=1, timed_steps=0)
-    return prog.plan, [p / m for p, m in zip(prog.plan.stage_memory_bytes, got.peak)]
+    return prog.plan, [m / p for p, m in zip(prog.plan.stage_memory_bytes, got.peak)]
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
-def test_planned_stage_memory_is_a_budget_a_measured_step_stays_under(schedule):
-    """The planner's per-stage figure is a budget: a step measured in one process (every storage counted,
-    benchmarks/bench_memory.py) stays under it, today by 1.8-2.1x on a GPT's plain stages (every output
-    counted, views too, and a whole microbatch for the running backward: a fit to one process, each storage
-    once and half a microbatch, went over under torchrun, tests/memory_check.py). The upper bound says how
-    far over it is, so a change that doubles it again fails."""
+# The planner's figure predicts a step's peak per stage (every storage its thread allocates, live until
+# freed; parameters, buffers and Adam's state), from above: measured / predicted within this band
+# (0.83-0.94 here; under torchrun the same figure holds 0.77-0.98, tests/memory_check.py).
+BAND = (0.8, 1.0)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "zb_h1"])
+def test_planned_stage_memory_is_within_the_band_of_a_measured_step(schedule):
+    """Plain stages: each storage once, a quarter microbatch for a running backward, what a split backward
+    keeps from I to W, the inputs of each microbatch in flight and one receive posted ahead (1f1b 0.86-0.90,
+    gpipe 0.83, zb_h1 0.87-0.92). The former budget counted every output (views too) and a whole
+    microbatch more: a step measured 0.46-0.48 of it."""
     plan, ratios = _measured_against_planned(schedule, False)
     assert plan.checkpoint == []
-    assert all(1.0 <= r <= 2.3 for r in ratios), ratios
+    assert all(BAND[0] <= r <= BAND[1] for r in ratios), ratios
 
 
-def test_a_checkpointed_stages_planned_memory_is_a_budget_a_measured_step_stays_under():
-    """A checkpointed stage holds one microbatch's activations while it recomputes and its backward's
-    working set on top (1.8-1.9x the measured peak today)."""
+def test_a_checkpointed_stages_planned_memory_is_within_the_band():
+    """A checkpointed stage holds its inputs and outputs per microbatch in flight, one microbatch's activations
+    while it recomputes and its backward's working set (0.83-0.89)."""
     plan, ratios = _measured_against_planned("1f1b", True)
     assert plan.checkpoint == [0, 1]
-    assert all(1.0 <= r <= 2.3 for r in ratios), ratios
+    assert all(BAND[0] <= r <= BAND[1] for r in ratios), ratios
 
 
 def test_a_checkpointed_stage_holding_every_microbatch_keeps_their_outputs_too():
     """Under gpipe a checkpointed stage holds all its microbatches, and the runtime keeps each one's
     outputs until its backward (the backward starts from them): counted with the inputs only, a GPT's
-    checkpointed stages were predicted under their measured peak (0.83x and 0.75x with each storage counted
-    once). With the outputs the figure is a budget again (1.5-1.9x)."""
+    checkpointed stages were predicted under their measured peak (0.83x and 0.75x)."""
     plan, ratios = _measured_against_planned("gpipe", True, microbatches=8, layers=2, dim=128, rows=8)
     assert plan.checkpoint == [0, 1]
-    assert all(1.0 <= r <= 2.3 for r in ratios), ratios
+    assert all(BAND[0] <= r <= BAND[1] for r in ratios), ratios
+
+
+def test_a_checkpointed_stage_next_to_a_plain_one_under_zero_bubble_lets_its_recompute_go():
+    """Under zb_h1 a checkpointed stage's I kept the recomputed graph for its W, and it stayed until the step
+    ended: the bench's GPT (8 x 256, sequence 128, 4 stages, checkpoint [0, 1]) measured stage 1 at 1.24x
+    its figure (89 MiB, 58 predicted by the former model). Its whole backward now runs in I: 0.94."""
+    plan, ratios = _measured_against_planned("zb_h1", [0, 1], microbatches=8, layers=8, dim=256, stages=4, seq=128)
+    assert plan.checkpoint == [0, 1]
+    assert all(BAND[0] <= r <= BAND[1] for r in ratios), ratios
+
+
+def test_a_stage_recomputing_its_first_blocks_is_within_the_band():
+    """``checkpoint={0: 1}``: stage 0 recomputes its first block, and holds its inputs per microbatch in flight,
+    the rest's activations per unit and the first block's for one microbatch (the figure of
+    ``partial_checkpoint.head_bytes``, one formula with the others: ``passes/plan/stage_bytes.py``)."""
+    plan, ratios = _measured_against_planned("1f1b", {0: 1})
+    assert plan.checkpoint_partial and 0 in plan.checkpoint_partial
+    assert all(BAND[0] <= r <= BAND[1] for r in ratios), ratios

@@ -172,11 +172,10 @@ def test_on_cuda_the_cap_defaults_to_the_device_memory_less_the_margin(monkeypat
 
 
 def test_a_checkpointed_stage_under_a_split_backward_is_charged_the_forwards_the_runtime_runs():
-    """Under zb_h1 a checkpointed stage's I recomputes its forward for the input gradients and its W
-    recomputes it again and walks the whole graph (the first stage, whose inputs take no gradient,
-    does it all in W): 3 forwards a microbatch, 2 on the first stage. The model charged one recompute
-    (I + F, W as plain): a GPT's zb_h1 step with every stage checkpointed was predicted 0.66x what it
-    measured (benchmarks/bench_memory.py), now 0.93x."""
+    """Under zb_h1 a checkpointed stage runs its whole backward in I, recomputing its forward once, and
+    nothing in W. Its I used to keep the recomputed graph for W, which recomputed it again (3 forwards a
+    microbatch) and held it until the step ended (a GPT's checkpointed stage next to plain ones: 89 MiB
+    measured, 62 without; benchmarks/bench_memory.py); the model charged I = F + I, W = F + I + W."""
     import numpy as np
 
     from pipesplit.models import gpt
@@ -196,7 +195,7 @@ def test_a_checkpointed_stage_under_a_split_backward_is_charged_the_forwards_the
     pipe = pipesplit.Pipeline(prog, "zb_h1", num_microbatches=m,
                               loss_fn=lambda o, y: torch.nn.functional.cross_entropy(o.flatten(0, 1), y.flatten()))
     pipe.step(torch.randint(0, 64, (2 * m, 16)), target=torch.randint(0, 64, (2 * m, 16)))
-    assert calls == [2 * m, 3 * m]
+    assert calls == [2 * m, 2 * m]
 
     n = 4
     chain = Chain([None] * n, np.ones(n), np.zeros(n, np.int64), np.zeros(n + 1, np.int64), np.ones(n + 1, bool))
@@ -206,7 +205,6 @@ def test_a_checkpointed_stage_under_a_split_backward_is_charged_the_forwards_the
     fig = figures_for(chain, [0, 2], seconds, [2, 1], MemoryModel(), CommModel(), "cpu", None, {0, 1},
                       split=split_stages(schedule))
     f, i, w = 2.0, 4.0, 8.0  # a stage of two nodes
-    assert [(c.forward, c.backward_input, c.backward_weight) for c in fig.costs] == [
-        (f, 0.0, f + i + w), (f, f + i, f + i + w)]
+    assert [(c.forward, c.backward_input, c.backward_weight) for c in fig.costs] == [(f, f + i + w, 0.0)] * 2
     plain = figures_for(chain, [0, 2], seconds, [2, 1], MemoryModel(), CommModel(), "cpu", None, {0, 1})
     assert [(c.forward, c.backward_input, c.backward_weight) for c in plain.costs] == [(f, f + i, w)] * 2

@@ -108,7 +108,9 @@ def test_ranks_whose_measured_costs_differ_still_take_one_plan():
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_peak_memory_per_rank_stays_within_the_planners_estimate(nproc):
     """Every storage a rank creates during a step, counted until freed (activations, gradients,
-    receives posted ahead, sends in flight): its peak stays under what the planner budgets."""
+    receives posted ahead, sends in flight): its peak is 0.75-1.0 of what the planner predicts (the
+    former budget: 0.45-0.72; gloo's sends held to the step's end had put a middle rank 13% over a
+    tight figure, memory_check.LOW)."""
     schedules = ["1f1b", "gpipe", "zb_h1"]
     result = launch.torchrun("memory_check.py", nproc, "--schedule", ",".join(schedules), timeout=600)
     for schedule in schedules:

@@ -108,13 +108,16 @@ def test_schedule_aware_plan_through_compile(gpt6):
 
 
 # ------------------------------------------------------------------------- memory
-def _independent_memory(gm, stages, in_flight, memory=MemoryModel()):
+def _independent_memory(gm, stages, in_flight, memory=MemoryModel(), counts=None):
     """Parameters x (1 + grad + Adam) + buffers, plus one microbatch's new storage x ``in_flight`` (the
     activation units: microbatches in flight, a running backward's working set, gradients kept for W);
     with checkpointing, the stage's inputs and outputs x microbatches in flight plus one microbatch's
-    new storage with its backward's working set."""
+    new storage with its backward's working set. What a stage receives besides: a plain stage's inputs
+    x the microbatches in flight (``counts``), and one receive posted ahead (its inputs, or its outputs'
+    gradient, the larger; the last stage gets no gradient, and its loss keeps the outputs' size)."""
     by_name = {n.name: n for n in compute_nodes(gm)}
     stage_of = {name: s for s, names in enumerate(stages) for name in names}
+    counts = in_flight if counts is None else counts
     out = []
     for s, names in enumerate(stages):
         nodes = [by_name[x] for x in names]
@@ -122,14 +125,22 @@ def _independent_memory(gm, stages, in_flight, memory=MemoryModel()):
         for a in {a for n in nodes for a in n.all_input_nodes if a.op == "get_attr"}:
             c = node_cost(a)
             state[str(a.target)] = c.param_bytes * (memory.state_factor if c.trainable else 1)
-        act = sum(node_cost(n).out_bytes for n in nodes)  # every output, views too: the planner's budget
+        act = sum(node_cost(n).held_bytes for n in nodes)  # each storage once (views, in-place writes: none)
+        # a weight gradient before it joins .grad: the largest node's own parameters
+        own = [sum(node_cost(a).param_bytes * (memory.state_factor if node_cost(a).trainable else 1)
+                   for a in n.all_input_nodes if a.op == "get_attr" and sum(stage_of.get(u.name, -1) >= 0
+                                                                            for u in a.users) == 1) for n in nodes]
+        grad = max(own, default=0) / memory.state_factor
+        received = {a for n in nodes for a in n.all_input_nodes if stage_of.get(a.name, s) < s}
+        handed_on = {n for n in nodes if any(stage_of.get(u.name, len(stages)) > s for u in n.users)}
+        inputs = sum(node_cost(a).out_bytes for a in received)
+        outputs = sum(node_cost(a).out_bytes for a in handed_on)
+        # one receive posted ahead; the last stage none for its outputs, but its loss keeps their size per microbatch
+        ahead = (max(inputs, outputs) if s < len(stages) - 1 else inputs + outputs * counts[s]) + grad
         if memory.checkpoint:
-            received = {a for n in nodes for a in n.all_input_nodes if stage_of.get(a.name, s) < s}
-            handed_on = {n for n in nodes if any(stage_of.get(u.name, len(stages)) > s for u in n.users)}
-            kept = sum(node_cost(a).out_bytes for a in received | handed_on)  # per microbatch in flight
-            out.append(sum(state.values()) + act * (1 + BACKWARD_WORKING_SET) + kept * in_flight[s])
+            out.append(sum(state.values()) + act * (1 + BACKWARD_WORKING_SET) + (inputs + outputs) * counts[s] + ahead)
         else:
-            out.append(sum(state.values()) + act * in_flight[s])
+            out.append(sum(state.values()) + act * in_flight[s] + inputs * counts[s] + ahead)
     return out
 
 
@@ -138,14 +149,15 @@ def test_memory_cap_counts_the_microbatches_1f1b_keeps_in_flight(wide):
     k = 4
     schedule = get_schedule("1f1b", num_stages=k, num_ranks=k, num_microbatches=8)
     assert in_flight_per_stage(schedule) == [4, 3, 2, 1]
-    in_flight = activation_units_per_stage(schedule)  # and one more for the backward running
-    assert in_flight == [5, 4, 3, 2]
+    in_flight = activation_units_per_stage(schedule)  # and a running backward's working set
+    assert in_flight == [k + BACKWARD_WORKING_SET for k in (4, 3, 2, 1)]
     free = plan_partition(gm, k, "flops", schedule=schedule, recompute="never")
-    assert free.stage_memory == pytest.approx(_independent_memory(gm, free.stages, in_flight))
+    counts = in_flight_per_stage(schedule)
+    assert free.stage_memory == pytest.approx(_independent_memory(gm, free.stages, in_flight, counts=counts))
 
     # the bottleneck-only split, priced with 1F1B's in-flight microbatches
     plain = plan_partition(gm, k, "flops", recompute="never")
-    plain_peak = max(_independent_memory(gm, plain.stages, in_flight))
+    plain_peak = max(_independent_memory(gm, plain.stages, in_flight, counts=counts))
     cap = int(max(max(free.stage_memory), plain_peak))
     met = 0
     while True:
@@ -156,7 +168,7 @@ def test_memory_cap_counts_the_microbatches_1f1b_keeps_in_flight(wide):
             break
         met += 1
         assert max(capped.stage_memory) <= cap, (capped.stage_memory, cap)
-        assert capped.stage_memory == pytest.approx(_independent_memory(gm, capped.stages, in_flight))
+        assert capped.stage_memory == pytest.approx(_independent_memory(gm, capped.stages, in_flight, counts=counts))
         last_cap = cap
     assert met >= 2, "the test needs caps that bind"
     assert plain_peak > last_cap, "a split ignoring the microbatches in flight should miss the tightest cap"

@@ -28,13 +28,13 @@ class Chain:
 
     nodes: list[fx.Node]
     cost: np.ndarray  # float64 per node: the objective's cost
-    mem: np.ndarray  # int64 per node: output bytes + parameter (+grad) bytes of state only it reads
+    mem: np.ndarray  # int64 per node: new storage bytes + parameter (+grad) bytes of state only it reads
     cut_bytes: np.ndarray  # int64 per position: bytes live across that cut
     allowed: np.ndarray  # bool per position: no tuple/list value crosses it
     # State read at several positions (tied weights): (bytes, positions). Every stage
     # that reads it holds a copy, so a stage's memory is its ``mem`` plus these once each.
     shared: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)
-    # Output bytes per node (the activation part of ``mem``): a schedule that keeps
+    # New storage per node (``held_bytes``, the activation part of ``mem``): a schedule that keeps
     # several microbatches in flight on a stage holds this several times.
     act: np.ndarray | None = None
     # Values live across each cut position (int64, n + 1): of two cuts carrying the same bytes the
@@ -112,7 +112,7 @@ def build_chain(
             shared.append((nbytes, tuple(sorted(positions))))
     for i, node in enumerate(nodes):
         c = node_cost(node)
-        mem[i] += c.out_bytes  # a budget: a backward's gradient buffers include the views' (see held_bytes)
+        mem[i] += c.held_bytes  # each storage once: a view or an in-place write allocates nothing new
         last = max((pos.get(u, n) for u in node.users), default=i)  # the output node counts as n
         if last > i and node.name not in recompute:
             live[i + 1] += c.out_bytes
@@ -128,5 +128,5 @@ def build_chain(
     cut_tensors = np.cumsum(values)[: n + 1]
     cut_bytes[0] = cut_bytes[n] = cut_tensors[0] = cut_tensors[n] = 0
     allowed[0] = allowed[n] = True
-    act = np.array([node_cost(node).out_bytes for node in nodes], dtype=np.int64)
+    act = np.array([node_cost(node).held_bytes for node in nodes], dtype=np.int64)
     return Chain(nodes, cost, mem, cut_bytes, allowed, shared, act, cut_tensors, output_bytes)

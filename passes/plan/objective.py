@@ -51,13 +51,11 @@ class CommModel:
 
 # A running backward's working set, in one microbatch's activations: the gradients it makes while it
 # frees the activations it has used (and a checkpointed stage's the same, over the one microbatch it
-# recomputes). Measured on a GPT's stages in one process (benchmarks/bench_memory.py, every storage
-# counted): 0.1-0.45 for plain stages, 0.4-0.6 for checkpointed ones. The planner's figure is a budget,
-# not a fit: with each storage counted once and half a microbatch here, a step under torchrun (receive
-# buffers posted ahead, sends in flight, zb_h1's gradients kept from I to W) went over it, 1.08-1.19x
-# under 1f1b and 1.24-1.39x under zb_h1 (tests/memory_check.py), so a whole microbatch is kept, and a
-# node's every output (views too) counts.
-BACKWARD_WORKING_SET = 1.0
+# recomputes). Measured on a GPT's stages (benchmarks/bench_memory.py, every new storage counted, a
+# parameter's view no longer taken for one): 0.1-0.45 of a microbatch; with what a stage receives
+# counted (passes/plan/stage_bytes.py) a quarter keeps every stage measured 0.77-1.0 of its figure, in one
+# process and under torchrun (tests/test_activation_memory.py, tests/memory_check.py).
+BACKWARD_WORKING_SET = 0.25
 
 # Optimizer state per parameter, in moments (tensors the size of the parameter): SGD keeps none, SGD
 # with momentum one, Adam/AdamW two; Adafactor factors its second moment into a row and a column
@@ -70,11 +68,11 @@ class MemoryModel:
     """Bytes a stage holds during training.
 
     parameters x (1 + grad_factor + optimizer_factor) + activations of one microbatch x
-    the microbatches the schedule keeps in flight on that stage, one more for a running
+    the microbatches the schedule keeps in flight on that stage, a quarter more for a running
     backward's working set (``BACKWARD_WORKING_SET``), and with a split backward one more per
     microbatch between its I and its W (:func:`activation_units_per_stage`). A microbatch's
-    activations count every node's output, views too (a budget: see ``BACKWARD_WORKING_SET``;
-    one process measures 1.5-2.1x under it). With checkpointing, only the
+    activations count each storage once (a node's ``held_bytes``); what a stage receives is added
+    by :func:`pipesplit.passes.plan.stage_bytes.stage_bytes`. With checkpointing, only the
     stage inputs and outputs of in-flight microbatches are kept, plus one microbatch's full
     activations during its recompute and its backward's working set.
 
@@ -196,7 +194,7 @@ def activation_units_per_stage(schedule: Schedule) -> list[float]:
     >>> from pipesplit.schedules import get_schedule
     >>> one_f_one_b = get_schedule("1f1b", num_stages=4, num_microbatches=8)
     >>> in_flight_per_stage(one_f_one_b), activation_units_per_stage(one_f_one_b)
-    ([4, 3, 2, 1], [5.0, 4.0, 3.0, 2.0])
+    ([4, 3, 2, 1], [4.25, 3.25, 2.25, 1.25])
     """
     peak = [0.0] * schedule.num_stages
     for actions in schedule.actions:
@@ -210,8 +208,9 @@ def activation_units_per_stage(schedule: Schedule) -> list[float]:
                 peak[s] = max(peak[s], held[s] + waiting[s] + BACKWARD_WORKING_SET)
                 if a.kind is ActionKind.FULL_BACKWARD:
                     held[s] -= 1
-                else:
+                else:  # what it keeps for W counts from here, until W
                     waiting[s] += 1
+                    peak[s] = max(peak[s], held[s] + waiting[s])
             elif a.kind is ActionKind.BACKWARD_WEIGHT:
                 held[s] -= 1
                 waiting[s] = max(waiting[s] - 1, 0)

@@ -27,6 +27,7 @@ from pipesplit.meta import node_module_paths
 from pipesplit.passes.plan.advice import repeated_in
 from pipesplit.passes.plan.chain import Chain
 from pipesplit.passes.plan.objective import MemoryModel
+from pipesplit.passes.plan.stage_bytes import stage_bytes
 from pipesplit.plan import Plan
 
 
@@ -107,10 +108,7 @@ def _block_of(node: fx.Node, prefix: str) -> int:
 def head_bytes(chain: Chain, blocks: Blocks, memory: MemoryModel, state: float, a: int, b: int, h: int,
                in_flight: int, units: float | None) -> float:
     """Bytes stage ``[a, b)`` holds recomputing its head ``[a, h)`` (see the module's docstring)."""
-    head = float(blocks.act_sum[h] - blocks.act_sum[a])
-    tail = float(blocks.act_sum[b] - blocks.act_sum[h]) + float(chain.cut_bytes[h])
-    inputs = float(chain.cut_bytes[a]) if a > 0 else 0.0
-    return memory.partial_bytes(state, head, tail, inputs, in_flight, units)
+    return stage_bytes(chain, memory, state, a, b, in_flight, units, head=h, act_sum=blocks.act_sum)
 
 
 def shortest_heads(

@@ -3,20 +3,18 @@
 from __future__ import annotations
 
 import difflib
-import inspect
-import math
-import numbers
 import operator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence, Union
+from typing import Any, Mapping, Sequence
 
 import torch.fx as fx
 
 from pipesplit.compat import data_dependent
-from pipesplit.errors import CostError, PlanError, did_you_mean, nearest_names
+from pipesplit.errors import PlanError, nearest_names
 from pipesplit.meta import NodeCost, node_cost, node_module_paths
+from pipesplit.passes.plan.cost_spec import BUILTIN_COSTS, CostFn, CostSpec, cost_function
 from pipesplit.passes.plan.chain import Chain, build_chain, compute_nodes
-from pipesplit.passes.plan.lengths import LengthMix, solve_over_lengths
+from pipesplit.passes.plan.lengths import LengthMix
 from pipesplit.passes.plan.constraints import check_pins_cuttable, forbid_cuts_inside, module_positions, pin_ranges
 from pipesplit.passes.plan.inplace import Requirement, check_cuts_left, keep_writes_with_reads, write_requirements
 from pipesplit.passes.annotate.costs import unknown_ops
@@ -27,88 +25,12 @@ from pipesplit.passes.plan.balance import rebalance
 from pipesplit.passes.plan.blocks import block_paths, prefer_block_cuts
 from pipesplit.passes.plan.partition import StageLimits, largest_stage, solve_candidates, solve_chain
 from pipesplit.passes.plan.recompute import recomputable
-from pipesplit.passes.plan.checkpoint_search import best_with_checkpointing
 from pipesplit.passes.plan.checkpointing import Checkpoint, check_checkpoint, fixed_set
-from pipesplit.passes.plan.partial_checkpoint import ask_blocks, plan_fields
-from pipesplit.passes.plan.step_planner import TIE, node_seconds
+from pipesplit.passes.plan.partial_checkpoint import ask_blocks
+from pipesplit.passes.plan.scheduled import solve_scheduled
+from pipesplit.passes.plan.step_planner import TIE
 from pipesplit.plan import Plan
 from pipesplit.schedules import Schedule
-
-CostFn = Callable[[fx.Node], float]
-CostSpec = Union[str, CostFn, Any]
-
-
-def _profile_cost(node: fx.Node) -> float:
-    c = node_cost(node)
-    if c.time_s is None:
-        raise CostError(f"node {node.name!r} has no profiled time: run pipesplit.passes.annotate.profile.profile_nodes first.")
-    if c.bwd_time_s is not None:  # profiled backward
-        return c.time_s + c.bwd_time_s
-    ratio = c.bwd_flops / c.fwd_flops if c.fwd_flops else (1.0 if c.bwd_flops else 0.0)
-    return c.time_s * (1.0 + ratio)
-
-
-def _param_cost(node: fx.Node) -> float:
-    return float(sum(node_cost(a).param_bytes for a in node.all_input_nodes if a.op == "get_attr"))
-
-
-BUILTIN_COSTS: dict[str, CostFn] = {
-    "flops": lambda node: float(node_cost(node).total_flops),
-    "params": _param_cost,
-    "uniform": lambda node: 1.0,
-    "profile": _profile_cost,
-    "hybrid": _profile_cost,  # times from pipesplit.passes.annotate.calibrate: FLOPs and bytes fitted to a profile
-}
-
-
-def cost_function(cost: CostSpec) -> tuple[str, CostFn]:
-    """Resolve ``cost`` to (name, per-node function).
-
-    ``cost`` is a built-in name, a callable ``node -> float``, or an object with a
-    ``node_cost(node, costs: NodeCost) -> float`` method.
-    """
-    if isinstance(cost, str):
-        if cost not in BUILTIN_COSTS:
-            hint = did_you_mean(cost, BUILTIN_COSTS, n=1, sentence=True)
-            raise CostError(f"unknown cost {cost!r}; choose one of {sorted(BUILTIN_COSTS)} or pass a cost object.{hint}")
-        return cost, BUILTIN_COSTS[cost]
-    if hasattr(cost, "node_cost"):
-        name = type(cost).__name__
-        _check_arity(f"cost={name}'s node_cost", cost.node_cost, 2)
-        return name, _checked_cost(f"cost={name}'s node_cost", lambda node: cost.node_cost(node, node_cost(node)))
-    if callable(cost):
-        name = getattr(cost, "__name__", "custom")
-        _check_arity(f"cost={name}", cost, 1)
-        return name, _checked_cost(f"cost={name}", cost)
-    raise CostError(f"cost must be a name, a callable or an object with node_cost(); got {type(cost).__name__}.")
-
-
-def _check_arity(what: str, fn: Callable[..., Any], n: int) -> None:
-    """``fn`` can be called with ``n`` positional arguments (refused before the capture otherwise)."""
-    try:
-        inspect.signature(fn).bind(*([None] * n))
-    except TypeError:
-        takes = "node" if n == 1 else "node, costs"
-        raise CostError(f"{what} must take {n} argument(s) ({takes}) and return a number, but its signature is "
-                        f"{inspect.signature(fn)}; e.g. cost=lambda node: 1.0.") from None
-    except ValueError:  # a builtin without a signature: called as is
-        pass
-
-
-def _checked_cost(what: str, fn: Callable[[fx.Node], Any]) -> CostFn:
-    """``fn``'s cost of a node as a finite number >= 0; its failure or another value is a CostError naming the node."""
-    def checked(node: fx.Node) -> float:
-        try:
-            value = fn(node)
-        except Exception as e:
-            raise CostError(f"{what} raised on node {node.name!r} ({node.target}): {type(e).__name__}: {e}") from e
-        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value < 0:
-            raise CostError(f"{what} returned {value!r} for node {node.name!r} ({node.target}); a cost is a finite "
-                            "number >= 0 (FLOPs, seconds, or any unit the stages share).")
-        return float(value)
-
-    return checked
-
 
 def evaluate(gm: fx.GraphModule, stages: list[list[str]], cost_name: str, cost_fn: CostFn, source: str) -> Plan:
     """Figures of a given plan: stage costs, bound, memory, bytes each stage sends."""
@@ -125,7 +47,7 @@ def evaluate(gm: fx.GraphModule, stages: list[list[str]], cost_name: str, cost_f
         for a in attrs:
             c = node_cost(a)
             params[id(operator.attrgetter(str(a.target))(gm))] = c.param_bytes * (2 if c.trainable else 1)
-        memory.append(sum(params.values()) + sum(node_cost(n).out_bytes for n in nodes))  # as the chain counts it
+        memory.append(sum(params.values()) + sum(node_cost(n).held_bytes for n in nodes))  # each storage once
         out = 0
         for n in nodes:
             consumers = {stage_of.get(u.name, last) for u in n.users} - {s}
@@ -279,33 +201,13 @@ def _solve_order(
     if no_split and pins:
         check_pins_cuttable(chain.nodes, chain.allowed, pins, no_split)
     limits = StageLimits(None, ranges.start_lo, ranges.start_hi) if ranges else StageLimits()
-    if schedule is not None and lengths is not None:
-        def build() -> tuple[Chain, Any]:
-            at = build_chain(gm, fn, state_factor=state_factor, recompute=rebuild, order=nodes)
-            return at, node_seconds(at.nodes, name, fn, rate, rates)
-
-        mixed, ckpt = solve_over_lengths(
-            gm, chain, lengths, schedule, build, comm=comm, memory=memory, mem_cap=max_stage_memory, limits=limits,
-            device_kind=device_kind, checkpoint=fixed_set(checkpoint, num_stages, memory.checkpoint))
-        extra = dict(schedule=schedule.name, num_microbatches=schedule.num_microbatches,
-                     predicted_step_s=mixed.candidate.step_s, ideal_step_s=mixed.ideal, checkpoint=sorted(ckpt),
-                     lengths=list(lengths.weights), length_weights=list(lengths.weights.values()),
-                     length_steps_s=mixed.steps)
-        return _Solved(label, chain, mixed.candidate.starts, largest_stage(chain, mixed.candidate.starts),
-                       mixed.candidate.cut_bytes, mixed.candidate.step_s,
-                       [int(m) for m in mixed.candidate.figures.memory], extra)
     if schedule is not None:
-        seconds = node_seconds(chain.nodes, name, fn, rate, rates)
-        best, ideal, ckpt = best_with_checkpointing(
-            chain, seconds, schedule, comm=comm, memory=memory, mem_cap=max_stage_memory,
-            limits=limits, device_kind=device_kind, checkpoint=fixed_set(checkpoint, num_stages, memory.checkpoint),
-            asked=checkpoint if isinstance(checkpoint, Mapping) else None,
-        )
-        extra = dict(schedule=schedule.name, num_microbatches=schedule.num_microbatches,
-                     predicted_step_s=best.step_s, ideal_step_s=ideal, checkpoint=sorted(ckpt),
-                     **plan_fields(chain, best.starts, best.heads))
-        return _Solved(label, chain, best.starts, largest_stage(chain, best.starts), best.cut_bytes, best.step_s,
-                       [int(m) for m in best.figures.memory], extra)
+        got = solve_scheduled(
+            gm, chain, nodes, lambda: build_chain(gm, fn, state_factor=state_factor, recompute=rebuild, order=nodes),
+            name, fn, rate, num_stages, schedule, comm=comm, memory=memory, mem_cap=max_stage_memory, limits=limits,
+            device_kind=device_kind, rates=rates, checkpoint=checkpoint, lengths=lengths)
+        return _Solved(label, chain, got.starts, largest_stage(chain, got.starts), got.cut_bytes, got.step_s,
+                       got.memory, got.extra)
     if ranges is not None:
         cands = solve_candidates(chain, num_stages, [slack], limits=limits, mem_cap=max_stage_memory)
         best_b = min(c.bottleneck for c in cands)
@@ -437,5 +339,5 @@ def _size_source(node: fx.Node) -> fx.Node:
 
 __all__ = [
     "plan_partition", "plan_from_split_points", "check_plan", "evaluate", "cost_function", "cheap_to_recompute",
-    "NodeCost",
+    "NodeCost", "BUILTIN_COSTS", "CostFn", "CostSpec",
 ]

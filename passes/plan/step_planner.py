@@ -23,11 +23,12 @@ from pipesplit.errors import PlanError
 from pipesplit.meta import node_cost
 from pipesplit.passes.plan.chain import Chain
 from pipesplit.passes.plan.objective import (
-    CommModel, MemoryModel, StageFigures, activation_units_per_stage, in_flight_per_stage, split_stages, step_time,
+    BACKWARD_WORKING_SET, CommModel, MemoryModel, StageFigures, activation_units_per_stage, in_flight_per_stage, split_stages, step_time,
 )
 from pipesplit.passes.plan.balance import Solve, rebalance
 from pipesplit.passes.plan.checkpointing import checkpoint_limits, recompute_scale
 from pipesplit.passes.plan.partition import StageLimits, solve_candidates
+from pipesplit.passes.plan.stage_bytes import stage_bytes
 from pipesplit.passes.annotate.rates import DeviceRates, priced
 from pipesplit.schedules import Schedule, StageCost
 
@@ -91,41 +92,35 @@ def figures_for(
     the chain position where the part it recomputes ends (:mod:`pipesplit.passes.plan.partial_checkpoint`);
     ``split``: the stages whose backward the schedule splits into I and W (:func:`split_stages`).
 
-    A checkpointed stage runs its forward again before its backward; where the backward is split,
-    the runtime's I recomputes the forward for the input gradients and its W recomputes it again
-    and walks the whole graph for the weight gradients (measured on a GPT's stages under zb_h1: I
-    = F + I, W = F + I + W of the plain stage; the first stage, whose inputs take no gradient,
-    does all of it in W). A stage recomputing its head under a split backward is charged the head's
-    forward in I and again in W (not measured: taken as the whole stage's rule, conservatively)."""
+    A checkpointed stage runs its forward again before its backward; where the schedule splits the
+    backward, the runtime runs the whole of it (input and weight gradients) in I and nothing in W: an I
+    keeping the recomputed graph for W held it until the step ended, and W recomputed it again
+    (:meth:`pipesplit.runtime.engine.worker.StageWorker.backward_input`). A stage recomputing its head
+    does the same, its head's forward again in I."""
     bounds = list(starts) + [chain.n]
     act = chain.act if chain.act is not None else np.zeros(chain.n, dtype=np.int64)
     if checkpoint is None:
         checkpoint = range(len(starts)) if memory.checkpoint else ()
     costs, mem = [], []
-    ends = chain.end_bytes()
+    act_sum = np.concatenate([[0], np.cumsum(act)])
     for s, (a, b) in enumerate(zip(bounds, bounds[1:])):
         f, i, w = seconds[a:b].sum(axis=0)
         ck = s in checkpoint
         h = heads.get(s) if heads else None
-        if ck and s in split:
-            costs.append(StageCost(float(f), float(f + i) if a > 0 else 0.0, float(f + i + w)))
-        elif h is not None and not ck:  # its head's forward again before its backward (twice if split)
+        if ck and s in split:  # the whole backward in I
+            costs.append(StageCost(float(f), float(f + i + w), 0.0))
+        elif h is not None and not ck:  # its head's forward again before its backward (the whole of it in I if split)
             redo = float(seconds[a:h, 0].sum())
-            costs.append(StageCost(float(f), float(i + redo), float(w + redo if s in split else w)))
+            costs.append(StageCost(float(f), float(i + redo + w), 0.0) if s in split else
+                         StageCost(float(f), float(i + redo), float(w)))
         else:  # a checkpointed stage runs its forward again before its backward
             costs.append(StageCost(float(f), float(i + f if ck else i), float(w)))
         # chain.mem already counts trainable state x (1 + grad + optimizer): see plan_partition
-        state = stage_state(chain, act, a, b)
-        inputs = float(chain.cut_bytes[a]) if a > 0 else 0.0
-        if h is not None and not ck:
-            tail = float(act[h:b].sum()) + float(chain.cut_bytes[h])
-            mem.append(memory.partial_bytes(state, float(act[a:h].sum()), tail, inputs, in_flight[s],
-                                            None if units is None else units[s]))
-            continue
-        if ck:  # it keeps its outputs of each microbatch in flight too: its backward starts from them
-            inputs += float(ends[b])
-        mem.append(memory.held_bytes(state, float(act[a:b].sum()), inputs, in_flight[s],
-                                     None if units is None else units[s], checkpointed=ck))
+        u = None if units is None else units[s]
+        if u is not None and h is not None and s in split:  # its whole backward in I: nothing waits for W
+            u = min(u, in_flight[s] + BACKWARD_WORKING_SET)
+        mem.append(stage_bytes(chain, memory, stage_state(chain, act, a, b), a, b, in_flight[s], u,
+                               checkpointed=ck, head=h, act_sum=act_sum))
     comm_s = [comm.seconds(float(chain.cut_bytes[c]), device_kind, device_kind) for c in starts[1:]]
     return StageFigures(costs, comm_s, mem, list(in_flight))
 
@@ -167,7 +162,46 @@ def schedule_candidates(
     mem_cap: int | None, limits: StageLimits, device_kind: str, checkpoint: frozenset[int] | None = None,
     quick: bool = False,
 ) -> list[Candidate]:
-    """Every split :func:`best_for_schedule` chooses from, each with its simulated step."""
+    """Every split :func:`best_for_schedule` chooses from, each with its simulated step.
+
+    The solver's memory limits count each stage's nodes; the figures also count what it receives
+    (:mod:`pipesplit.passes.plan.stage_bytes`), which depends on where it starts and ends: the limits
+    leave room for a typical cut's inputs per microbatch in flight, splits whose figures still go over
+    ``mem_cap`` are dropped, and where that leaves none, solved again with the limits lowered by the
+    least overshoot (twice at most)."""
+    if mem_cap is None:
+        return _candidates(chain, seconds, schedule, comm=comm, memory=memory, mem_cap=None, room=None,
+                           limits=limits, device_kind=device_kind, checkpoint=checkpoint, quick=quick)
+    # the limits start with room for a stage's received inputs at a typical cut, so that the first solve fits
+    inner = chain.cut_bytes[1:chain.n][chain.allowed[1:chain.n]]
+    typical = float(np.median(inner)) if inner.size else 0.0
+    room = int(mem_cap - typical * (max(in_flight_per_stage(schedule), default=0) + 1))
+    for _ in range(3):
+        try:
+            cands = _candidates(chain, seconds, schedule, comm=comm, memory=memory, mem_cap=mem_cap, room=room,
+                                limits=limits, device_kind=device_kind, checkpoint=checkpoint, quick=quick)
+        except PlanError:
+            if room >= mem_cap:
+                raise
+            room = mem_cap  # that room was too little for any split: the figures decide
+            continue
+        fits = [c for c in cands if max(c.figures.memory) <= mem_cap]
+        if fits:
+            return fits
+        room = int(room - (min(max(c.figures.memory) for c in cands) - mem_cap) * 1.01) - 1
+    k = schedule.num_stages
+    ckpt = (frozenset(range(k)) if memory.checkpoint else frozenset()) if checkpoint is None else checkpoint
+    in_flight, units = in_flight_per_stage(schedule), activation_units_per_stage(schedule)
+    raise PlanError(_memory_message(chain, schedule, in_flight, mem_cap, limits, len(ckpt) == k,
+                                    [in_flight[s] if s in ckpt else units[s] for s in range(k)]))
+
+
+def _candidates(
+    chain: Chain, seconds: np.ndarray, schedule: Schedule, *, comm: CommModel, memory: MemoryModel,
+    mem_cap: int | None, room: int | None, limits: StageLimits, device_kind: str, checkpoint: frozenset[int] | None,
+    quick: bool,
+) -> list[Candidate]:
+    """The candidates of :func:`schedule_candidates` with the solver's memory limits at ``room`` bytes."""
     k = schedule.num_stages
     in_flight = in_flight_per_stage(schedule)
     units = activation_units_per_stage(schedule)
@@ -175,7 +209,7 @@ def schedule_candidates(
     # what multiplies one microbatch's activations: its inputs' count when checkpointed, else the units
     held = [in_flight[s] if s in ckpt else units[s] for s in range(k)]
     scale = recompute_scale(seconds)
-    limits = checkpoint_limits(chain, mem_cap, in_flight, units, ckpt, limits.start_lo, limits.start_hi, scale)
+    limits = checkpoint_limits(chain, room, in_flight, units, ckpt, limits.start_lo, limits.start_hi, scale)
     try:
         splits = solve_candidates(chain, k, QUICK_SLACKS if quick else SLACKS, limits=limits,
                                   precision=10 if quick else 20)
@@ -186,7 +220,7 @@ def schedule_candidates(
     base = list(dict.fromkeys(split.starts for split in splits))
     starts = list(base)
     for side_slack in () if quick else REBALANCE_SLACKS:
-        solve = _side_solver(chain, limits, mem_cap, in_flight, units, ckpt, scale, side_slack)
+        solve = _side_solver(chain, limits, room, in_flight, units, ckpt, scale, side_slack)
         for split in base:
             try:
                 starts.append(rebalance(chain, split, solve))

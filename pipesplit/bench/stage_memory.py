@@ -74,10 +74,18 @@ class _Counting(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        for t in pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
-                self.counter.count(self.rank, t.untyped_storage())
+        for t in new_storages(out, (args, kwargs)):
+            self.counter.count(self.rank, t)
         return out
+
+
+def new_storages(out: Any, inputs: Any) -> list[torch.UntypedStorage]:
+    """The CPU storages among ``out``'s tensors that none of ``inputs``' tensors already had: a view (a
+    parameter's ``t()``) or an in-place write allocates nothing. Counting a parameter's view as new had
+    charged a step one copy of the weights it reads (the parameter is counted with what persists)."""
+    had = {t.untyped_storage().data_ptr() for t in pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor)}
+    return [t.untyped_storage() for t in pytree.tree_leaves(out)
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.untyped_storage().data_ptr() not in had]
 
 
 @dataclass
@@ -108,11 +116,13 @@ class Measured:
         return out
 
 
-def persistent_bytes(pipe: Pipeline, optimizer: torch.optim.Optimizer | None) -> list[int]:
-    """Per stage: parameters and buffers, and the optimizer's state for the stage's parameters."""
+def persistent_bytes(pipe: Pipeline, optimizer: torch.optim.Optimizer | None,
+                     stages: list[int] | None = None) -> list[int]:
+    """Per stage (of ``stages``, default all): parameters and buffers, and the optimizer's state for the
+    stage's parameters."""
     state = optimizer.state if optimizer is not None else {}
     out = []
-    for stage in pipe.prog.stages:
+    for stage in (pipe.prog.stages if stages is None else [pipe.prog.stages[s] for s in stages]):
         seen: set[int] = set()
         total = 0
         tensors = [*stage.module.parameters(), *stage.module.buffers()]
@@ -206,6 +216,36 @@ def measure_pipeline(
             step()
             out.wall_steps.append(time.perf_counter() - start)
     return out
+
+
+def measure_rank(
+    pipe: Pipeline, batch: Callable[[int], tuple[tuple[Any, ...], Any]], stage: int, *,
+    optimizer: torch.optim.Optimizer | None, memory_steps: int = 1, warmup: int = 2,
+) -> int:
+    """Under torchrun, with one stage on this rank: its peak over ``memory_steps`` training steps (after
+    ``warmup`` plain ones): every storage this process allocates during a step (receive buffers posted
+    ahead and sends not yet let go of included), plus its parameters, buffers and optimizer state."""
+    live, peak = LiveBytes(1), 0
+
+    def step(i: int) -> None:
+        args, target = batch(i)
+        pipe.zero_grad(set_to_none=True)
+        pipe.step(*args, target=target)
+        if optimizer is not None:
+            optimizer.step()
+
+    for i in range(warmup):
+        step(i)
+    for i in range(warmup, warmup + memory_steps):
+        pipe.zero_grad(set_to_none=True)
+        live.reset_peaks()
+        with _Counting(live, 0):
+            args, target = batch(i)
+            pipe.step(*args, target=target)
+        if optimizer is not None:
+            optimizer.step()
+        peak = max(peak, live.peak[0])
+    return peak + persistent_bytes(pipe, optimizer, [stage])[0]
 
 
 def measured_step(pipe: Pipeline, measured: Measured, comm_s: float | list[float] = 0.0) -> float:

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 from pipesplit.errors import ScheduleError
 from pipesplit.schedules.actions import Action, ActionKind
+from pipesplit.schedules.releases import with_releases
 from pipesplit.schedules.rendezvous import Op, Plan, Step, check_pairs, sender_stage
 from pipesplit.schedules.schedule import Schedule
 
@@ -41,12 +42,15 @@ class Turn:
     """Post the batches ``post`` (in order), wait for the batches ``wait``, then run ``action`` (if any).
 
     ``wait`` holds indices into the rank's batches in the order they were posted, counted over
-    all its turns; the last turn waits for every batch not waited for yet.
+    all its turns; the last turn waits for every batch not waited for yet. ``release``: batches of
+    sends known complete once the waits are done, let go of there
+    (:mod:`pipesplit.schedules.releases`).
     """
 
     post: tuple[tuple[Op, ...], ...]
     wait: tuple[int, ...]
     action: Action | None
+    release: tuple[int, ...] = ()
 
 
 Program = tuple[tuple[Turn, ...], ...]
@@ -83,7 +87,7 @@ def issue(plan: Plan, lookahead: int | Sequence[int] = LOOKAHEAD,
     if len(ahead) != n or len(early) != n or min(ahead, default=0) < 0:
         raise ValueError(f"lookahead >= 0 and early_sends: one value or one per rank ({n}); got {lookahead}, "
                          f"{early_sends}")
-    return tuple(_issue_rank(steps, k, e) for steps, k, e in zip(plan, ahead, early))
+    return with_releases(tuple(_issue_rank(steps, k, e) for steps, k, e in zip(plan, ahead, early)))
 
 
 def _issue_rank(steps: Sequence[Step], lookahead: int, early_sends: bool) -> tuple[Turn, ...]:

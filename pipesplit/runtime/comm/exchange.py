@@ -74,10 +74,13 @@ class RankComm:
         return value
 
     def turn(self, turn: Turn) -> None:
-        """Post the turn's batches (never blocks), then wait for the batches its action needs."""
+        """Post the turn's batches (never blocks), wait for the batches its action needs, then let go of the
+        sends known complete by now (their receivers have them: waiting returns at once)."""
         for ops in turn.post:
             self._post(ops)
         for i in turn.wait:
+            self._wait(i)
+        for i in turn.release:
             self._wait(i)
 
     def _post(self, ops: Sequence[Op]) -> None:

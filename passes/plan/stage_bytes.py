@@ -1,0 +1,50 @@
+"""The bytes one stage holds at its peak under a schedule: one formula for the planner's figures
+(:func:`pipesplit.passes.plan.step_planner.figures_for`) and the partial-checkpointing search
+(:func:`pipesplit.passes.plan.partial_checkpoint.head_bytes`).
+
+What the figure predicts is a step under torchrun, one rank per stage, which also bounds the same
+step in one process (measured on a GPT, ``benchmarks/bench_memory.py --torchrun``). Besides what
+:class:`~pipesplit.passes.plan.objective.MemoryModel` counts of the stage's own nodes, a stage holds
+the values it receives: each microbatch's inputs until its backward (the leaves its input
+gradients are taken at), and one receive posted ahead of the action that takes it (an input, or
+its outputs' gradient: ``pipesplit.schedules.issue.LOOKAHEAD`` = 1 action), the larger of the two;
+the last stage, what the loss keeps per microbatch (taken as the outputs' size); and a backward's
+weight gradient before it is added into the parameter's ``.grad`` (the largest node's parameters).
+What it sends is let go of once its receiver has it (:mod:`pipesplit.schedules.releases`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pipesplit.passes.plan.chain import Chain
+from pipesplit.passes.plan.objective import MemoryModel
+
+
+def stage_bytes(
+    chain: Chain, memory: MemoryModel, state: float, a: int, b: int, in_flight: int, units: float | None, *,
+    checkpointed: bool = False, head: int | None = None, act_sum: np.ndarray | None = None,
+) -> float:
+    """Bytes stage ``[a, b)`` of ``chain`` holds at its peak: its training ``state``, and its activations
+    for the microbatches in flight (``in_flight``; ``units``: :func:`activation_units_per_stage`), all
+    of them recomputed (``checkpointed``) or its head ``[a, head)`` only. ``act_sum``: the chain's
+    activations summed up to each position (computed when not given)."""
+    act = chain.act if chain.act is not None else np.zeros(chain.n, dtype=np.int64)
+    if act_sum is None:
+        act_sum = np.concatenate([[0], np.cumsum(act)])
+    inputs = float(chain.cut_bytes[a]) if a > 0 else 0.0
+    outputs = float(chain.output_bytes if b >= chain.n else chain.cut_bytes[b])
+    ahead = max(inputs, outputs) if b < chain.n else inputs  # the last stage receives no gradient
+    # the last stage's loss keeps about its outputs' size per microbatch until the backward (cross entropy:
+    # its log-softmax); what a loss function keeps is the user's, so this is the common case, not a bound
+    ahead += float(chain.output_bytes) * in_flight if b >= chain.n else 0.0
+    # a backward's weight gradient, made before it is added into .grad: the largest node's parameters
+    ahead += float((chain.mem[a:b] - act[a:b]).max(initial=0)) / memory.state_factor
+    if head is not None and not checkpointed:
+        tail = float(act_sum[b] - act_sum[head]) + float(chain.cut_bytes[head])
+        return memory.partial_bytes(state, float(act_sum[head] - act_sum[a]), tail, inputs, in_flight, units) + ahead
+    if checkpointed:  # it keeps its outputs of each microbatch in flight too: its backward starts from them
+        return memory.held_bytes(state, float(act_sum[b] - act_sum[a]), inputs + outputs, in_flight, units,
+                                 checkpointed=True) + ahead
+    return memory.held_bytes(state, float(act_sum[b] - act_sum[a]), 0.0, in_flight, units,
+                             checkpointed=False) + inputs * in_flight + ahead
