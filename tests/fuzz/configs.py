@@ -64,8 +64,9 @@ def draw_config(pick: Callable[[Any], Any], integer: Callable[[int, int], int], 
     if example == 1 and mb2 != 1:
         example = 2  # an example batch of 1 pins the batch size (a clear InputError): capture at 2
     opt = "sgd0" if spec.tokens and spec.sparse else pick(("sgd", "adamw"))
-    compiled = local and ("compile" in force or "fiw" in force or "graphs" in force
-                          or integer(1, COMPILE_SHARE) == COMPILE_SHARE)
+    # under torchrun (local=False) only where forced: tests/fuzz/dist.py forces them in turn
+    compiled = ("compile" in force or "fiw" in force or "graphs" in force
+                or (local and integer(1, COMPILE_SHARE) == COMPILE_SHARE))
     graphs = compiled and ("graphs" in force or ("fiw" in force and schedule not in SPLIT_BACKWARD)
                            or integer(0, 1) == 1)
     return {
