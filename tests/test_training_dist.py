@@ -20,6 +20,14 @@ def test_training_semantics_hold_across_processes():
             assert ranks == {"0", "1"}, f"{what} ({schedule}) not confirmed by both ranks:\n{result.stdout}"
 
 
+def test_dropout_on_a_transposed_activation_received_over_a_cut_is_bit_identical_to_local():
+    """A stage that draws random numbers takes what it receives in the layout the model made it with (a
+    transport delivers it contiguous, and a dropout fills its mask in memory order)."""
+    result = torchrun("train_check.py", 2, "--schedule", "1f1b", "--only", "dropout_layout", "--timeout", "60")
+    ranks = set(re.findall(r"rank (\d): ok \(dropout on a transposed activation", result.stdout))
+    assert ranks == {"0", "1"}, result.stdout
+
+
 def test_lengths_that_change_train_exactly_across_processes():
     """A GPT and a tiny Llama compiled at length 32 step at 32, 17, 48, 64, 17 on 2 ranks (1f1b, and
     zb_v: two stages a rank), then the GPT with compiled stages; every rank's gradients equal
