@@ -124,6 +124,31 @@ def dropout_layout_matches_local(schedule: str, rank: int, world: int) -> None:
           flush=True)
 
 
+class NormReadAfterWrite(torch.nn.Module):
+    """BatchNorm's ``running_var`` read after its update, in the next stage (the fuzzer's torchrun leg, seed 22
+    draw 66: the reader's rank held its own copy, never written: loss 3.8% off at one microbatch)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn = torch.nn.BatchNorm1d(8)
+        self.out = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.bn(x)) * self.bn.running_var
+
+
+def buffer_across_ranks_refused(schedule: str, rank: int, world: int) -> None:
+    """A buffer written in place by one rank's stage and used by another rank's is refused, naming it."""
+    prog = pipesplit.compile(NormReadAfterWrite(), torch.randn(2, 8), split_points=["out"], progress=False)
+    try:
+        pipesplit.Pipeline(prog, schedule, num_microbatches=1, loss_fn=dot_loss, timeout=60)
+    except pipesplit.PipesplitError as e:
+        assert "'bn.running_var' is written in place and used by stages [0, 1], which run on ranks [0, 1]" in str(e), e
+    else:
+        raise AssertionError(f"rank {rank}: a buffer written on rank 0 and read on rank 1 was not refused")
+    print(f"rank {rank}: ok (a buffer used across ranks refused, {schedule})", flush=True)
+
+
 def resnet_inplace(schedule: str, rank: int, world: int, compile: dict | None = None) -> None:
     from tests.test_training import ResNet
 
@@ -152,14 +177,15 @@ def main() -> int:
     p.add_argument("--schedule", default="1f1b,zb_h1,zb_v")
     p.add_argument("--timeout", type=float, default=60)
     p.add_argument("--compile", help="a torch.compile backend: stages compiled (accumulation and ResNet checks only)")
-    p.add_argument("--only", help="one check by name: dropout_layout")
+    p.add_argument("--only", help="one check by name: dropout_layout, buffer_across_ranks")
     args = p.parse_args()
     dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout))
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
     for schedule in args.schedule.split(","):
-        if args.only == "dropout_layout":
-            dropout_layout_matches_local(schedule, rank, world)
+        if args.only:
+            {"dropout_layout": dropout_layout_matches_local, "buffer_across_ranks": buffer_across_ranks_refused}[
+                args.only](schedule, rank, world)
             continue
         if args.compile:
             accumulation(schedule, rank, world, {"backend": args.compile})

@@ -124,6 +124,9 @@ ALLOWED: list[tuple[str, frozenset[str], str]] = [
      "time-major rows flattened: pipe(x) refuses them even where one microbatch has nothing to join (eval_pipe)"),
     (r"looks up a sparse embedding", frozenset({"sparse_mesh"}),
      "a sparse embedding's gradient is not summed over data-parallel replicas"),
+    (r"which run on ranks", frozenset({"state_write", "buffer_write"}),
+     "under torchrun, a buffer written in place by a stage and used by a stage on another rank (each rank holds "
+     "its own copy; the reader would not see the write)"),
     (r"written in place inside the forward", frozenset({"clamp_w"}),
      "a trainable weight written in place in forward, under a schedule with microbatches interleaved"),
 ]
