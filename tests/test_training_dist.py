@@ -21,11 +21,12 @@ def test_training_semantics_hold_across_processes():
 
 
 def test_dropout_on_a_transposed_activation_received_over_a_cut_is_bit_identical_to_local():
-    """A stage that draws random numbers takes what it receives in the layout the model made it with (a
-    transport delivers it contiguous, and a dropout fills its mask in memory order)."""
+    """A random op on a stream draws over its inputs made contiguous (a dropout fills its mask in memory
+    order, and a transport delivers a transposed activation contiguous)."""
     result = torchrun("train_check.py", 2, "--schedule", "1f1b", "--only", "dropout_layout", "--timeout", "60")
-    ranks = set(re.findall(r"rank (\d): ok \(dropout on a transposed activation", result.stdout))
-    assert ranks == {"0", "1"}, result.stdout
+    for model in ("TransposedDropout", "NormTransposedDropout"):
+        ranks = set(re.findall(rf"rank (\d): ok \(dropout on a transposed activation.*{model}\)", result.stdout))
+        assert ranks == {"0", "1"}, result.stdout
 
 
 def test_a_buffer_written_on_one_rank_and_read_on_another_is_refused():

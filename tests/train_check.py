@@ -16,6 +16,7 @@ import copy
 import os
 import sys
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -100,12 +101,30 @@ class TransposedDropout(torch.nn.Module):
         return self.out(self.drop(h))
 
 
+class NormTransposedDropout(torch.nn.Module):
+    """As :class:`TransposedDropout` through a BatchNorm: eager's output is transposed in memory where
+    export's recorded strides say row-major (so restoring the recorded layout was not enough)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn, self.drop, self.out = torch.nn.BatchNorm1d(8), torch.nn.Dropout(0.3), torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.bn(x.transpose(1, 2)).transpose(1, 2) * 0.5
+        return self.out(self.drop(h))
+
+
 def dropout_layout_matches_local(schedule: str, rank: int, world: int) -> None:
-    """The fuzzer's torchrun leg (seed 22, draw 38: loss 19% off against the model on pipesplit's streams):
-    the second stage drew its mask over the contiguous copy a transport delivers, the local executor over
-    the model's transposed layout, so one seed gave two masks."""
+    """The fuzzer's torchrun leg (seed 22 draw 38, loss 19% off against the model on pipesplit's streams;
+    seed 7 draw 9, 103% off): the second stage drew its mask over the contiguous copy a transport
+    delivers, the local executor over the model's transposed layout, so one seed gave two masks."""
+    for make in (TransposedDropout, NormTransposedDropout):
+        _dropout_layout_matches_local(make, schedule, rank, world)
+
+
+def _dropout_layout_matches_local(make: Any, schedule: str, rank: int, world: int) -> None:
     torch.manual_seed(0)
-    model = TransposedDropout()
+    model = make()
     ex = torch.randn(2, 4, 8)
     pipes = [pipesplit.Pipeline(pipesplit.compile(model, ex, split_points=["drop"], progress=False), schedule,
                                 num_microbatches=2, loss_fn=dot_loss, loss_reduction="sum", timeout=60,
@@ -118,10 +137,11 @@ def dropout_layout_matches_local(schedule: str, rank: int, world: int) -> None:
     got = pipes[1].step(x, target=t)
     assert float(got) == float(want), f"rank {rank}: loss {float(got)!r} != local {float(want)!r}"
     local_params = dict(pipes[0].named_parameters())
-    for name, p in pipes[1].named_parameters():
-        assert torch.equal(p.grad, local_params[name].grad), f"rank {rank}: gradient of {name} differs from local"
-    print(f"rank {rank}: ok (dropout on a transposed activation bit-identical to the local executor, {schedule})",
-          flush=True)
+    for name, p in pipes[1].named_parameters():  # the same masks; a BatchNorm's backward over a received gradient
+        # in another layout sums in another order, so rounding apart
+        assert_close(p.grad, local_params[name].grad, name=f"rank {rank}: gradient of {name} against local")
+    print(f"rank {rank}: ok (dropout on a transposed activation bit-identical to the local executor, {schedule}, "
+          f"{make.__name__})", flush=True)
 
 
 class NormReadAfterWrite(torch.nn.Module):

@@ -152,7 +152,8 @@ class Streams:
     """The plain model's dropout modules drawing as pipesplit's stages do (pipesplit/rng.py): in
     microbatch i, the module stage s runs draws from a generator seeded with stream_seed(step seed, s,
     i), continued from the stage's previous random op in that microbatch; torch's own state is put back
-    after each. Only which stage runs which module comes from pipesplit; the values are the model's."""
+    after each, and each draws over its inputs made contiguous as pipesplit does. Only which stage runs which
+    module comes from pipesplit; the values are the model's."""
 
     def __init__(self, model: torch.nn.Module, where: dict[str, int], seed: int):
         self.where, self.seed, self.mb = where, seed, 0
@@ -170,11 +171,13 @@ class Streams:
         self.mb, self.states = i, {}
 
     def _enter(self, stage: int) -> Callable[..., None]:
-        def hook(mod: Any, args: Any) -> None:
+        def hook(mod: Any, args: Any) -> Any:
             if stage not in self.states:
                 self.states[stage] = torch.Generator().manual_seed(stream_seed(self.seed, stage, self.mb)).get_state()
             self.saved = torch.get_rng_state()
             torch.set_rng_state(self.states[stage])
+            # pipesplit draws over the values made contiguous (rng.seeded): the masks follow no layout
+            return tuple(a.contiguous() if isinstance(a, torch.Tensor) else a for a in args)
         return hook
 
     def _leave(self, stage: int) -> Callable[..., None]:

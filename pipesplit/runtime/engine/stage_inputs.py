@@ -11,7 +11,6 @@ import torch
 from pipesplit.compat import optimization_hint
 from pipesplit.passes.aliasing import inplace_inputs
 from pipesplit.passes.split.program import SplitProgram, Stage
-from pipesplit.rng import seeded
 from pipesplit.runtime.comm.exchange import RankComm
 from pipesplit.runtime.comm.transport import Like
 from pipesplit.schedules.rendezvous import Message
@@ -40,7 +39,6 @@ class StageInputs:
         self._ints: dict[tuple[str, int, Any], int] = {}
         self._written: tuple[torch.nn.Module, frozenset[str]] | None = None
         self._layouts: tuple[torch.nn.Module, dict[str, list[int] | None]] | None = None  # see _layout
-        self._random: tuple[torch.nn.Module, bool] | None = None  # see _draws
         self.written_inputs = {where for s in prog.stages for name, kind, where in s.inputs  # flat input indices
                                if kind == "input" and name in s.mutated_inputs}
 
@@ -55,21 +53,8 @@ class StageInputs:
             self._written = (module, frozenset(self.stage.mutated_inputs & set(now)))
         return self._written[1]
 
-    def _draws(self) -> bool:
-        """Whether the stage's graph in its current mode runs random ops (found once per module): a
-        dropout fills its mask in the memory order of what it reads (``empty_like`` keeps the layout), so
-        a received tensor must come in the layout the model made it with, or under torchrun (a transport
-        delivers it contiguous) the mask differs from the model's and the local executor's for one seed."""
-        module = self.stage.module
-        if self._random is None or self._random[0] is not module:
-            graph = getattr(module, "graph", None)
-            self._random = (module, isinstance(graph, torch.fx.Graph) and any(
-                n.op == "call_function" and n.target is seeded for n in graph.nodes))
-        return self._random[1]
-
     def _as_sent(self, name: str, value: torch.Tensor) -> torch.Tensor:
-        """A received tensor the stage writes in place, or in a stage that draws random numbers
-        (:meth:`_draws`), in the memory layout the model made it with (a
+        """A received tensor the stage writes in place, in the memory layout the model made it with (a
         transposed view, say): a transport delivers it contiguous, and an op that reads it before the
         write then saves it itself where the model's saved a copy, so the write broke that op's backward
         under torchrun (a linear on a transposed conv output, then a ``mul_``: autograd's version error)."""
@@ -132,7 +117,7 @@ class StageInputs:
         leaf)). Also the positions the stage writes in place (cloned inside the stage) and the
         caller's rows such a write goes back to."""
         received: dict[tuple[str, int], Any] = {}
-        written_now, draws = self._written_inputs(), self._draws()
+        written_now = self._written_inputs()
         for name, kind, where in self.stage.inputs:
             if kind != "stage":
                 continue
@@ -141,7 +126,7 @@ class StageInputs:
                 received[(name, where)] = self._scalar(b, data)
                 continue
             value = self._to_device(comm.take(Message("F", name, where, self.index, m)))
-            if (draws or name in written_now) and isinstance(value, torch.Tensor):
+            if name in written_now and isinstance(value, torch.Tensor):
                 value = self._as_sent(name, value)
             if data.training and b.requires_grad:
                 value = value.detach().requires_grad_(True)
