@@ -138,9 +138,9 @@ def split_graph(
             if a.op != "placeholder":
                 consumers.setdefault(a, []).append(s)
     sent_inputs: list[list[fx.Node]] = [[] for _ in range(k)]  # program inputs a stage sends on, written
-    for (s, a), src in routed.items():
-        if a not in sent_inputs[src]:
-            sent_inputs[src].append(a)
+    for (_, a), writer in routed.items():
+        if a not in sent_inputs[writer]:
+            sent_inputs[writer].append(a)
 
     attr_nodes: dict[str, list[fx.Node]] = {}
     for node in gm.graph.nodes:
