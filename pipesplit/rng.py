@@ -115,10 +115,16 @@ def resumed_stream(start: _Stream | None) -> Iterator[None]:
 
 
 def seeded(op: Any, *args: Any, **kwargs: Any) -> Any:
-    """Run random ``op`` on the current thread's stream (or torch's default generator if none)."""
+    """Run random ``op`` on the current thread's stream (or torch's default generator if none). On a
+    stream, an op that writes none of its arguments draws over them made contiguous: a dropout fills its
+    mask in memory order, and a value can reach a stage in another layout than the model's (a transport
+    delivers it contiguous; export's recorded strides may differ from eager's), so the masks follow the
+    values alone and equal under any executor."""
     stream: _Stream | None = getattr(_local, "stream", None)
     if stream is None:
         return op(*args, **kwargs)
+    if not _writes(op):
+        args = tuple(a.contiguous() if isinstance(a, torch.Tensor) else a for a in args)
     with _lock:
         saved = {key: _default(key).get_state() for key in stream.states}
         try:
@@ -131,6 +137,12 @@ def seeded(op: Any, *args: Any, **kwargs: Any) -> Any:
             for key, state in saved.items():
                 _default(key).set_state(state)
     return out
+
+
+def _writes(op: Any) -> bool:
+    """Whether ``op`` writes one of its arguments (``bernoulli_``, an ``out=`` variant)."""
+    schema = getattr(op, "_schema", None)
+    return schema is None or any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
 
 
 def _is_random(node: fx.Node) -> bool:

@@ -53,3 +53,45 @@ def test_instance_norm_running_statistics_train_as_accumulation():
         prog.state_entry(prog.target_to_entry[t]).name for t in prog.mutated_targets}
     pipe = pipesplit.Pipeline(prog, "1f1b", num_microbatches=4, loss_fn=dot_loss, loss_reduction="sum")
     check_training(model, pipe, [((torch.randn(8, 8),), {})], m=4)
+
+
+def test_each_replicas_part_is_weighted_by_where_its_microbatches_sit():
+    """Two replicas (dp=2) of two microbatches each, their all-reduce played in one process: each part is
+    decayed by the microbatches that follow it in the global batch (replica 0's by D^2, replica 1's by 1), so
+    the running statistics end as a plain BatchNorm's over the four microbatches in order. Weighting the
+    replicas in the wrong order (mutant M22 of tests/fuzz/mutants.py) leaves running_mean 30% off here."""
+    from types import SimpleNamespace
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8, momentum=0.3), nn.Linear(8, 8)).double()
+    model[1].running_mean.uniform_(-1, 1)
+    batches = [torch.randn(4, 8, dtype=torch.float64) * (k + 1) + k for k in range(4)]  # 4 microbatches, in order
+    ref = __import__("copy").deepcopy(model).train()
+    with torch.no_grad():
+        for x in batches:
+            ref(x)
+
+    def replica(d: int, others: list[torch.Tensor]) -> tuple[nn.Module, list[torch.Tensor]]:
+        prog = pipesplit.compile(__import__("copy").deepcopy(model), batches[0], num_stages=1, progress=False).train()
+        stats, sent = RunningStats(prog, [0], 0), []
+
+        def all_reduce(flat: torch.Tensor, group: object = None) -> None:
+            sent.append(flat.clone())
+            for other in others:
+                flat += other
+        saved = stats.begin()
+        with torch.no_grad():
+            for x in batches[2 * d:2 * d + 2]:
+                prog(x)
+        stats.finish(saved, 2, SimpleNamespace(dp_size=2, dp_rank=d, dist=SimpleNamespace(all_reduce=all_reduce),
+                                               dp_group=None), torch.device("cpu"))
+        return prog, sent
+
+    parts = [replica(d, [])[1][0] for d in range(2)]  # what each replica hands the all-reduce
+    for d in range(2):
+        prog, _ = replica(d, [parts[1 - d]])
+        for name in ("1.running_mean", "1.running_var", "1.num_batches_tracked"):
+            got = prog.state_dict()[name]
+            want = ref.state_dict()[name]
+            err = ((got.double() - want.double()).norm() / want.double().norm()).item()
+            assert err < 1e-12, f"replica {d}: {name} {err:.2g} off"

@@ -20,6 +20,24 @@ def test_training_semantics_hold_across_processes():
             assert ranks == {"0", "1"}, f"{what} ({schedule}) not confirmed by both ranks:\n{result.stdout}"
 
 
+def test_dropout_on_a_transposed_activation_received_over_a_cut_is_bit_identical_to_local():
+    """A random op on a stream draws over its inputs made contiguous (a dropout fills its mask in memory
+    order, and a transport delivers a transposed activation contiguous)."""
+    result = torchrun("train_check.py", 2, "--schedule", "1f1b", "--only", "dropout_layout", "--timeout", "60")
+    for model in ("TransposedDropout", "NormTransposedDropout"):
+        ranks = set(re.findall(rf"rank (\d): ok \(dropout on a transposed activation.*{model}\)", result.stdout))
+        assert ranks == {"0", "1"}, result.stdout
+
+
+def test_a_buffer_written_on_one_rank_and_read_on_another_is_refused():
+    """BatchNorm's running_var updated by stage 0 and read by stage 1 on another rank: that rank's copy was
+    never written, so the loss was off at any number of microbatches (one microbatch: the local executor
+    shares the buffer and is exact, so only torchrun refuses)."""
+    result = torchrun("train_check.py", 2, "--schedule", "1f1b", "--only", "buffer_across_ranks", "--timeout", "60")
+    assert set(re.findall(r"rank (\d): ok \(a buffer used across ranks refused", result.stdout)) == {"0", "1"}, \
+        result.stdout
+
+
 def test_lengths_that_change_train_exactly_across_processes():
     """A GPT and a tiny Llama compiled at length 32 step at 32, 17, 48, 64, 17 on 2 ranks (1f1b, and
     zb_v: two stages a rank), then the GPT with compiled stages; every rank's gradients equal

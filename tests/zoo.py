@@ -82,6 +82,21 @@ class LateKwarg(nn.Module):
         return x * scale
 
 
+class InputViewWrite(nn.Module):
+    """The caller's input written in place through a view (``x.t().mul_``) at the front, and ``x`` itself
+    read again by the last layer (the torchrun fuzz leg's draw: the last stage read the input unwritten)."""
+
+    def __init__(self, d: int = 16, depth: int = 4):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(d, d) for _ in range(depth))
+
+    def forward(self, x):
+        h = x.t().mul_(2.0).t()
+        for layer in self.layers:
+            h = torch.tanh(layer(h))
+        return h + x
+
+
 class DictTupleOut(nn.Module):
     """Returns a dict holding a tuple, a tensor from an early layer and a non-tensor constant."""
 
@@ -135,7 +150,8 @@ CASES = [
     Case("hf_gpt2", hf_gpt2, _ids(128, 16)),
     Case("hf_llama", hf_llama, _ids(128, 16)),
 ]
-CASE_BY_NAME = {c.name: c for c in CASES}
+# by name only (tests/dist_check.py): a model that writes its input would need the CASES tests to copy it
+CASE_BY_NAME = {c.name: c for c in [*CASES, Case("input_view_write", InputViewWrite, _x())]}
 
 
 def weighted_loss(out: Any, seed: int = 0) -> torch.Tensor:

@@ -131,11 +131,16 @@ def split_graph(
     for out in flat_outputs:
         if isinstance(out, fx.Node) and not (out.op in COMPUTE_OPS and stage_of[out] == last):
             needs[last][out] = None
+    routed = _written_input_sources(gm, placeholders, needs, rebuilt, stage_of)
     consumers: dict[fx.Node, list[int]] = {}
     for s in range(k):
         for a in needs[s]:
             if a.op != "placeholder":
                 consumers.setdefault(a, []).append(s)
+    sent_inputs: list[list[fx.Node]] = [[] for _ in range(k)]  # program inputs a stage sends on, written
+    for (_, a), writer in routed.items():
+        if a not in sent_inputs[writer]:
+            sent_inputs[writer].append(a)
 
     attr_nodes: dict[str, list[fx.Node]] = {}
     for node in gm.graph.nodes:
@@ -152,7 +157,8 @@ def split_graph(
             ph = graph.placeholder(a.name)
             ph.meta = dict(a.meta)
             env[a] = ph
-            inputs.append((a.name, "input", input_index[a]) if a.op == "placeholder" else (a.name, "stage", stage_of[a]))
+            inputs.append((a.name, "stage", routed[(s, a)]) if (s, a) in routed else
+                          (a.name, "input", input_index[a]) if a.op == "placeholder" else (a.name, "stage", stage_of[a]))
         for target in attrs[s]:
             new = graph.get_attr(target)
             new.meta = dict(attr_nodes[target][0].meta)
@@ -167,7 +173,7 @@ def split_graph(
         if s == last:
             outs = list(dict.fromkeys(o for o in flat_outputs if isinstance(o, fx.Node)))
         else:
-            outs = [n for n in produced if n in consumers]
+            outs = [n for n in produced if n in consumers] + sent_inputs[s]
         graph.output(tuple(env[o] for o in outs))
         attr_objs = {t: operator.attrgetter(t)(gm) for t in attrs[s]}
         graph.owning_module = gm  # for the analyses: a higher-order op's subgraph is an attribute of gm
@@ -186,6 +192,37 @@ def split_graph(
     root, boundaries = _root_graph(gm, pieces, placeholders, devices, stage_of, by_name)
     outputs = [("value", o.name) if isinstance(o, fx.Node) else ("const", o) for o in flat_outputs]
     return SplitGraph(pieces, root, boundaries, outputs)
+
+
+def _written_input_sources(gm: fx.GraphModule, placeholders: list[fx.Node], needs: list[dict[fx.Node, None]],
+                           rebuilt: list[dict[fx.Node, None]], stage_of: dict[fx.Node, int]) -> dict[tuple[int, fx.Node], int]:
+    """(stage, program input) -> the earlier stage it receives that input from: the last one before it
+    that writes the input in place (through a view, so the model reads the input itself again after the
+    write: ``x.transpose(1, 2).mul_(2)``, later ``+ x``). Each stage reads the caller's inputs as given;
+    under torchrun a stage on another rank never saw the write (the fuzzer: loss 49% off), so the
+    written input travels from its writer as any value does. A stage reading the input before the write
+    in the model's order keeps the caller's."""
+    readers = [p for p in placeholders if sum(p in n for n in needs) > 1]
+    if not readers:
+        return {}
+    classes = storage_classes(gm.graph)
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    writers: dict[Any, list[fx.Node]] = {}
+    for w, written in classes.writes.items():
+        for x in written:
+            if w in stage_of:
+                writers.setdefault(classes.root(x), []).append(w)
+    routed: dict[tuple[int, fx.Node], int] = {}
+    for p in readers:
+        for s, need in enumerate(needs):
+            before = [w for w in writers.get(classes.root(p), ()) if stage_of[w] < s and p in needs[stage_of[w]]]
+            if p not in need or not before:
+                continue
+            last = max(before, key=order.__getitem__)
+            uses = [u for u in p.users if stage_of.get(u) == s or u in rebuilt[s]]
+            if all(order[u] > order[last] for u in uses):
+                routed[(s, p)] = stage_of[last]
+    return routed
 
 
 def _refuse_written_aliases(stage: int, inputs: Collection[fx.Node], mutated: frozenset[str],

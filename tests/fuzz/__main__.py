@@ -23,7 +23,8 @@ def one_case(force: frozenset[str], case_seed: int, stats: Stats, coverage: Cove
     (check.shrink) and raised as a FuzzFailure with the smaller case's repro."""
     spec, cfg = draw_case(case_seed, force, max_layers)
     try:
-        return run(spec, cfg, stats=stats, include_known=include_known, coverage=coverage)
+        return run(spec, cfg, stats=stats, include_known=include_known, coverage=coverage,
+                   label=f"case seed {case_seed} (forced {','.join(sorted(force)) or 'nothing'})")
     except FuzzFailure as e:
         first = str(e).partition("\n")[0]
         small = shrink(spec, cfg, first, shrink_s)
@@ -90,6 +91,12 @@ def main(argv: list[str] | None = None) -> int:
     stats = fuzz(args.minutes, args.seed, args.include_known, args.max_layers, args.out, coverage,
                  args.first_failure)
     print("\n" + stats.summary())
+    if stats.largest[2] and args.out:
+        os.makedirs(args.out, exist_ok=True)
+        path = os.path.join(args.out, f"largest_error_seed{args.seed}.py")
+        with open(path, "w") as f:
+            f.write(stats.largest[2])
+        print(f"the largest passing error's case, as a script: {path}")
     print(coverage.summary())
     print(f"\nKNOWN table ({len(KNOWN)} entries{', drawn anyway' if args.include_known else ', steered around'}); "
           "draws steered off, by entry:")

@@ -38,6 +38,8 @@ class Stats:
     by_feature: collections.Counter = field(default_factory=collections.Counter)
     by_schedule: collections.Counter = field(default_factory=collections.Counter)
     failures: dict[str, str] = field(default_factory=dict)  # first line of a shrunk failure -> repro
+    # the case with the largest relative error that passed: (error, which case and tensor, its repro script)
+    largest: tuple[float, str, str] = (0.0, "", "")
     started: float = field(default_factory=time.monotonic)
 
     def summary(self) -> str:
@@ -54,6 +56,7 @@ class Stats:
                  f"{self.refused_as_expected / max(drawn, 1):.0%} refused as expected, "
                  f"{(self.ran - refused - self.refused_as_expected) / max(drawn, 1):.0%} compared; largest "
                  f"relative error that passed {harness.MAX_ERR[0]:.2g} (RTOL {harness.RTOL:g})",
+                 f"largest passing error {self.largest[0]:.2g} in {self.largest[1] or '-'}",
                  "by schedule: " + ", ".join(f"{k}={v}" for k, v in sorted(self.by_schedule.items())),
                  "by feature: " + ", ".join(f"{k}={v}" for k, v in sorted(self.by_feature.items()))]
         lines += [f"refused x{n}: {msg}" for msg, n in self.refused.most_common(8)]
@@ -72,10 +75,12 @@ def repro(spec: ModelSpec, cfg: dict[str, Any], runner: str = "run_case(Model, I
 
 
 def run(spec: ModelSpec, cfg: dict[str, Any], stats: Stats | None = None, include_known: bool = False,
-        mesh: Any = None, dist: str | None = None, coverage: Any = None) -> str:
+        mesh: Any = None, dist: str | None = None, coverage: Any = None, label: str = "") -> str:
     """Run one case in float64; "ok", "invalid", "known", "refused", "refused as expected" or raises
     FuzzFailure (with a repro): on a difference, a raw error, a refusal the case's features do not
-    allow (configs.allowed_refusal), or no refusal (or another one) where configs.MUST_REFUSE expects it."""
+    allow (configs.allowed_refusal), or no refusal (or another one) where configs.MUST_REFUSE expects it.
+    A case whose comparisons raise the largest passing error so far is kept in ``stats.largest``, named by
+    ``label`` (the draw that made it), the tensor and the case's features."""
     if cfg.get("checkpoint") and cfg.get("checkpoint_plan") and expected_refusal(features(spec, cfg, dist)):
         # a planned set of stages may leave out the one that writes state: a refusal is expected, so all of them
         cfg = {**cfg, "checkpoint_plan": False}
@@ -85,7 +90,7 @@ def run(spec: ModelSpec, cfg: dict[str, Any], stats: Stats | None = None, includ
             stats.skipped_known += 1
         return "known"
     must = expected_refusal(feats)
-    replays, built = harness.GRAPH_REPLAYS, harness.FIW_BUILT
+    replays, built, largest = harness.GRAPH_REPLAYS, harness.FIW_BUILT, harness.MAX_ERR[0]
     before = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)  # these models are tiny: every case in float64, at a tight RTOL
     try:
@@ -93,6 +98,11 @@ def run(spec: ModelSpec, cfg: dict[str, Any], stats: Stats | None = None, includ
             harness.run_case(lambda: build(spec), io(spec), cfg, mesh=mesh)
         finally:
             torch.set_default_dtype(before)
+            if stats and harness.MAX_ERR[0] > largest:  # a refusal after some comparisons keeps them too
+                stats.largest = (harness.MAX_ERR[0], f"{label or 'a case'}, {harness.MAX_AT[0]}; features "
+                                 f"{sorted(f for f in feats if '=' not in f or f.startswith('schedule='))}",
+                                 repro(spec, cfg, "run_case(Model, IO, CFG); print('largest relative error', "
+                                                  "MAX_ERR[0], 'in', MAX_AT[0])"))
         feats = feats | ({"graphs_replayed"} if harness.GRAPH_REPLAYS > replays else set()) | (
             {"fiw"} if harness.FIW_BUILT > built else set())
         assert must is None, f"not refused: the generator expects a PipesplitError saying {must!r} here"

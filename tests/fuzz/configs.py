@@ -18,6 +18,11 @@ SPLIT_BACKWARD = ("zb_h1", "zb_v", "dualpipe_v")
 # include every feature of an entry is not drawn (``--include-known`` draws it anyway). Delete an
 # entry when its fix merges; a NEW finding goes here as "new: ..." only with a repro in the report.
 KNOWN: dict[frozenset[str], str] = {
+    frozenset({"dist", "checkpoint_partial", "inplace"}):
+        "new: under torchrun, a stage that recomputes only its first block (compile(checkpoint={1: 1})) and "
+        "writes a received input in place there (relu_ on a GroupNorm output received transposed) fails with "
+        "autograd's 'modified by an inplace operation' on the relu's output (tests/fuzz/dist.py --seed 23, draw "
+        "73, looped_bfs, 2 stages, m=3); the local executor is exact",
 }
 
 
@@ -64,8 +69,9 @@ def draw_config(pick: Callable[[Any], Any], integer: Callable[[int, int], int], 
     if example == 1 and mb2 != 1:
         example = 2  # an example batch of 1 pins the batch size (a clear InputError): capture at 2
     opt = "sgd0" if spec.tokens and spec.sparse else pick(("sgd", "adamw"))
-    compiled = local and ("compile" in force or "fiw" in force or "graphs" in force
-                          or integer(1, COMPILE_SHARE) == COMPILE_SHARE)
+    # under torchrun (local=False) only where forced: tests/fuzz/dist.py forces them in turn
+    compiled = ("compile" in force or "fiw" in force or "graphs" in force
+                or (local and integer(1, COMPILE_SHARE) == COMPILE_SHARE))
     graphs = compiled and ("graphs" in force or ("fiw" in force and schedule not in SPLIT_BACKWARD)
                            or integer(0, 1) == 1)
     return {
@@ -124,6 +130,9 @@ ALLOWED: list[tuple[str, frozenset[str], str]] = [
      "time-major rows flattened: pipe(x) refuses them even where one microbatch has nothing to join (eval_pipe)"),
     (r"looks up a sparse embedding", frozenset({"sparse_mesh"}),
      "a sparse embedding's gradient is not summed over data-parallel replicas"),
+    (r"which run on ranks", frozenset({"state_write", "buffer_write"}),
+     "under torchrun, a buffer written in place by a stage and used by a stage on another rank (each rank holds "
+     "its own copy; the reader would not see the write)"),
     (r"written in place inside the forward", frozenset({"clamp_w"}),
      "a trainable weight written in place in forward, under a schedule with microbatches interleaved"),
 ]

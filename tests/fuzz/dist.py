@@ -11,6 +11,7 @@ import random
 import sys
 import tempfile
 import time
+import traceback
 from datetime import timedelta
 
 import torch
@@ -25,9 +26,12 @@ from tests.fuzz.models import draw_model  # noqa: E402
 from tests.launch import end_rank  # noqa: E402
 
 
-# what each case in turn must have (dropout p > 0 and compiled stages are the local fuzzer's)
-FORCED = [frozenset(), frozenset({"buffer_write"}), frozenset({"shared"}), frozenset({"input_grad"}),
-          frozenset({"non_batch_first"}), frozenset({"checkpoint"})]
+# what each case in turn must have: every (torchrun, feature) pair is met, and dropout with checkpointing
+# (a stage's recompute must redraw the masks of its forward) and compiled stages (aot_eager; F/I/W graphs)
+FORCED = [frozenset(), frozenset({"dropout", "checkpoint"}), frozenset({"compile"}), frozenset({"buffer_write"}),
+          frozenset({"shared"}), frozenset({"fiw", "graphed"}), frozenset({"input_grad"}),
+          frozenset({"non_batch_first"}), frozenset({"checkpoint"}), frozenset({"dropout"}),
+          frozenset({"compile", "dropout"})]  # draw k has FORCED[(k + 1) % 11]: the suite's few cases meet the first
 
 
 def main() -> int:
@@ -37,6 +41,7 @@ def main() -> int:
     p.add_argument("--minutes", type=float, default=10.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--include-known", action="store_true")
+    p.add_argument("--first-draw", type=int, default=0, help="start at this draw (replay one: --cases 1)")
     args = p.parse_args()
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     torch.set_num_threads(1)
@@ -49,10 +54,10 @@ def main() -> int:
         mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "pp"))
     pp = 2 if mesh is not None else world
     combos = valid_combos(ranks=pp)
-    stats, failures, draws = Stats(), 0, 0
+    stats, failures, draws = Stats(), 0, args.first_draw
     coverage = Coverage()
     deadline = time.monotonic() + 60 * args.minutes
-    while stats.ran < args.cases and draws < 50 * args.cases:
+    while stats.ran < args.cases and draws < args.first_draw + 50 * args.cases:
         go = torch.tensor([1 if time.monotonic() < deadline else 0])
         dist.all_reduce(go, op=dist.ReduceOp.MIN)  # every rank stops together: one that stopped alone would hang the rest
         if not go.item():
@@ -61,9 +66,6 @@ def main() -> int:
         draws += 1
         force = FORCED[draws % len(FORCED)]  # each feature in turn, so that every (torchrun, feature) pair is met
         spec = draw_model(rng.choice, rng.randint, ALL_OPS, max_layers=6, force=force)
-        # dropout p > 0 runs in the local fuzzer (harness.Streams); under torchrun it is drawn with p = 0
-        spec = dataclasses.replace(spec, layers=tuple(
-            dataclasses.replace(x, flag=False) if x.op == "dropout" else x for x in spec.layers))
         if mesh is not None:  # running statistics read in the forward are refused on a mesh by design (a replica's
             # part is not the batch's): the plain norms, whose statistics the replicas combine
             spec = dataclasses.replace(spec, layers=tuple(
@@ -86,7 +88,9 @@ def main() -> int:
         except FuzzFailure as e:
             outcome, error = "failed", str(e)
             path = os.path.join(tempfile.gettempdir(), f"pipesplit-fuzz-rank{rank}-draw{draws - 1}.txt")
-            with open(path, "w") as f:
+            with open(path, "w") as f:  # the raw error's traceback first (the repro runs one process only)
+                cause = e.__cause__
+                f.write("".join(traceback.format_exception(cause)) + "\n" if cause is not None else "")
                 f.write(error)
         print(f"rank {rank} draw {draws - 1}: {outcome} {error[:300]}", file=sys.stderr, flush=True)
         if error:  # before the all-reduce: the other ranks may still be in the step and time out, ending the group

@@ -30,6 +30,7 @@ RTOL = 1e-10  # relative norm of the difference, per tensor, in float64: sums in
 NOISE = 1e-12  # absolute floor, times the scale of a tensor's kind (|loss| for a gradient, the largest
 # buffer for a buffer): rounding on a value that is zero in exact arithmetic, and nothing larger
 MAX_ERR = [0.0]  # the largest relative error seen that passed (the fuzzer prints it: how tight RTOL is)
+MAX_AT = [""]  # the name of the tensor that had it (the fuzzer names its case too)
 
 
 class Invalid(Exception):
@@ -59,7 +60,8 @@ def close(name: str, got: Any, want: Any, scale: float = 1.0) -> None:
     err = 0.0 if diff <= atol else diff / max(den, 1e-300)
     assert err <= RTOL, (f"{name}: relative error {err:.3g} > {RTOL:g} (|diff| {diff:.3g}, |want| {den:.3g}, "
                          f"floor {atol:.3g})")
-    MAX_ERR[0] = max(MAX_ERR[0], err)
+    if err > MAX_ERR[0]:
+        MAX_ERR[0], MAX_AT[0] = err, name
 
 
 def close_tree(name: str, got: Any, want: Any) -> None:
@@ -150,7 +152,8 @@ class Streams:
     """The plain model's dropout modules drawing as pipesplit's stages do (pipesplit/rng.py): in
     microbatch i, the module stage s runs draws from a generator seeded with stream_seed(step seed, s,
     i), continued from the stage's previous random op in that microbatch; torch's own state is put back
-    after each. Only which stage runs which module comes from pipesplit; the values are the model's."""
+    after each, and each draws over its inputs made contiguous as pipesplit does. Only which stage runs which
+    module comes from pipesplit; the values are the model's."""
 
     def __init__(self, model: torch.nn.Module, where: dict[str, int], seed: int):
         self.where, self.seed, self.mb = where, seed, 0
@@ -168,11 +171,13 @@ class Streams:
         self.mb, self.states = i, {}
 
     def _enter(self, stage: int) -> Callable[..., None]:
-        def hook(mod: Any, args: Any) -> None:
+        def hook(mod: Any, args: Any) -> Any:
             if stage not in self.states:
                 self.states[stage] = torch.Generator().manual_seed(stream_seed(self.seed, stage, self.mb)).get_state()
             self.saved = torch.get_rng_state()
             torch.set_rng_state(self.states[stage])
+            # pipesplit draws over the values made contiguous (rng.seeded): the masks follow no layout
+            return tuple(a.contiguous() if isinstance(a, torch.Tensor) else a for a in args)
         return hook
 
     def _leave(self, stage: int) -> Callable[..., None]:
@@ -294,6 +299,8 @@ def _run_case(make_model: Callable[[], torch.nn.Module], io: dict, cfg: dict, me
         prog = pipesplit.compile(model, ex_args, example_kwargs=ex_kw, num_stages=cfg["stages"], cost=cfg["cost"],
                                  order=cfg["order"], recompute=cfg["recompute"], progress=False,
                                  unbatched=["pos"] if io.get("table") else (), checkpoint=ckpt)
+        # which stage runs each random op, read before a distributed Pipeline cuts prog to this rank's stages
+        where = dropout_stages(prog) if io["dropout"] else {}
         pipe = pipesplit.Pipeline(prog, cfg["schedule"], num_microbatches=m, loss_fn=loss_p,
                                   loss_reduction=cfg.get("reduction", "sum"), target_batch_dim=tdim,
                                   checkpoint=None if planned else cfg["checkpoint"], transport=cfg["transport"],
@@ -309,7 +316,6 @@ def _run_case(make_model: Callable[[], torch.nn.Module], io: dict, cfg: dict, me
     runs_loss = pipe.executor == "local" or prog.num_stages - 1 in pipe.workers
     extra_p, extra_r = ([scale_p], [scale_r]) if scale_p is not None else ([], [])
     opt, opt_ref = optimizer(cfg["opt"], [*held.values(), *extra_p]), optimizer(cfg["opt"], [*ref.parameters(), *extra_r])
-    where = dropout_stages(prog) if io["dropout"] else {}
     for step, mb in enumerate((cfg["mb"], cfg["mb2"])):
         if step == 1 and cfg["freeze_mid"]:  # freeze the first trainable parameter of both
             name = next((n for n, p in ref.named_parameters() if p.requires_grad), None)

@@ -150,8 +150,10 @@ MUTANTS: list[Mutant] = [
     Mutant("M17", "checkpointing", "new: a checkpointed stage that writes its input in place recomputes from the written "
            "input (no clone inside the stage)", "pipesplit/runtime/engine/stage_inputs.py",
            (("                own.add(len(args))\n", "                pass\n"),),
-           ({"layers": [L("linear", 0, flag=True), L("act", 1), L("linear", 2, flag=True), L("mul_", 3),
-                        L("act", 4, 2)]}, {"stages": 2, "checkpoint": True})),
+           # the caller's input written at the front of a checkpointed stage (the old check wrote an activation
+           # the planner kept in one stage with its reads: no stage input was written, and it passed on the mutant)
+           ({"layers": [L("mul_", 0), L("linear", 1, flag=True), L("act", 2), L("linear", 3, flag=True)]},
+            {"stages": 2, "checkpoint": True})),
     Mutant("M18", "compiled", "new: a CUDA graph slot handed back after I, before W read what I kept (cuda_graphs)",
            "pipesplit/runtime/graphs/cuda_graphs.py",
            (("        flat = slots.replay(slot, \"I\", part, [*given, *slot.tangents])",

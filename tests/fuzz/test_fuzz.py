@@ -132,11 +132,18 @@ def test_known_defects_are_steered_around_and_drawn_on_request(monkeypatch):
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh", ["pp", "mesh"])
 def test_torchrun_legs(mesh):
-    """2 ranks over gloo (one pipeline), and 4 ranks as a 2 (dp) x 2 (pp) mesh: a smaller budget."""
+    """2 ranks over gloo (one pipeline), and 4 ranks as a 2 (dp) x 2 (pp) mesh: a smaller budget. Each leg
+    reaches dropout (with checkpointing) and compiled stages: the first draws are forced to have them."""
+    import re
+
     nproc = 2 if mesh == "pp" else 4
     out = launch.torchrun("tests/fuzz/dist.py", nproc, "--mesh", mesh, "--cases", "6" if mesh == "pp" else "4",
                           "--seed", "22", timeout=900)
     assert "fuzz dist: 0 failures" in out.stdout, out.stdout[-4000:]
+    reached = re.search(r"pairs reached: (.*)", out.stdout)
+    assert reached, out.stdout[-4000:]
+    for feature in ("dropout", "compile", "checkpoint"):
+        assert f"{mesh} x {feature}," in reached.group(1) + ",", reached.group(0)
 
 
 def _skew(monkeypatch, factor: Callable[[], float]) -> None:

@@ -156,7 +156,7 @@ class Pipeline:
                 f"schedule {self.schedule.name!r} for {prog.num_stages} stages needs {self.schedule.num_ranks} ranks, "
                 f"but {num_ranks} are running; launch with --nproc-per-node {self.schedule.num_ranks}."
             )
-        check_state_writes(prog, self.schedule, num_microbatches)
+        check_state_writes(prog, self.schedule, num_microbatches, distributed=executor == "distributed")
         rank_of = self.schedule.stage_to_rank
         local = [s for s in prog.stages if self.rank is None or rank_of[s.index] == self.rank]
         ckpt = checkpointed_stages(prog, local, checkpoint)
