@@ -25,7 +25,7 @@ def test_dropout_on_a_transposed_activation_received_over_a_cut_is_bit_identical
     order, and a transport delivers a transposed activation contiguous)."""
     result = torchrun("train_check.py", 2, "--schedule", "1f1b", "--only", "dropout_layout", "--timeout", "60")
     for model in ("TransposedDropout", "NormTransposedDropout"):
-        ranks = set(re.findall(rf"rank (\d): ok \(dropout on a transposed activation.*{model}\)", result.stdout))
+        ranks = set(re.findall(rf"rank (\d): ok \(dropout on a transposed activation[^)]*\b{model}\)", result.stdout))
         assert ranks == {"0", "1"}, result.stdout
 
 
