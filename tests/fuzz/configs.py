@@ -18,11 +18,6 @@ SPLIT_BACKWARD = ("zb_h1", "zb_v", "dualpipe_v")
 # include every feature of an entry is not drawn (``--include-known`` draws it anyway). Delete an
 # entry when its fix merges; a NEW finding goes here as "new: ..." only with a repro in the report.
 KNOWN: dict[frozenset[str], str] = {
-    frozenset({"dist", "checkpoint_partial", "inplace"}):
-        "new: under torchrun, a stage that recomputes only its first block (compile(checkpoint={1: 1})) and "
-        "writes a received input in place there (relu_ on a GroupNorm output received transposed) fails with "
-        "autograd's 'modified by an inplace operation' on the relu's output (tests/fuzz/dist.py --seed 23, draw "
-        "73, looped_bfs, 2 stages, m=3); the local executor is exact",
 }
 
 

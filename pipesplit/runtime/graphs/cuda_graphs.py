@@ -207,7 +207,10 @@ class Slots:
             start = time.perf_counter()
             # a capture runs the part (the warm-up; the emulation's capture): what it writes in place (a
             # BatchNorm's running statistics) is put back, so the replay below is the one update
-            # (aten.native_batch_norm writes them without saying so in its schema: every buffer F reads is kept)
+            # (aten.native_batch_norm writes them without saying so in its schema: every buffer F reads is kept).
+            # Only what changed is copied back: a copy bumps the version of a buffer F only reads, which an
+            # eager stage's backward may hold (the fuzzer's seed 8080: a BatchNorm's running variance, saved
+            # by its backward, read by a later stage; autograd's "modified by an inplace operation")
             restore = set(_written_placeholders(part))
             if label == "F":
                 first = len(self.parts.param_slots)
@@ -221,7 +224,8 @@ class Slots:
             finally:  # also when the capture failed after its warm-up: the fallback run is the one update
                 with torch.no_grad():
                     for t, old in zip(written, kept):
-                        t.copy_(old)
+                        if not _same(t, old):
+                            t.copy_(old)
             self.captures += 1
             log.info("stage %d: CUDA graph of %s captured for slot %d in %.3fs", self.index, label,
                      next((k for k, s in enumerate(self.slots) if s is slot), -1), time.perf_counter() - start)
@@ -305,6 +309,13 @@ def _written_placeholders(part: Any) -> list[int]:
             if arg is not None and arg.alias_info is not None and arg.alias_info.is_write:
                 written.add(value)
     return [k for k, p in enumerate(places) if p in written]
+
+
+def _same(t: torch.Tensor, old: torch.Tensor) -> bool:
+    """``t`` holds what ``old`` holds, a NaN equal to a NaN."""
+    if torch.equal(t, old):
+        return True
+    return (t.is_floating_point() or t.is_complex()) and bool(torch.isclose(t, old, 0.0, 0.0, equal_nan=True).all())
 
 
 def _has_ops(part: Any) -> bool:
