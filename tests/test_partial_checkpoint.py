@@ -30,6 +30,14 @@ def _mse(out, y):
     return torch.nn.functional.mse_loss(out, y)
 
 
+def _assert_accumulates(prog, model, loss, xb, y, m=4):
+    """``loss`` and the program's gradients equal gradient accumulation of ``_mse`` over ``m`` microbatches."""
+    want = sum(_mse(model(xm), ym) for xm, ym in zip(xb.chunk(m), y.chunk(m))) / m
+    want.backward()
+    assert_close(loss, want.detach(), name="loss")
+    assert_grads_close(prog.named_parameters(), model)
+
+
 def test_auto_recomputes_only_the_blocks_a_stage_needs_and_beats_whole_stages(deep):
     model, x, free, cap = deep
     auto = pipesplit.compile(model, x, max_stage_memory=cap, checkpoint="auto", **KW)
@@ -122,13 +130,12 @@ def test_a_partly_checkpointed_step_equals_gradient_accumulation_in_float64(sche
     xb, y = torch.randn(16, 16, dtype=torch.float64), torch.randn(16, 16, dtype=torch.float64)
     loss = pipe.step(xb, target=y)
     assert runs[0] >= 2 * 2 * 4, runs  # each stage's head, for each microbatch, again in its backward
-    want = sum(_mse(model(xm), ym) for xm, ym in zip(xb.chunk(4), y.chunk(4))) / 4
-    want.backward()
-    assert_close(loss, want.detach(), name="loss")
-    assert_grads_close(prog.named_parameters(), model)
+    _assert_accumulates(prog, model, loss, xb, y)
 
 
-def test_dropout_is_bit_identical_with_part_of_each_stage_recomputed():
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_dropout_is_bit_identical_with_part_of_each_stage_recomputed(compiled):
+    """Compiled, the head and the tail are two graphs and the recompute calls the same compiled head."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab=64, dim=32, layers=4, heads=2, seq=16, dropout=0.3)).double()
     x, t = torch.randint(0, 64, (8, 16)), torch.randn(8, 16, 64, dtype=torch.float64)
@@ -138,14 +145,18 @@ def test_dropout_is_bit_identical_with_part_of_each_stage_recomputed():
     results = []
     for schedule, ckpt in [("1f1b", False), ("1f1b", None), ("zb_h1", None)]:  # None: as planned
         pipe = pipesplit.Pipeline(prog, schedule, num_microbatches=4, loss_fn=dot_loss, loss_reduction="sum",
-                                  checkpoint=ckpt)
+                                  checkpoint=ckpt, compile={"backend": "aot_eager"} if compiled else False,
+                                  progress=False)
         assert all(bool(w.head) == (ckpt is None) for w in pipe.workers.values())
         torch.manual_seed(7)
         pipe.zero_grad()
         loss = pipe.step(x, target=t)
+        if compiled:
+            parts = [getattr(m, "pipesplit_part", "") for m in pipe.compiler._compiled.keys()]
+            assert pipe.compiler.eager == [] and parts.count("head") == (2 if ckpt is None else 0), (schedule, parts)
         results.append((loss.detach().clone(), {n: p.grad.clone() for n, p in pipe.named_parameters()}))
     first = results[0]
-    for loss, grads in results[1:]:
+    for loss, grads in results[1:]:  # a mask drawn anew in the recompute would change the gradients
         assert torch.equal(loss, first[0])
         for name, g in grads.items():
             assert torch.equal(g, first[1][name]), name
@@ -241,29 +252,6 @@ def test_a_partly_checkpointed_stage_runs_compiled_and_equals_gradient_accumulat
     assert pipe.compiler.eager == [] and not [w for w in recwarn if "runs eager" in str(w.message)]
 
 
-def test_dropout_in_a_compiled_head_recomputes_the_same_masks():
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab=64, dim=32, layers=4, heads=2, seq=16, dropout=0.3)).double()
-    x, t = torch.randint(0, 64, (8, 16)), torch.randn(8, 16, 64, dtype=torch.float64)
-    prog = pipesplit.compile(model, torch.randint(0, 64, (2, 16)), num_stages=2, checkpoint={0: 1, 1: 1},
-                             progress=False)
-    results = []
-    for schedule, ckpt in [("1f1b", False), ("1f1b", None), ("zb_h1", None)]:  # None: as planned
-        pipe = pipesplit.Pipeline(prog, schedule, num_microbatches=4, loss_fn=dot_loss, loss_reduction="sum",
-                                  checkpoint=ckpt, compile={"backend": "aot_eager"}, progress=False)
-        torch.manual_seed(7)
-        pipe.zero_grad()
-        loss = pipe.step(x, target=t)
-        parts = [getattr(m, "pipesplit_part", "") for m in pipe.compiler._compiled.keys()]
-        assert pipe.compiler.eager == [] and parts.count("head") == (2 if ckpt is None else 0), (schedule, parts)
-        results.append((loss.detach().clone(), {n: p.grad.clone() for n, p in pipe.named_parameters()}))
-    first = results[0]
-    for loss, grads in results[1:]:  # a mask drawn anew in the recompute would change the gradients
-        assert torch.equal(loss, first[0])
-        for name, g in grads.items():
-            assert torch.equal(g, first[1][name]), name
-
-
 def test_pipeline_takes_the_first_blocks_of_stages_as_compile_does(monkeypatch):
     torch.manual_seed(1)
     model = Deep(d=16, depth=8).double()
@@ -281,10 +269,7 @@ def test_pipeline_takes_the_first_blocks_of_stages_as_compile_does(monkeypatch):
     loss = pipe.step(xb, target=y)
     assert runs[0] == 2 * 4  # stage 0's head, for each microbatch, again in its backward
     assert [h.num_nodes for h in pipe.workers[0]._heads.values()] == [2]  # as asked, not the plan's 6
-    want = sum(_mse(model(xm), ym) for xm, ym in zip(xb.chunk(4), y.chunk(4))) / 4
-    want.backward()
-    assert_close(loss, want.detach(), name="loss")
-    assert_grads_close(prog.named_parameters(), model)
+    _assert_accumulates(prog, model, loss, xb, y)
 
 
 def test_pipeline_refuses_bad_blocks_with_the_numbers():
