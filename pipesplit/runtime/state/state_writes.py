@@ -119,7 +119,7 @@ def check_state_writes(prog: SplitProgram, schedule: Schedule, num_microbatches:
 def check_state_across_ranks(prog: SplitProgram, schedule: Schedule) -> None:
     """Under torchrun each rank holds its own copy of a buffer: one written in place by a stage and used by
     a stage on another rank (BatchNorm's ``running_var`` read after its update, a cut between) would reach
-    that stage unwritten, at any number of microbatches (the torchrun fuzz leg: loss 19% off)."""
+    that stage unwritten, at any number of microbatches (the torchrun fuzz leg, seed 22 draw 66: loss 3.8% off)."""
     rank_of = schedule.stage_to_rank
     for name, stages in prog.shared_mutated_state().items():
         ranks = sorted({rank_of[s] for s in stages})
