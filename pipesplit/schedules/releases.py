@@ -29,12 +29,16 @@ def with_releases(program: "Program") -> "Program":
     wait_turn: list[list[int]] = []  # rank -> batch -> the turn that waits for it
     recv_at: dict[Message, tuple[int, int]] = {}  # message -> (receiving rank, its batch)
     send_at: dict[Message, tuple[int, int]] = {}  # message -> (sending rank, its batch)
+    sends_of: list[dict[int, list[Message]]] = []  # rank -> its batch -> the messages it sends
     for r, turns in enumerate(program):
         posts: list[int] = []
+        sends_of.append({})
         for t, turn in enumerate(turns):
             for ops in turn.post:
                 for op in ops:
                     (send_at if op.send else recv_at)[op.message] = (r, len(posts))
+                    if op.send:
+                        sends_of[r].setdefault(len(posts), []).append(op.message)
                 posts.append(t)
         waits = [len(turns) - 1] * len(posts)
         for t, turn in enumerate(turns):
@@ -51,11 +55,7 @@ def with_releases(program: "Program") -> "Program":
     out = []
     for r, turns in enumerate(program):
         release: dict[int, list[int]] = {}
-        sends: dict[int, list[Message]] = {}
-        for msg, (rank, j) in send_at.items():
-            if rank == r:
-                sends.setdefault(j, []).append(msg)
-        for j, msgs in sorted(sends.items()):
+        for j, msgs in sorted(sends_of[r].items()):
             when = 0
             for msg in msgs:
                 if msg not in recv_at:
