@@ -29,6 +29,8 @@ def test_a_send_is_released_only_after_its_receiver_waited_for_it(name):
         waited_at.append(at)
     recv_at = {op.message: (r, i) for r, bs in enumerate(batches) for i, ops in enumerate(bs) for op in ops
                if not op.send}
+    posted_at = [[k for k, t in enumerate(turns) for _ in t.post] for turns in program]  # rank -> batch -> turn
+    sent_by = {op.message: (r, i) for r, bs in enumerate(batches) for i, ops in enumerate(bs) for op in ops if op.send}
     released = total = 0
     for r, turns in enumerate(program):
         sends = [i for i, ops in enumerate(batches[r]) if ops and all(op.send for op in ops)]
@@ -40,4 +42,9 @@ def test_a_send_is_released_only_after_its_receiver_waited_for_it(name):
                 for op in batches[r][i]:  # the receiver had it: its wait came at or before a turn whose
                     q, j = recv_at[op.message]  # later post reached this rank by turn k
                     assert waited_at[q][j] < len(program[q]) - 1 or k == len(turns) - 1
+                    # a message from q, posted in a turn after the one q waited for this send in (a turn posts
+                    # before it waits), that this rank waited for by turn k
+                    told = [c for m, (rr, c) in recv_at.items() if rr == r and sent_by[m][0] == q
+                            and posted_at[q][sent_by[m][1]] > waited_at[q][j]]
+                    assert any(waited_at[r][c] <= k for c in told), (name, r, k, op.message)
     assert released >= total // 2, (released, total)
