@@ -12,6 +12,7 @@ lock, and puts the caller's state back: the user's RNG does not move.
 
 from __future__ import annotations
 
+import functools
 import threading
 from contextlib import contextmanager
 from typing import Any, Iterator
@@ -139,8 +140,10 @@ def seeded(op: Any, *args: Any, **kwargs: Any) -> Any:
     return out
 
 
+@functools.lru_cache(maxsize=None)
 def _writes(op: Any) -> bool:
-    """Whether ``op`` writes one of its arguments (``bernoulli_``, an ``out=`` variant)."""
+    """Whether ``op`` writes one of its arguments (``bernoulli_``, an ``out=`` variant); read from its
+    schema once per op (every dropout of every microbatch asks)."""
     schema = getattr(op, "_schema", None)
     return schema is None or any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
 
