@@ -32,29 +32,25 @@ import time
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
-import numpy as np
 import torch
-import torch.fx as fx
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import CLOCK_NOTES, CLOCKS, best_of, emit, header, load_average, markdown_table, ratio, seconds  # noqa: E402,E501
+from common import CLOCK_NOTES, CLOCKS, emit, header, load_average, markdown_table, ratio, seconds  # noqa: E402
 
 import pipesplit  # noqa: E402
 from pipesplit.export import paused_gc  # noqa: E402
 from pipesplit.capture import capture  # noqa: E402
-from pipesplit.meta import NodeCost, set_node_cost  # noqa: E402
 from pipesplit.models import gpt  # noqa: E402
-from pipesplit.passes.plan.chain import Chain, build_chain  # noqa: E402
 from pipesplit.passes.annotate.costs import annotate_costs  # noqa: E402
-from pipesplit.passes.plan.partition import solve_chain  # noqa: E402
-from pipesplit.passes.plan.planner import cost_function, evaluate, plan_partition  # noqa: E402
+from pipesplit.passes.plan.planner import plan_partition  # noqa: E402
 from pipesplit.passes.split import check_devices, split_graph  # noqa: E402
 from pipesplit.passes.split.program import SplitProgram  # noqa: E402
+from compile_scaling import SOLVE_AT, bench_plan, bench_solve  # noqa: E402
 
 DIM, VOCAB, SEQ, BATCH = 256, 1024, 64, 2
 RATIO_TARGET, RATIO_AT = 0.25, 96  # passes / export at 96 layers
-SOLVE_TARGET_S, SOLVE_AT = 0.5, 20_000  # "well under a second" for a 20,000-node chain
+SOLVE_TARGET_S = 0.5  # "well under a second" for a SOLVE_AT (20,000)-node chain
 
 
 # --------------------------------------------------------------------------- compile vs a bare export
@@ -253,116 +249,6 @@ def _growth_table(rows: list[dict], stage_counts: list[int]) -> str:
     return markdown_table(["models", "nodes", "export", "annotate", "plan", "split", "passes"], out, "lrrrrrr")
 
 
-# --------------------------------------------------------------------------- solve_chain
-def random_chain(n: int, rng: np.random.Generator) -> Chain:
-    """Heavy-tailed costs (a few matmuls, many cheap ops), random cut sizes, 5% forbidden cuts."""
-    cost = np.rint(10 ** rng.uniform(2, 7, n))
-    mem = rng.integers(0, 1 << 20, n)
-    cut_bytes = np.rint(10 ** rng.uniform(3, 6, n + 1)).astype(np.int64)
-    allowed = rng.random(n + 1) > 0.05
-    allowed[0] = allowed[n] = True
-    return Chain([None] * n, cost, mem, cut_bytes, allowed)
-
-
-def greedy_pass(chain: Chain, k: int) -> float:
-    """Baseline: one Python pass, cutting (where allowed) once a stage reaches total/k. Returns its bottleneck."""
-    w, allowed = chain.cost.tolist(), chain.allowed.tolist()
-    target = float(np.cumsum(chain.cost)[-1]) / k
-    run = worst = 0.0
-    stages = 1
-    for i, c in enumerate(w):
-        if run > 0 and run + c > target and allowed[i] and stages < k:
-            worst, run, stages = max(worst, run), 0.0, stages + 1
-        run += c
-    return max(worst, run)
-
-
-def bench_solve(
-    sizes: list[int], stage_counts: list[int], repeats: int, clock: Callable[[], float]
-) -> tuple[str, dict]:
-    rng = np.random.default_rng(0)
-    rows, worst_at = [], {}
-    for n in sizes:
-        chain = random_chain(n, rng)
-        for k in stage_counts:
-            t_solve, sol = best_of(lambda: solve_chain(chain, k), repeats, clock)
-            t_greedy, greedy_bottleneck = best_of(lambda: greedy_pass(chain, k), repeats, clock)
-            rows.append([f"{n:,}", k, seconds(t_solve), seconds(t_greedy), ratio(t_solve / t_greedy),
-                         f"{sol.bottleneck / sol.optimal_bottleneck:.3f}",
-                         f"{greedy_bottleneck / sol.optimal_bottleneck:.3f}"])
-            if n == SOLVE_AT:
-                worst_at[k] = t_solve
-        emit(f"  solve_chain {n:,} nodes done")
-    table = markdown_table(
-        ["chain nodes", "stages", "solve_chain s", "greedy pass s (baseline)", "solve / greedy",
-         "solve bottleneck / optimum (slack 0.05)", "greedy bottleneck / optimum"], rows)
-    return table, worst_at
-
-
-# --------------------------------------------------------------------------- plan pass
-def synthetic_graph(n: int, rng: np.random.Generator) -> fx.GraphModule:
-    """A residual chain of ~n annotated compute nodes: blocks of 8 ops, one parameter per block."""
-    root = nn.Module()
-    g = fx.Graph()
-    x = g.placeholder("x")
-    set_node_cost(x, NodeCost(out_bytes=1 << 17))
-    aten = torch.ops.aten
-    ops = [aten.mul.Tensor, aten.add.Tensor, aten.relu.default, aten.gelu.default,
-           aten.mm.default, aten.add.Tensor, aten.relu.default]
-    blocks = max(1, n // 8)
-    params = []
-    for b in range(blocks):
-        name = f"w{b}"
-        root.register_parameter(name, nn.Parameter(torch.zeros(1)))
-        params.append(g.get_attr(name))
-    h = x
-    for b in range(blocks):
-        block_in, y = h, h
-        for i, op in enumerate(ops):
-            y = g.call_function(op, (y, params[b]) if i == 0 else (y,))
-            set_node_cost(y, NodeCost(fwd_flops=int(10 ** rng.uniform(2, 7)), igrad_flops=int(10 ** rng.uniform(2, 7)),
-                                      out_bytes=1 << 17))
-        h = g.call_function(aten.add.Tensor, (block_in, y))
-        set_node_cost(h, NodeCost(fwd_flops=1 << 15, igrad_flops=1 << 15, out_bytes=1 << 17))
-    out = g.output((h,))
-    set_node_cost(out, NodeCost())
-    for p in params:
-        set_node_cost(p, NodeCost(param_bytes=1 << 20, trainable=True))
-    return fx.GraphModule(root, g)
-
-
-def one_pass(gm: fx.GraphModule) -> float:
-    """Baseline: one Python pass over the graph reading every node's cost."""
-    from pipesplit.meta import node_cost
-
-    return float(sum(node_cost(n).total_flops for n in gm.graph.nodes if n.op == "call_function"))
-
-
-def bench_plan(sizes: list[int], k: int, repeats: int, clock: Callable[[], float]) -> tuple[str, dict]:
-    rng = np.random.default_rng(1)
-    rows, at = [], {}
-    name, fn = cost_function("flops")
-    for n in sizes:
-        gm = synthetic_graph(n, rng)
-        nodes = len(gm.graph.nodes)
-        t_plan, _ = best_of(lambda: plan_partition(gm, k, "flops"), repeats, clock)
-        t_chain, chain = best_of(lambda: build_chain(gm, fn), repeats, clock)
-        t_solve, sol = best_of(lambda: solve_chain(chain, k), repeats, clock)
-        bounds = list(sol.starts) + [chain.n]
-        stages = [[nd.name for nd in chain.nodes[a:b]] for a, b in zip(bounds, bounds[1:])]
-        t_eval, _ = best_of(lambda: evaluate(gm, stages, name, fn, "planner"), repeats, clock)
-        t_pass, _ = best_of(lambda: one_pass(gm), repeats, clock)
-        rows.append([f"{nodes:,}", f"{chain.n:,}", k, seconds(t_plan), seconds(t_chain), seconds(t_solve), seconds(t_eval),
-                     seconds(t_pass), ratio(t_plan / t_pass)])
-        at[chain.n] = t_plan
-        emit(f"  plan_partition {nodes:,} nodes done")
-    table = markdown_table(
-        ["graph nodes", "compute nodes", "stages", "plan_partition s", "build_chain s", "solve_chain s", "evaluate s",
-         "one pass over nodes s (baseline)", "plan / pass"], rows)
-    return table, at
-
-
-# --------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--full", action="store_true", help="also compile a 192-layer model (slow)")
