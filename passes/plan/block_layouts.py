@@ -70,7 +70,9 @@ def block_starts(blocks: Blocks) -> list[int]:
     return firsts if all(x < y for x, y in zip(firsts, firsts[1:])) else []
 
 
-def layouts(chain: Chain, blocks: Blocks, k: int, limits: StageLimits, seeds: Sequence[Sequence[int]]) -> list[tuple[int, ...]]:
+def layouts(
+    chain: Chain, blocks: Blocks, k: int, limits: StageLimits, seeds: Sequence[Sequence[int]],
+) -> list[tuple[int, ...]]:
     """The splits into ``k`` stages between blocks: each of :func:`count_layouts`, and each of ``seeds`` with
     its cuts moved to the nearest block boundary, the one before and the one after; those the chain allows
     (no cut inside what must stay together) and the pins' limits too."""
@@ -93,7 +95,9 @@ def layouts(chain: Chain, blocks: Blocks, k: int, limits: StageLimits, seeds: Se
 
 
 def _valid(chain: Chain, starts: tuple[int, ...], limits: StageLimits) -> bool:
-    if any(x >= y for x, y in zip(starts, starts[1:])) or not all(0 < c < chain.n and chain.allowed[c] for c in starts[1:]):
+    if any(x >= y for x, y in zip(starts, starts[1:])):
+        return False
+    if not all(0 < c < chain.n and chain.allowed[c] for c in starts[1:]):
         return False
     if limits.start_lo is not None and limits.start_hi is not None:
         return all(int(lo) <= st <= int(hi) for st, lo, hi in zip(starts, limits.start_lo, limits.start_hi))
@@ -110,7 +114,8 @@ def best_block_layout(
     or all of its forward (:func:`with_shortest_heads`: the best for a fixed split); else the stages
     ``checkpoint`` names. None where none fits, or the model has no repeated blocks to cut between."""
     k = schedule.num_stages
-    in_flight, units, split = in_flight_per_stage(schedule), activation_units_per_stage(schedule), split_stages(schedule)
+    in_flight, units = in_flight_per_stage(schedule), activation_units_per_stage(schedule)
+    split = split_stages(schedule)
     best: Candidate | None = None
     for starts in layouts(chain, blocks, k, limits, seeds):
         cand: Candidate | None

@@ -40,12 +40,14 @@ def best_with_checkpointing(
     try:
         cand, ideal, ckpt = _searched(chain, seconds, schedule, checkpoint=checkpoint, **kw)  # type: ignore[arg-type]
     except PlanError:
-        fallback = best_block_layout(chain, blocks, seconds, schedule, checkpoint=checkpoint, **kw)  # type: ignore[arg-type]
+        fallback = best_block_layout(chain, blocks, seconds, schedule, checkpoint=checkpoint,
+                                     **kw)  # type: ignore[arg-type]
         if fallback is None:
             raise
         whole = fallback.whole
         return fallback, step_lower_bound(seconds, schedule, len(whole) == schedule.num_stages), whole
-    block = best_block_layout(chain, blocks, seconds, schedule, checkpoint=checkpoint, seeds=[cand.starts], **kw)  # type: ignore[arg-type]
+    block = best_block_layout(chain, blocks, seconds, schedule, checkpoint=checkpoint, seeds=[cand.starts],
+                              **kw)  # type: ignore[arg-type]
     if block is not None and block.step_s < cand.step_s:
         log.debug("between blocks %s: step %.6g against %.6g", block.starts, block.step_s, cand.step_s)
         return block, ideal, block.whole
