@@ -172,7 +172,8 @@ def expert_layouts(shape: Shape, chain: Any, seconds: Any, sched: Any, cap: int,
             choices.append((f"first {n} layers of each stage", [s for s in range(k) if n >= counts[s]], heads))
         plain = figures_for(chain, starts, seconds, in_flight, shape.memory, CommModel(), "cpu", units, ())
         states = [stage_state(chain, act, a, b) for a, b in zip(bounds, bounds[1:])]
-        whole, heads = shortest_heads(chain, blocks, shape.memory, starts, plain.memory, states, in_flight, units, cap)
+        whole, heads = shortest_heads(chain, blocks, shape.memory, starts, plain.memory, states, in_flight, units, cap,
+                                      split_stages(sched))
         choices.append(("first layers each stage needs", sorted(whole), heads))
         best = None
         for text, ckpt, heads in choices:

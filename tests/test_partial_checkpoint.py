@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -318,3 +319,39 @@ def test_a_head_that_writes_its_input_in_place_recomputes_from_the_input_as_it_c
     want.backward()
     assert_close(loss, want.detach(), name="loss")
     assert_grads_close(prog.named_parameters(), model)
+
+
+def test_the_head_search_charges_a_split_backward_stage_what_its_figures_do():
+    """Under a split (zero-bubble) schedule a stage recomputing its head runs its whole backward in I, so
+    nothing waits for W: the first-blocks search must count it as the plan's figures do (one formula,
+    ``stage_bytes(split=True)``). The cap is stage 0's figure with its shortest head: the search must take
+    that head, not a longer one (it overcharged such a stage by the units waiting for W)."""
+    from pipesplit.passes.plan.chain import build_chain, compute_nodes
+    from pipesplit.passes.plan.objective import (
+        CommModel, MemoryModel, activation_units_per_stage, in_flight_per_stage, split_stages,
+    )
+    from pipesplit.passes.plan.partial_checkpoint import find_blocks
+    from pipesplit.passes.plan.partial_search import with_shortest_heads
+    from pipesplit.passes.plan.planner import cost_function
+    from pipesplit.passes.plan.step_planner import figures_for, node_seconds
+    from pipesplit.schedules import get_schedule
+
+    torch.manual_seed(0)
+    prog = pipesplit.compile(Deep(), torch.randn(256, 64), split_points=QUARTERS, progress=False)
+    gm, memory = prog.captured_gm, MemoryModel()
+    name, fn = cost_function("flops")
+    chain = build_chain(gm, fn, state_factor=memory.state_factor_for, order=compute_nodes(gm))
+    seconds = node_seconds(chain.nodes, name, fn, 5e10)
+    starts = tuple(int(x) for x in np.cumsum([0] + [len(s) for s in prog.plan.stages[:-1]]))
+    sched = get_schedule("zb_h1", num_stages=4, num_microbatches=8)
+    split, in_flight, units = split_stages(sched), in_flight_per_stage(sched), activation_units_per_stage(sched)
+    assert 0 in split and units[0] > in_flight[0] + 0.25  # stage 0 would hold microbatches waiting for W
+    blocks, comm = find_blocks(chain), CommModel()
+    first = blocks.ends(starts[0], starts[1])[0]
+    fig = figures_for(chain, starts, seconds, in_flight, memory, comm, "cpu", units, (), {0: first}, split=split)
+    cap = int(fig.memory[0])
+    plain = figures_for(chain, starts, seconds, in_flight, memory, comm, "cpu", units, ())
+    assert plain.memory[0] > cap  # stage 0 needs a head to fit
+    got = with_shortest_heads(chain, blocks, starts, seconds, sched, memory, comm, "cpu", cap)
+    assert got is not None and got.heads.get(0) == first, (got and got.heads, first)
+    assert got.figures.memory[0] == fig.memory[0]

@@ -9,6 +9,7 @@ from typing import Mapping
 import numpy as np
 
 from pipesplit.errors import PlanError
+from pipesplit.passes.plan.block_layouts import best_block_layout
 from pipesplit.passes.plan.chain import Chain
 from pipesplit.passes.plan.checkpointing import candidate_sets, needed
 from pipesplit.passes.plan.objective import (
@@ -24,6 +25,36 @@ log = logging.getLogger(__name__)
 
 
 def best_with_checkpointing(
+    chain: Chain, seconds: np.ndarray, schedule: Schedule, *, comm: CommModel, memory: MemoryModel,
+    mem_cap: int | None, limits: StageLimits, device_kind: str, checkpoint: frozenset[int] | None,
+    asked: Mapping[int, int] | None = None,
+) -> tuple[Candidate, float, frozenset[int]]:
+    """The best split of :func:`_searched`, or the fastest split between the model's repeated blocks
+    (:func:`best_block_layout`: the layouts by block counts and the split found with its cuts moved to
+    block boundaries, each with its best checkpointing) where that is predicted faster: the plan is
+    never predicted slower than a layout by whole blocks that fits the cap."""
+    kw = dict(comm=comm, memory=memory, mem_cap=mem_cap, limits=limits, device_kind=device_kind)
+    if asked is not None:  # the stages' blocks as asked, on the split solved for them
+        return _searched(chain, seconds, schedule, checkpoint=checkpoint, asked=asked, **kw)  # type: ignore[arg-type]
+    blocks = find_blocks(chain)
+    try:
+        cand, ideal, ckpt = _searched(chain, seconds, schedule, checkpoint=checkpoint, **kw)  # type: ignore[arg-type]
+    except PlanError:
+        fallback = best_block_layout(chain, blocks, seconds, schedule, checkpoint=checkpoint,
+                                     **kw)  # type: ignore[arg-type]
+        if fallback is None:
+            raise
+        whole = fallback.whole
+        return fallback, step_lower_bound(seconds, schedule, len(whole) == schedule.num_stages), whole
+    block = best_block_layout(chain, blocks, seconds, schedule, checkpoint=checkpoint, seeds=[cand.starts],
+                              **kw)  # type: ignore[arg-type]
+    if block is not None and block.step_s < cand.step_s:
+        log.debug("between blocks %s: step %.6g against %.6g", block.starts, block.step_s, cand.step_s)
+        return block, ideal, block.whole
+    return cand, ideal, ckpt
+
+
+def _searched(
     chain: Chain, seconds: np.ndarray, schedule: Schedule, *, comm: CommModel, memory: MemoryModel,
     mem_cap: int | None, limits: StageLimits, device_kind: str, checkpoint: frozenset[int] | None,
     asked: Mapping[int, int] | None = None,

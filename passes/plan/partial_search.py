@@ -32,9 +32,9 @@ def with_shortest_heads(
     act = chain.act if chain.act is not None else np.zeros(chain.n, dtype=np.int64)
     bounds = list(starts) + [chain.n]
     states = [stage_state(chain, act, a, b) for a, b in zip(bounds, bounds[1:])]
-    whole, heads = shortest_heads(chain, blocks, memory, starts, plain.memory, states, in_flight, units, cap)
-    fig = figures_for(chain, starts, seconds, in_flight, memory, comm, device_kind, units, whole, heads,
-                      split=split_stages(schedule))
+    split = split_stages(schedule)
+    whole, heads = shortest_heads(chain, blocks, memory, starts, plain.memory, states, in_flight, units, cap, split)
+    fig = figures_for(chain, starts, seconds, in_flight, memory, comm, device_kind, units, whole, heads, split=split)
     if max(fig.memory) > cap:
         return None
     return Candidate(tuple(starts), fig, step_time(schedule, fig), int(chain.cut_bytes[list(starts[1:])].sum()),

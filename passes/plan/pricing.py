@@ -61,7 +61,7 @@ def price_plan(
         act = chain.act if chain.act is not None else np.zeros(chain.n, dtype=np.int64)
         states = [stage_state(chain, act, a, b) for a, b in zip(bounds, bounds[1:])]
         ckpt, heads = shortest_heads(chain, find_blocks(chain), memory, starts, plain.memory, states, in_flight, units,
-                                     max_stage_memory)
+                                     max_stage_memory, split_stages(schedule))
     if ckpt is None:
         ckpt = frozenset()
     fig = figures_for(chain, starts, seconds, in_flight, memory, comm, device_kind, units, ckpt, heads,

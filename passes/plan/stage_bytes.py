@@ -18,17 +18,20 @@ from __future__ import annotations
 import numpy as np
 
 from pipesplit.passes.plan.chain import Chain
-from pipesplit.passes.plan.objective import MemoryModel
+from pipesplit.passes.plan.objective import BACKWARD_WORKING_SET, MemoryModel
 
 
 def stage_bytes(
     chain: Chain, memory: MemoryModel, state: float, a: int, b: int, in_flight: int, units: float | None, *,
-    checkpointed: bool = False, head: int | None = None, act_sum: np.ndarray | None = None,
+    checkpointed: bool = False, head: int | None = None, act_sum: np.ndarray | None = None, split: bool = False,
 ) -> float:
     """Bytes stage ``[a, b)`` of ``chain`` holds at its peak: its training ``state``, and its activations
     for the microbatches in flight (``in_flight``; ``units``: :func:`activation_units_per_stage`), all
     of them recomputed (``checkpointed``) or its head ``[a, head)`` only. ``act_sum``: the chain's
-    activations summed up to each position (computed when not given)."""
+    activations summed up to each position (computed when not given). ``split``: the schedule splits
+    this stage's backward into I and W (:func:`~pipesplit.passes.plan.objective.split_stages`); a stage
+    recomputing its head then runs its whole backward in I, so no microbatch waits for its W: its
+    units are at most its microbatches in flight and one backward's working set."""
     act = chain.act if chain.act is not None else np.zeros(chain.n, dtype=np.int64)
     if act_sum is None:
         act_sum = np.concatenate([[0], np.cumsum(act)])
@@ -40,6 +43,8 @@ def stage_bytes(
     ahead += float(chain.output_bytes) * in_flight if b >= chain.n else 0.0
     # a backward's weight gradient, made before it is added into .grad: the largest node's parameters
     ahead += float((chain.mem[a:b] - act[a:b]).max(initial=0)) / memory.state_factor
+    if split and head is not None and units is not None:  # its whole backward in I: nothing waits for W
+        units = min(units, in_flight + BACKWARD_WORKING_SET)
     if head is not None and not checkpointed:
         tail = float(act_sum[b] - act_sum[head]) + float(chain.cut_bytes[head])
         return memory.partial_bytes(state, float(act_sum[head] - act_sum[a]), tail, inputs, in_flight, units) + ahead

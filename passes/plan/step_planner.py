@@ -23,7 +23,7 @@ from pipesplit.errors import PlanError
 from pipesplit.meta import node_cost
 from pipesplit.passes.plan.chain import Chain
 from pipesplit.passes.plan.objective import (
-    BACKWARD_WORKING_SET, CommModel, MemoryModel, StageFigures, activation_units_per_stage, in_flight_per_stage, split_stages, step_time,
+    CommModel, MemoryModel, StageFigures, activation_units_per_stage, in_flight_per_stage, split_stages, step_time,
 )
 from pipesplit.passes.plan.balance import Solve, rebalance
 from pipesplit.passes.plan.checkpointing import checkpoint_limits, recompute_scale
@@ -116,11 +116,9 @@ def figures_for(
         else:  # a checkpointed stage runs its forward again before its backward
             costs.append(StageCost(float(f), float(i + f if ck else i), float(w)))
         # chain.mem already counts trainable state x (1 + grad + optimizer): see plan_partition
-        u = None if units is None else units[s]
-        if u is not None and h is not None and s in split:  # its whole backward in I: nothing waits for W
-            u = min(u, in_flight[s] + BACKWARD_WORKING_SET)
-        mem.append(stage_bytes(chain, memory, stage_state(chain, act, a, b), a, b, in_flight[s], u,
-                               checkpointed=ck, head=h, act_sum=act_sum))
+        mem.append(stage_bytes(chain, memory, stage_state(chain, act, a, b), a, b, in_flight[s],
+                               None if units is None else units[s], checkpointed=ck, head=h, act_sum=act_sum,
+                               split=s in split))
     comm_s = [comm.seconds(float(chain.cut_bytes[c]), device_kind, device_kind) for c in starts[1:]]
     return StageFigures(costs, comm_s, mem, list(in_flight))
 
