@@ -217,9 +217,30 @@ def activation_units_per_stage(schedule: Schedule) -> list[float]:
     return peak
 
 
-def split_stages(schedule: Schedule) -> frozenset[int]:
-    """The stages whose backward ``schedule`` splits into an input-gradient (I) and a weight-gradient (W) action."""
-    return frozenset(a.stage for actions in schedule.actions for a in actions if a.kind is ActionKind.BACKWARD_WEIGHT)
+def split_stages(schedule: Schedule) -> dict[int, int]:
+    """The stages whose backward ``schedule`` splits into an input-gradient (I) and a weight-gradient (W)
+    action, each with the most microbatches it holds at once from a forward until its I: what such a
+    stage holds when it runs its whole backward in I, as a stage that recomputes does (the runtime's
+    ``StageWorker.backward_input``), where :func:`in_flight_per_stage` counts until W.
+
+    >>> from pipesplit.schedules import get_schedule
+    >>> zb = get_schedule("zb_h1", num_stages=4, num_microbatches=8)
+    >>> in_flight_per_stage(zb), split_stages(zb)
+    ([4, 4, 4, 4], {0: 4, 1: 3, 2: 2, 3: 1})
+    """
+    stages = {a.stage for actions in schedule.actions for a in actions if a.kind is ActionKind.BACKWARD_WEIGHT}
+    peak = dict.fromkeys(sorted(stages), 0)
+    for actions in schedule.actions:
+        held = dict.fromkeys(stages, 0)
+        for a in actions:
+            if a.stage not in stages:
+                continue
+            if a.kind is ActionKind.FORWARD:
+                held[a.stage] += 1
+                peak[a.stage] = max(peak[a.stage], held[a.stage])
+            elif a.kind in (ActionKind.FULL_BACKWARD, ActionKind.BACKWARD_INPUT):
+                held[a.stage] -= 1
+    return peak
 
 
 def step_time(schedule: Schedule, figures: StageFigures) -> float:

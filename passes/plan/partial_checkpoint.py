@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Collection, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import torch.fx as fx
@@ -106,19 +106,21 @@ def _block_of(node: fx.Node, prefix: str) -> int:
 
 
 def head_bytes(chain: Chain, blocks: Blocks, memory: MemoryModel, state: float, a: int, b: int, h: int,
-               in_flight: int, units: float | None, split: bool = False) -> float:
+               in_flight: int, units: float | None, split: int | None = None) -> float:
     """Bytes stage ``[a, b)`` holds recomputing its head ``[a, h)`` (see the module's docstring); ``split``:
-    the schedule splits its backward (:func:`~pipesplit.passes.plan.stage_bytes.stage_bytes`)."""
+    where the schedule splits its backward, the microbatches it holds until its I
+    (:func:`~pipesplit.passes.plan.stage_bytes.stage_bytes`)."""
     return stage_bytes(chain, memory, state, a, b, in_flight, units, head=h, act_sum=blocks.act_sum, split=split)
 
 
 def shortest_heads(
     chain: Chain, blocks: Blocks, memory: MemoryModel, starts: Sequence[int], plain: Sequence[float],
-    states: Sequence[float], in_flight: Sequence[int], units: Sequence[float], cap: int, split: Collection[int] = (),
+    states: Sequence[float], in_flight: Sequence[int], units: Sequence[float], cap: int,
+    split: Mapping[int, int] | None = None,
 ) -> tuple[frozenset[int], dict[int, int]]:
     """For each stage over ``cap`` without checkpointing, the shortest head that fits (its end position),
     or the whole stage (in the set) where no head short of it fits; ``split``: the stages whose backward the
-    schedule splits (:func:`~pipesplit.passes.plan.objective.split_stages`)."""
+    schedule splits, each with the microbatches it holds until its I (:func:`~pipesplit.passes.plan.objective.split_stages`)."""
     bounds = list(starts) + [chain.n]
     whole: set[int] = set()
     heads: dict[int, int] = {}
@@ -126,7 +128,7 @@ def shortest_heads(
         if plain[s] <= cap:
             continue
         for h in blocks.ends(a, b)[:-1]:
-            if head_bytes(chain, blocks, memory, states[s], a, b, h, in_flight[s], units[s], s in split) <= cap:
+            if head_bytes(chain, blocks, memory, states[s], a, b, h, in_flight[s], units[s], (split or {}).get(s)) <= cap:
                 heads[s] = h
                 break
         else:

@@ -85,18 +85,21 @@ class Candidate:
 def figures_for(
     chain: Chain, starts: Sequence[int], seconds: np.ndarray, in_flight: Sequence[int],
     memory: MemoryModel, comm: CommModel, device_kind: str, units: Sequence[float] | None = None,
-    checkpoint: Collection[int] | None = None, heads: Mapping[int, int] | None = None, split: Collection[int] = (),
+    checkpoint: Collection[int] | None = None, heads: Mapping[int, int] | None = None,
+    split: Mapping[int, int] | None = None,
 ) -> StageFigures:
     """Per-stage figures of the split at ``starts``; ``checkpoint``: the stages that recompute their
     forward (default: every stage under ``MemoryModel(checkpoint=True)``, else none); ``heads``: stage ->
     the chain position where the part it recomputes ends (:mod:`pipesplit.passes.plan.partial_checkpoint`);
-    ``split``: the stages whose backward the schedule splits into I and W (:func:`split_stages`).
+    ``split``: the stages whose backward the schedule splits into I and W, each with the microbatches it
+    holds from a forward until its I (:func:`split_stages`).
 
     A checkpointed stage runs its forward again before its backward; where the schedule splits the
     backward, the runtime runs the whole of it (input and weight gradients) in I and nothing in W: an I
     keeping the recomputed graph for W held it until the step ended, and W recomputed it again
     (:meth:`pipesplit.runtime.engine.worker.StageWorker.backward_input`). A stage recomputing its head
     does the same, its head's forward again in I."""
+    split = split or {}
     bounds = list(starts) + [chain.n]
     act = chain.act if chain.act is not None else np.zeros(chain.n, dtype=np.int64)
     if checkpoint is None:
@@ -118,7 +121,7 @@ def figures_for(
         # chain.mem already counts trainable state x (1 + grad + optimizer): see plan_partition
         mem.append(stage_bytes(chain, memory, stage_state(chain, act, a, b), a, b, in_flight[s],
                                None if units is None else units[s], checkpointed=ck, head=h, act_sum=act_sum,
-                               split=s in split))
+                               split=split.get(s)))
     comm_s = [comm.seconds(float(chain.cut_bytes[c]), device_kind, device_kind) for c in starts[1:]]
     return StageFigures(costs, comm_s, mem, list(in_flight))
 
