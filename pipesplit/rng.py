@@ -12,7 +12,6 @@ lock, and puts the caller's state back: the user's RNG does not move.
 
 from __future__ import annotations
 
-import functools
 import threading
 from contextlib import contextmanager
 from typing import Any, Iterator
@@ -140,12 +139,19 @@ def seeded(op: Any, *args: Any, **kwargs: Any) -> Any:
     return out
 
 
-@functools.lru_cache(maxsize=None)
+_WRITES: dict[Any, bool] = {}
+
+
 def _writes(op: Any) -> bool:
     """Whether ``op`` writes one of its arguments (``bernoulli_``, an ``out=`` variant); read from its
-    schema once per op (every dropout of every microbatch asks)."""
-    schema = getattr(op, "_schema", None)
-    return schema is None or any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+    schema once per op (every dropout of every microbatch asks). A plain dict, not ``functools.lru_cache``:
+    Dynamo warns on tracing into one (a compiled stage's random op runs here)."""
+    known = _WRITES.get(op)
+    if known is None:
+        schema = getattr(op, "_schema", None)
+        known = _WRITES[op] = schema is None or any(a.alias_info is not None and a.alias_info.is_write
+                                                    for a in schema.arguments)
+    return known
 
 
 def _is_random(node: fx.Node) -> bool:

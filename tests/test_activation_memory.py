@@ -151,3 +151,28 @@ def test_a_stage_recomputing_its_first_blocks_under_zero_bubble_holds_microbatch
                                              seq=128)
     assert set(plan.checkpoint_partial) == {0, 1}
     assert all(BAND[0] <= r <= BAND[1] for r in ratios), ratios
+
+
+def test_a_last_stage_recomputing_its_head_under_zero_bubble_lets_its_microbatch_go_at_i():
+    """Its whole backward runs in I, so nothing is left for W: the runtime let go of the microbatch's input
+    leaves, logits and their gradients only at W, and the figure (counting until I) was 1.7x under the
+    measured step (a GPT of width 32, vocabulary 4096, zb_h1, ``{3: 1}``: 9.0 MB against 5.25); let go at I,
+    with the loss's gradient of the logits counted, 0.92."""
+    from pipesplit.bench.stage_memory import measure_pipeline
+
+    torch.manual_seed(0)
+    model = gpt(layers=8, dim=32, vocab=4096, seq=32, heads=4)
+    prog = pipesplit.compile(model, torch.randint(0, 4096, (2, 32)), split_points=["blocks.2", "blocks.4", "blocks.6"],
+                             schedule="zb_h1", num_microbatches=8, checkpoint={3: 1}, progress=False)
+    pipe = pipesplit.Pipeline(prog, "zb_h1", num_microbatches=8,
+                              loss_fn=lambda o, y: torch.nn.functional.cross_entropy(o.flatten(0, 1), y.flatten()))
+
+    def batch(i):
+        g = torch.Generator().manual_seed(i)
+        return (torch.randint(0, 4096, (16, 32), generator=g),), torch.randint(0, 4096, (16, 32), generator=g)
+
+    got = measure_pipeline(pipe, batch, optimizer=torch.optim.Adam(pipe.parameters()), memory_steps=1, timed_steps=0)
+    assert list(prog.plan.checkpoint_partial) == [3]
+    # stage 3's; stage 0 (no checkpointing: an embedding of 4096 x 32 and little else) measures 1.10 of its
+    # figure under zb_h1 and 1.00 under 1f1b: not yet explained (benchmarks/RESULTS.md, ninth session)
+    assert BAND[0] <= got.peak[3] / prog.plan.stage_memory_bytes[3] <= BAND[1]
