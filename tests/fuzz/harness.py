@@ -31,7 +31,7 @@ NOISE = 1e-12  # absolute floor, times the scale of a tensor's kind (|loss| for 
 # buffer for a buffer): rounding on a value that is zero in exact arithmetic, and nothing larger
 MAX_ERR = [0.0]  # the largest relative error seen that passed (the fuzzer prints it: how tight RTOL is)
 MAX_AT = [""]  # the name of the tensor that had it (the fuzzer names its case too)
-FAILED = [0.0]  # the relative error of the last comparison that failed (tests/fuzz/conditioning.py reads it)
+FAILED: list = [0.0, ""]  # the last failed comparison's relative error and tensor (tests/fuzz/conditioning.py)
 
 
 class Invalid(Exception):
@@ -60,7 +60,7 @@ def close(name: str, got: Any, want: Any, scale: float = 1.0) -> None:
     atol = NOISE * max(1.0, scale)
     err = 0.0 if diff <= atol else diff / max(den, 1e-300)
     if err > RTOL:
-        FAILED[0] = err
+        FAILED[:] = [err, name]
     assert err <= RTOL, (f"{name}: relative error {err:.3g} > {RTOL:g} (|diff| {diff:.3g}, |want| {den:.3g}, "
                          f"floor {atol:.3g})")
     if err > MAX_ERR[0]:
