@@ -132,10 +132,13 @@ def test_plan_lengths_beside_a_given_split_is_refused():
 
 def test_the_memory_cap_holds_at_the_longest_length(captured):
     """Activations grow with the length: a cap the plan for the short length alone would break at the
-    long one holds at every length, with the stages ``checkpoint="auto"`` chooses at the longest."""
-    free, mix, schedule = _plan(captured, {SHORT: 0.5, LONG: 0.5})
+    long one holds at every length, with the stages ``checkpoint="auto"`` chooses at the longest (4 stages:
+    with 2, the last stage, its logits and the loss's gradient of them, cannot go under such a cap at all)."""
+    mix = length_mix(captured.gm, captured.inputs, 0, parse_plan_lengths({SHORT: 0.5, LONG: 0.5}))
+    schedule = resolve_schedule("1f1b", 4, None, 8)
+    free = plan_partition(captured.gm, 4, schedule=schedule, flops_per_s=RATE, lengths=mix, order="program")
     cap = int(max(free.stage_memory) * 0.85)
-    capped = plan_partition(captured.gm, 2, schedule=schedule, flops_per_s=RATE, lengths=mix, order="program",
+    capped = plan_partition(captured.gm, 4, schedule=schedule, flops_per_s=RATE, lengths=mix, order="program",
                             max_stage_memory=cap, checkpoint="auto")
     assert max(capped.stage_memory) <= cap < max(free.stage_memory)
     assert capped.checkpoint  # only checkpointing fits it

@@ -114,7 +114,8 @@ def _independent_memory(gm, stages, in_flight, memory=MemoryModel(), counts=None
     with checkpointing, the stage's inputs and outputs x microbatches in flight plus one microbatch's
     new storage with its backward's working set. What a stage receives besides: a plain stage's inputs
     x the microbatches in flight (``counts``), and one receive posted ahead (its inputs, or its outputs'
-    gradient, the larger; the last stage gets no gradient, and its loss keeps the outputs' size)."""
+    gradient, the larger; the last stage gets no gradient, its loss keeps the outputs' size, and its backward
+    starts from their gradient)."""
     by_name = {n.name: n for n in compute_nodes(gm)}
     stage_of = {name: s for s, names in enumerate(stages) for name in names}
     counts = in_flight if counts is None else counts
@@ -135,8 +136,9 @@ def _independent_memory(gm, stages, in_flight, memory=MemoryModel(), counts=None
         handed_on = {n for n in nodes if any(stage_of.get(u.name, len(stages)) > s for u in n.users)}
         inputs = sum(node_cost(a).out_bytes for a in received)
         outputs = sum(node_cost(a).out_bytes for a in handed_on)
-        # one receive posted ahead; the last stage none for its outputs, but its loss keeps their size per microbatch
-        ahead = (max(inputs, outputs) if s < len(stages) - 1 else inputs + outputs * counts[s]) + grad
+        # one receive posted ahead; the last stage none for its outputs, but its loss keeps their size per microbatch,
+        # and its backward starts from their gradient
+        ahead = (max(inputs, outputs) if s < len(stages) - 1 else inputs + outputs * (counts[s] + 1)) + grad
         if memory.checkpoint:
             out.append(sum(state.values()) + act * (1 + BACKWARD_WORKING_SET) + (inputs + outputs) * counts[s] + ahead)
         else:
@@ -520,9 +522,11 @@ def test_late_order_keeps_an_early_branch_off_the_cuts(sched):
     assert program.plan.order == "program" and auto.plan.order == "late"
     sent = lambda prog: sum(b.nbytes for b in prog.boundaries)  # noqa: E731
     assert sent(auto) < sent(program) / 4
-    assert auto.plan.bottleneck <= program.plan.bottleneck * (1 + 0.05)
-    if sched:
+    if sched:  # the step is what a schedule's plan minimises: at this size per-op overheads (rates measured
+        # on this machine, under its load) weigh as much as FLOPs, so its FLOP bottleneck may be a little higher
         assert auto.plan.predicted_step_s < program.plan.predicted_step_s
+    else:
+        assert auto.plan.bottleneck <= program.plan.bottleneck * (1 + 0.05)
     check_exact(model, (x,), {}, auto, (torch.randn(5, 64),), {})
     loss_fn = lambda out, y: torch.nn.functional.mse_loss(out, y)  # noqa: E731
     pipe = pipesplit.Pipeline(auto, "1f1b", num_microbatches=4, loss_fn=loss_fn)
