@@ -30,15 +30,13 @@ def stage_bytes(
     of them recomputed (``checkpointed``) or its head ``[a, head)`` only. ``act_sum``: the chain's
     activations summed up to each position (computed when not given). ``split``: where the schedule
     splits this stage's backward into I and W, the most microbatches it holds from a forward until its I
-    (:func:`~pipesplit.passes.plan.objective.split_stages`); a stage recomputing its head then runs its
-    whole backward in I, so it holds that many, and none waits for its W: its units are at most those
-    and one backward's working set."""
+    (:func:`~pipesplit.passes.plan.objective.split_stages`); a stage that recomputes (all of it, or its
+    head) then runs its whole backward in I and lets the microbatch go there, so it holds that many, and
+    none waits for its W: its units are at most those and one backward's working set."""
     act = chain.act if chain.act is not None else np.zeros(chain.n, dtype=np.int64)
     if act_sum is None:
         act_sum = np.concatenate([[0], np.cumsum(act)])
-    if split is not None and head is not None and not checkpointed:  # its whole backward in I: nothing waits for W
-        # (a stage recomputing all of it keeps the count until W: with this one its step under zb_h1 measured
-        # 1.00-1.02 of its figure, some 1 MiB the figure does not count, so it stays on the side of above)
+    if split is not None and (head is not None or checkpointed):  # its whole backward in I: nothing waits for W
         in_flight = min(in_flight, split)
         units = None if units is None else min(units, in_flight + BACKWARD_WORKING_SET)
     inputs = float(chain.cut_bytes[a]) if a > 0 else 0.0
