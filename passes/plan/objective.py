@@ -169,6 +169,11 @@ def in_flight_per_stage(schedule: Schedule) -> list[int]:
     A microbatch is held from its forward until its full backward (B) or, for split
     backwards, its weight-gradient pass (W) on that stage.
     """
+    return _most_held(schedule, (ActionKind.FULL_BACKWARD, ActionKind.BACKWARD_WEIGHT))
+
+
+def _most_held(schedule: Schedule, ends: tuple[ActionKind, ...]) -> list[int]:
+    """Per stage, the most microbatches held at once from a forward until an action of a kind in ``ends``."""
     peak = [0] * schedule.num_stages
     for actions in schedule.actions:
         held = [0] * schedule.num_stages
@@ -176,7 +181,7 @@ def in_flight_per_stage(schedule: Schedule) -> list[int]:
             if a.kind is ActionKind.FORWARD:
                 held[a.stage] += 1
                 peak[a.stage] = max(peak[a.stage], held[a.stage])
-            elif a.kind in (ActionKind.FULL_BACKWARD, ActionKind.BACKWARD_WEIGHT):
+            elif a.kind in ends:
                 held[a.stage] -= 1
     return peak
 
@@ -229,18 +234,8 @@ def split_stages(schedule: Schedule) -> dict[int, int]:
     ([4, 4, 4, 4], {0: 4, 1: 3, 2: 2, 3: 1})
     """
     stages = {a.stage for actions in schedule.actions for a in actions if a.kind is ActionKind.BACKWARD_WEIGHT}
-    peak = dict.fromkeys(sorted(stages), 0)
-    for actions in schedule.actions:
-        held = dict.fromkeys(stages, 0)
-        for a in actions:
-            if a.stage not in stages:
-                continue
-            if a.kind is ActionKind.FORWARD:
-                held[a.stage] += 1
-                peak[a.stage] = max(peak[a.stage], held[a.stage])
-            elif a.kind in (ActionKind.FULL_BACKWARD, ActionKind.BACKWARD_INPUT):
-                held[a.stage] -= 1
-    return peak
+    until_i = _most_held(schedule, (ActionKind.FULL_BACKWARD, ActionKind.BACKWARD_INPUT))
+    return {s: until_i[s] for s in sorted(stages)}
 
 
 def step_time(schedule: Schedule, figures: StageFigures) -> float:
