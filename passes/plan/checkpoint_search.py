@@ -16,7 +16,7 @@ from pipesplit.passes.plan.objective import (
     CommModel, MemoryModel, activation_units_per_stage, in_flight_per_stage, split_stages, step_time,
 )
 from pipesplit.passes.plan.partition import StageLimits
-from pipesplit.passes.plan.partial_checkpoint import asked_heads, find_blocks
+from pipesplit.passes.plan.partial_checkpoint import Blocks, asked_heads, find_blocks
 from pipesplit.passes.plan.partial_search import reweigh, with_shortest_heads
 from pipesplit.passes.plan.step_planner import TIE, Candidate, best_for_schedule, figures_for, step_lower_bound
 from pipesplit.schedules import Schedule
@@ -34,11 +34,13 @@ def best_with_checkpointing(
     block boundaries, each with its best checkpointing) where that is predicted faster: the plan is
     never predicted slower than a layout by whole blocks that fits the cap."""
     kw = dict(comm=comm, memory=memory, mem_cap=mem_cap, limits=limits, device_kind=device_kind)
+    blocks = find_blocks(chain)  # once: the search's heads and the layouts between blocks both read them
     if asked is not None:  # the stages' blocks as asked, on the split solved for them
-        return _searched(chain, seconds, schedule, checkpoint=checkpoint, asked=asked, **kw)  # type: ignore[arg-type]
-    blocks = find_blocks(chain)
+        return _searched(chain, blocks, seconds, schedule, checkpoint=checkpoint, asked=asked,
+                         **kw)  # type: ignore[arg-type]
     try:
-        cand, ideal, ckpt = _searched(chain, seconds, schedule, checkpoint=checkpoint, **kw)  # type: ignore[arg-type]
+        cand, ideal, ckpt = _searched(chain, blocks, seconds, schedule, checkpoint=checkpoint,
+                                      **kw)  # type: ignore[arg-type]
     except PlanError:
         fallback = best_block_layout(chain, blocks, seconds, schedule, checkpoint=checkpoint,
                                      **kw)  # type: ignore[arg-type]
@@ -55,11 +57,12 @@ def best_with_checkpointing(
 
 
 def _searched(
-    chain: Chain, seconds: np.ndarray, schedule: Schedule, *, comm: CommModel, memory: MemoryModel,
+    chain: Chain, blocks: Blocks, seconds: np.ndarray, schedule: Schedule, *, comm: CommModel, memory: MemoryModel,
     mem_cap: int | None, limits: StageLimits, device_kind: str, checkpoint: frozenset[int] | None,
     asked: Mapping[int, int] | None = None,
 ) -> tuple[Candidate, float, frozenset[int]]:
-    """The best split, a lower bound on any split's step, and the stages to checkpoint.
+    """The best split, a lower bound on any split's step, and the stages to checkpoint (``blocks``: the
+    chain's repeated blocks, :func:`~pipesplit.passes.plan.partial_checkpoint.find_blocks`).
 
     ``checkpoint`` fixes the set (see :func:`best_for_schedule`); None chooses it: without a cap
     no stage (checkpointing only adds time); with one, each candidate set of
@@ -75,7 +78,7 @@ def _searched(
     kw = dict(comm=comm, memory=memory, mem_cap=mem_cap, limits=limits, device_kind=device_kind)
     if asked is not None:
         cand, ideal = best_for_schedule(chain, seconds, schedule, checkpoint=frozenset(asked), **kw)  # type: ignore[arg-type]
-        whole, heads = asked_heads(find_blocks(chain), cand.starts, chain.n, asked)
+        whole, heads = asked_heads(blocks, cand.starts, chain.n, asked)
         in_flight, units = in_flight_per_stage(schedule), activation_units_per_stage(schedule)
         fig = figures_for(chain, cand.starts, seconds, in_flight, memory, comm, device_kind, units, whole, heads,
                           split=split_stages(schedule))
@@ -109,7 +112,7 @@ def _searched(
         log.debug("checkpointing %s (of %s tried%s): step %.6g", sorted(keep), sorted(tried), ", quick" if quick else "",
                   cand.step_s)
 
-    blocks, cap = find_blocks(chain), mem_cap
+    cap = mem_cap
     partial: list[Candidate] = []
 
     def shorten(cand: Candidate) -> None:  # the same split recomputing only the heads it needs
