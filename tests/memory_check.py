@@ -73,22 +73,24 @@ def main() -> int:
     p.add_argument("--schedule", default="1f1b")
     p.add_argument("--microbatches", type=int, default=8)
     p.add_argument("--microbatch-size", type=int, default=2)
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--vocab", type=int, default=256, help="4096 at --dim 32: logits dominate the last stage")
     args = p.parse_args()
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     torch.set_num_threads(1)
-    model = gpt(layers=4, dim=64, vocab=256, seq=32, heads=2)
+    model = gpt(layers=4, dim=args.dim, vocab=args.vocab, seq=32, heads=2)
     ok = True
     for schedule in args.schedule.split(","):
-        ok &= check(model, schedule, args.microbatches, args.microbatch_size, rank, world)
+        ok &= check(model, schedule, args.microbatches, args.microbatch_size, rank, world, args.vocab)
     dist.barrier()  # no rank closes its connections while a peer still reads from them
     dist.destroy_process_group()
     return 0 if ok else 1
 
 
-def check(model, schedule: str, m: int, mb: int, rank: int, world: int) -> bool:
-    example = torch.randint(0, 256, (mb, 32))  # the planner's figures are per microbatch
+def check(model, schedule: str, m: int, mb: int, rank: int, world: int, vocab: int = 256) -> bool:
+    example = torch.randint(0, vocab, (mb, 32))  # the planner's figures are per microbatch
     memory = pipesplit.MemoryModel()
     prog = pipesplit.compile(model, example, num_stages=world, schedule=schedule, num_microbatches=m,
                              memory=memory, progress=False)
@@ -102,7 +104,7 @@ def check(model, schedule: str, m: int, mb: int, rank: int, world: int) -> bool:
     budget = estimate - weights * (1 + memory.optimizer_factor)  # what a step may add: activations, gradients
     peaks = []
     for _ in range(3):
-        x, y = torch.randint(0, 256, (m * mb, 32)), torch.randint(0, 256, (m * mb, 32))
+        x, y = torch.randint(0, vocab, (m * mb, 32)), torch.randint(0, vocab, (m * mb, 32))
         for p in pipe.parameters():
             p.grad = None
         with LiveBytes() as live:

@@ -157,7 +157,7 @@ def test_a_last_stage_recomputing_its_head_under_zero_bubble_lets_its_microbatch
     """Its whole backward runs in I, so nothing is left for W: the runtime let go of the microbatch's input
     leaves, logits and their gradients only at W, and the figure (counting until I) was 1.7x under the
     measured step (a GPT of width 32, vocabulary 4096, zb_h1, ``{3: 1}``: 9.0 MB against 5.25); let go at I,
-    with the loss's gradient of the logits counted, 0.92."""
+    with the loss's gradients of the logits counted, under it."""
     from pipesplit.bench.stage_memory import measure_pipeline
 
     torch.manual_seed(0)
@@ -173,6 +173,10 @@ def test_a_last_stage_recomputing_its_head_under_zero_bubble_lets_its_microbatch
 
     got = measure_pipeline(pipe, batch, optimizer=torch.optim.Adam(pipe.parameters()), memory_steps=1, timed_steps=0)
     assert list(prog.plan.checkpoint_partial) == [3]
-    # stage 3's; stage 0 (no checkpointing: an embedding of 4096 x 32 and little else) measures 1.10 of its
-    # figure under zb_h1 and 1.00 under 1f1b: not yet explained (benchmarks/RESULTS.md, ninth session)
-    assert BAND[0] <= got.peak[3] / prog.plan.stage_memory_bytes[3] <= BAND[1]
+    # stage 3's, from above; 0.785 of it in one process, whose stage 3 reads stage 0's tied embedding (its
+    # weight and Adam's two moments, 1.5 of the figure's 7.4 MB) where a rank of its own holds a copy (under
+    # torchrun 0.95: tests/memory_check.py measures such a GPT in test_distributed.py)
+    assert 0.75 <= got.peak[3] / prog.plan.stage_memory_bytes[3] <= BAND[1]
+    # stage 0 (an embedding of 4096 x 32 and little else) measured 1.05 of its figure under zb_h1 while the
+    # weight gradient a backward makes before adding it into .grad left the tied embedding out
+    assert got.peak[0] <= prog.plan.stage_memory_bytes[0]

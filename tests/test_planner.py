@@ -131,18 +131,29 @@ def _independent_memory(gm, stages, in_flight, memory=MemoryModel(), counts=None
         own = [sum(node_cost(a).param_bytes * (memory.state_factor if node_cost(a).trainable else 1)
                    for a in n.all_input_nodes if a.op == "get_attr" and sum(stage_of.get(u.name, -1) >= 0
                                                                             for u in a.users) == 1) for n in nodes]
-        grad = max(own, default=0) / memory.state_factor
+        tied = [node_cost(a).param_bytes * (memory.state_factor if node_cost(a).trainable else 1)
+                for a in {a for n in nodes for a in n.all_input_nodes if a.op == "get_attr"}
+                if sum(stage_of.get(u.name, -1) >= 0 for u in a.users) > 1]  # read by several nodes: a tied weight
+        grad = max(own + tied, default=0) / memory.state_factor
         received = {a for n in nodes for a in n.all_input_nodes if stage_of.get(a.name, s) < s}
         handed_on = {n for n in nodes if any(stage_of.get(u.name, len(stages)) > s for u in n.users)}
         inputs = sum(node_cost(a).out_bytes for a in received)
         outputs = sum(node_cost(a).out_bytes for a in handed_on)
         # one receive posted ahead; the last stage none for its outputs, but its loss keeps their size per microbatch,
-        # and its backward starts from their gradient
-        ahead = (max(inputs, outputs) if s < len(stages) - 1 else inputs + outputs * (counts[s] + 1)) + grad
+        # and at the start of its backward makes two gradients of that size, where they exceed the working set
+        # its backward counts later (a checkpointed one's recompute, which does not make the returned logits again)
+        last = s == len(stages) - 1
+        ahead = (max(inputs, outputs) if not last else inputs) + grad
         if memory.checkpoint:
-            out.append(sum(state.values()) + act * (1 + BACKWARD_WORKING_SET) + (inputs + outputs) * counts[s] + ahead)
+            if last:
+                act -= sum(node_cost(n).held_bytes for n in nodes if any(u.op == "output" for u in n.users))
+            running = act * (1 + BACKWARD_WORKING_SET)
+            held = sum(state.values()) + running + (inputs + outputs) * counts[s]
         else:
-            out.append(sum(state.values()) + act * in_flight[s] + inputs * counts[s] + ahead)
+            running = act * BACKWARD_WORKING_SET
+            held = sum(state.values()) + act * in_flight[s] + inputs * counts[s]
+        loss = outputs * counts[s] + max(0, 2 * outputs - running) if last else 0
+        out.append(held + loss + ahead)
     return out
 
 

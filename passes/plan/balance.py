@@ -35,7 +35,9 @@ def sub_chain(chain: Chain, a: int, b: int) -> Chain:
     tensors = None if chain.cut_tensors is None else chain.cut_tensors[a : b + 1].copy()
     if tensors is not None:
         tensors[0] = tensors[-1] = 0
-    return Chain(chain.nodes[a:b], chain.cost[a:b], mem, cut, allowed, shared, act, tensors, int(chain.end_bytes()[b]))
+    returned = chain.returned[a:b] if chain.returned is not None and b == chain.n else None
+    return Chain(chain.nodes[a:b], chain.cost[a:b], mem, cut, allowed, shared, act, tensors, int(chain.end_bytes()[b]),
+                 returned)
 
 
 def rebalance(chain: Chain, starts: Sequence[int], solve: Solve) -> tuple[int, ...]:

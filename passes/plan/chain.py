@@ -42,6 +42,9 @@ class Chain:
     cut_tensors: np.ndarray | None = None
     # Bytes of the program's outputs: what the last stage's backward starts from (``cut_bytes[n]`` is 0).
     output_bytes: int = 0
+    # Per node (int64, n): its new storage where the program returns its value (a head's logits), else 0;
+    # what a checkpointed last stage keeps from its forward and does not recompute. None: not known.
+    returned: np.ndarray | None = None
 
     @property
     def n(self) -> int:
@@ -129,4 +132,6 @@ def build_chain(
     cut_bytes[0] = cut_bytes[n] = cut_tensors[0] = cut_tensors[n] = 0
     allowed[0] = allowed[n] = True
     act = np.array([node_cost(node).held_bytes for node in nodes], dtype=np.int64)
-    return Chain(nodes, cost, mem, cut_bytes, allowed, shared, act, cut_tensors, output_bytes)
+    returned = np.array([node_cost(node).held_bytes if any(u.op == "output" for u in node.users) else 0
+                         for node in nodes], dtype=np.int64)
+    return Chain(nodes, cost, mem, cut_bytes, allowed, shared, act, cut_tensors, output_bytes, returned)

@@ -8,8 +8,12 @@ step in one process (measured on a GPT, ``benchmarks/bench_memory.py --torchrun`
 the values it receives: each microbatch's inputs until its backward (the leaves its input
 gradients are taken at), and one receive posted ahead of the action that takes it (an input, or
 its outputs' gradient: ``pipesplit.schedules.issue.LOOKAHEAD`` = 1 action), the larger of the two;
-the last stage, what the loss keeps per microbatch (taken as the outputs' size); and a backward's
-weight gradient before it is added into the parameter's ``.grad`` (the largest node's parameters).
+the last stage, what the loss keeps per microbatch (taken as the outputs' size: cross entropy's
+log-softmax), and at the start of its backward the loss's two gradients of that size (of the
+log-softmax, then of the outputs) where they exceed the working set its backward counts later (the
+larger of the two moments, not their sum: a GPT whose logits are small measured 0.84 of the sum, one
+whose logits dominate 1.08 of the working set alone); and a backward's weight gradient before it is
+added into the parameter's ``.grad`` (the largest node's parameters).
 What it sends is let go of once its receiver has it (:mod:`pipesplit.schedules.releases`).
 """
 
@@ -40,20 +44,30 @@ def stage_bytes(
         in_flight = min(in_flight, split)
         units = None if units is None else min(units, in_flight + BACKWARD_WORKING_SET)
     inputs = float(chain.cut_bytes[a]) if a > 0 else 0.0
-    outputs = float(chain.output_bytes if b >= chain.n else chain.cut_bytes[b])
-    ahead = max(inputs, outputs) if b < chain.n else inputs  # the last stage receives no gradient
-    # the last stage's loss keeps about its outputs' size per microbatch until the backward (cross entropy:
-    # its log-softmax); what a loss function keeps is the user's, so this is the common case, not a bound
-    # and its backward starts from the outputs' gradient, made while they are held (one more outputs' size:
-    # a GPT of width 32 and vocabulary 4096 measured its last stage at 1.107 of the figure without it)
-    ahead += float(chain.output_bytes) * (in_flight + 1) if b >= chain.n else 0.0
-    # a backward's weight gradient, made before it is added into .grad: the largest node's parameters
-    ahead += float((chain.mem[a:b] - act[a:b]).max(initial=0)) / memory.state_factor
+    last = b >= chain.n
+    outputs = float(chain.output_bytes if last else chain.cut_bytes[b])
+    ahead = max(inputs, outputs) if not last else inputs  # the last stage receives no gradient
+    # a backward's weight gradient, made before it is added into .grad: the largest node's parameters, a
+    # parameter several nodes read (a tied embedding) among them (left out, a GPT of width 32 whose 4096-word
+    # embedding is tied to its head measured its first stage at 1.05 of the figure under zb_h1)
+    ahead += max(float((chain.mem[a:b] - act[a:b]).max(initial=0)),
+                 max((float(nbytes) for nbytes, pos in chain.shared if any(a <= p < b for p in pos)),
+                     default=0.0)) / memory.state_factor
+    made = float(act_sum[b] - act_sum[a])
     if head is not None and not checkpointed:
         tail = float(act_sum[b] - act_sum[head]) + float(chain.cut_bytes[head])
-        return memory.partial_bytes(state, float(act_sum[head] - act_sum[a]), tail, inputs, in_flight, units) + ahead
-    if checkpointed:  # it keeps its outputs of each microbatch in flight too: its backward starts from them
-        return memory.held_bytes(state, float(act_sum[b] - act_sum[a]), inputs + outputs, in_flight, units,
-                                 checkpointed=True) + ahead
-    return memory.held_bytes(state, float(act_sum[b] - act_sum[a]), 0.0, in_flight, units,
-                             checkpointed=False) + inputs * in_flight + ahead
+        held = memory.partial_bytes(state, float(act_sum[head] - act_sum[a]), tail, inputs, in_flight, units)
+        running = BACKWARD_WORKING_SET * tail + float(act_sum[head] - act_sum[a])
+    elif checkpointed:  # it keeps its outputs of each microbatch in flight too: its backward starts from them,
+        # and its recompute stops once it has made what the backward reads (torch's checkpoint stops early), so
+        # what the program returns (a head's logits, kept) is not made again
+        if last and chain.returned is not None:
+            made -= float(chain.returned[a:b].sum())
+        held = memory.held_bytes(state, made, inputs + outputs, in_flight, units, checkpointed=True)
+        running = made * (1 + BACKWARD_WORKING_SET)
+    else:
+        held = memory.held_bytes(state, made, 0.0, in_flight, units, checkpointed=False) + inputs * in_flight
+        running = BACKWARD_WORKING_SET * made if units is not None else 0.0
+    if last:
+        held += outputs * in_flight + max(0.0, 2 * outputs - running)
+    return held + ahead
