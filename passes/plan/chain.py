@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import bisect
+
 import operator
 from dataclasses import dataclass, field
 from typing import Callable, Collection
@@ -31,7 +33,7 @@ class Chain:
     mem: np.ndarray  # int64 per node: new storage bytes + parameter (+grad) bytes of state only it reads
     cut_bytes: np.ndarray  # int64 per position: bytes live across that cut
     allowed: np.ndarray  # bool per position: no tuple/list value crosses it
-    # State read at several positions (tied weights): (bytes, positions). Every stage
+    # State read at several positions (tied weights): (bytes, sorted positions). Every stage
     # that reads it holds a copy, so a stage's memory is its ``mem`` plus these once each.
     shared: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)
     # New storage per node (``held_bytes``, the activation part of ``mem``): a schedule that keeps
@@ -55,6 +57,15 @@ class Chain:
         and at ``n`` the program's outputs."""
         out: np.ndarray = self.cut_bytes.astype(np.int64)
         out[self.n] = self.output_bytes
+        return out
+
+    def shared_in(self, a: int, b: int) -> list[int]:
+        """The bytes of each shared tensor a node of ``[a, b)`` reads (its positions are sorted: a bisection each)."""
+        out = []
+        for nbytes, positions in self.shared:
+            i = bisect.bisect_left(positions, a)
+            if i < len(positions) and positions[i] < b:
+                out.append(nbytes)
         return out
 
     def node_memory(self) -> np.ndarray:

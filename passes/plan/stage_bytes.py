@@ -51,8 +51,7 @@ def stage_bytes(
     # parameter several nodes read (a tied embedding) among them (left out, a GPT of width 32 whose 4096-word
     # embedding is tied to its head measured its first stage at 1.05 of the figure under zb_h1)
     ahead += max(float((chain.mem[a:b] - act[a:b]).max(initial=0)),
-                 max((float(nbytes) for nbytes, pos in chain.shared if any(a <= p < b for p in pos)),
-                     default=0.0)) / memory.state_factor
+                 float(max(chain.shared_in(a, b), default=0))) / memory.state_factor
     made = float(act_sum[b] - act_sum[a])
     if head is not None and not checkpointed:
         tail = float(act_sum[b] - act_sum[head]) + float(chain.cut_bytes[head])

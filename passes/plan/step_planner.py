@@ -129,7 +129,7 @@ def figures_for(
 def stage_state(chain: Chain, act: np.ndarray, a: int, b: int) -> float:
     """Training state bytes of stage ``[a, b)``: its nodes' memory less their activations, shared state once."""
     state = float((chain.mem[a:b] - act[a:b]).sum())
-    return state + sum(nbytes for nbytes, pos in chain.shared if any(a <= p < b for p in pos))
+    return state + sum(chain.shared_in(a, b))
 
 
 def best_for_schedule(
