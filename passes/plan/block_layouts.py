@@ -20,12 +20,12 @@ import numpy as np
 
 from pipesplit.passes.plan.chain import Chain
 from pipesplit.passes.plan.objective import (
-    CommModel, MemoryModel, activation_units_per_stage, in_flight_per_stage, split_stages, step_time,
+    CommModel, MemoryModel, activation_units_per_stage, in_flight_per_stage, split_stages,
 )
 from pipesplit.passes.plan.partial_checkpoint import Blocks
 from pipesplit.passes.plan.partial_search import with_shortest_heads
 from pipesplit.passes.plan.partition import StageLimits
-from pipesplit.passes.plan.step_planner import Candidate, figures_for
+from pipesplit.passes.plan.step_planner import Candidate, candidate, figures_for
 from pipesplit.schedules import Schedule
 
 # How many blocks lighter than an even share the first stage (its embedding) and the last (its head) may be.
@@ -125,8 +125,7 @@ def best_block_layout(
             ckpt = checkpoint if checkpoint is not None else frozenset()
             fig = figures_for(chain, starts, seconds, in_flight, memory, comm, device_kind, units, ckpt, split=split)
             fits = mem_cap is None or max(fig.memory) <= mem_cap
-            cand = Candidate(starts, fig, step_time(schedule, fig), int(chain.cut_bytes[list(starts[1:])].sum()),
-                             whole=ckpt) if fits else None
+            cand = candidate(chain, schedule, starts, fig, whole=ckpt) if fits else None
         if cand is not None and (best is None or cand.step_s < best.step_s):
             best = cand
     return best

@@ -13,12 +13,12 @@ from pipesplit.passes.plan.block_layouts import best_block_layout
 from pipesplit.passes.plan.chain import Chain
 from pipesplit.passes.plan.checkpointing import candidate_sets, needed
 from pipesplit.passes.plan.objective import (
-    CommModel, MemoryModel, activation_units_per_stage, in_flight_per_stage, split_stages, step_time,
+    CommModel, MemoryModel, activation_units_per_stage, in_flight_per_stage, split_stages,
 )
 from pipesplit.passes.plan.partition import StageLimits
 from pipesplit.passes.plan.partial_checkpoint import Blocks, asked_heads, find_blocks
 from pipesplit.passes.plan.partial_search import reweigh, with_shortest_heads
-from pipesplit.passes.plan.step_planner import TIE, Candidate, best_for_schedule, figures_for, step_lower_bound
+from pipesplit.passes.plan.step_planner import TIE, Candidate, best_for_schedule, candidate, figures_for, step_lower_bound
 from pipesplit.schedules import Schedule
 
 log = logging.getLogger(__name__)
@@ -82,7 +82,7 @@ def _searched(
         in_flight, units = in_flight_per_stage(schedule), activation_units_per_stage(schedule)
         fig = figures_for(chain, cand.starts, seconds, in_flight, memory, comm, device_kind, units, whole, heads,
                           split=split_stages(schedule))
-        return Candidate(cand.starts, fig, step_time(schedule, fig), cand.cut_bytes, heads, whole), ideal, whole
+        return candidate(chain, schedule, cand.starts, fig, heads, whole), ideal, whole
     if checkpoint is not None or mem_cap is None:
         chosen = checkpoint if checkpoint is not None else frozenset()
         cand, ideal = best_for_schedule(chain, seconds, schedule, checkpoint=chosen, **kw)  # type: ignore[arg-type]
@@ -106,7 +106,7 @@ def _searched(
         if keep != tried:  # a stage of the set that fits without: it need not pay the second forward
             fig = figures_for(chain, cand.starts, seconds, in_flight, memory, comm, device_kind, units, keep,
                               split=split_stages(schedule))
-            cand = Candidate(cand.starts, fig, step_time(schedule, fig), cand.cut_bytes)
+            cand = candidate(chain, schedule, cand.starts, fig)
         found.append((cand.step_s, len(keep), cand, ideal, keep))
         shorten(cand)
         log.debug("checkpointing %s (of %s tried%s): step %.6g", sorted(keep), sorted(tried), ", quick" if quick else "",

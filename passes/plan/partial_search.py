@@ -12,11 +12,11 @@ import numpy as np
 
 from pipesplit.passes.plan.chain import Chain
 from pipesplit.passes.plan.objective import (
-    CommModel, MemoryModel, activation_units_per_stage, in_flight_per_stage, split_stages, step_time,
+    CommModel, MemoryModel, activation_units_per_stage, in_flight_per_stage, split_stages,
 )
 from pipesplit.passes.plan.partial_checkpoint import Blocks, shortest_heads
 from pipesplit.passes.plan.partition import StageLimits, solve_candidates
-from pipesplit.passes.plan.step_planner import SLACKS, Candidate, figures_for, stage_state
+from pipesplit.passes.plan.step_planner import SLACKS, Candidate, candidate, figures_for, stage_state
 from pipesplit.errors import PlanError
 from pipesplit.schedules import Schedule
 
@@ -37,8 +37,7 @@ def with_shortest_heads(
     fig = figures_for(chain, starts, seconds, in_flight, memory, comm, device_kind, units, whole, heads, split=split)
     if max(fig.memory) > cap:
         return None
-    return Candidate(tuple(starts), fig, step_time(schedule, fig), int(chain.cut_bytes[list(starts[1:])].sum()),
-                     heads, whole)
+    return candidate(chain, schedule, starts, fig, heads, whole)
 
 
 def reweigh(

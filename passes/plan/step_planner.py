@@ -82,6 +82,14 @@ class Candidate:
     whole: frozenset[int] = frozenset()  # with ``heads``: the stages recomputing all of their forward
 
 
+def candidate(chain: Chain, schedule: Schedule, starts: Sequence[int], fig: StageFigures,
+              heads: Mapping[int, int] | None = None, whole: frozenset[int] = frozenset()) -> Candidate:
+    """The split at ``starts`` with its figures (:func:`figures_for`): its simulated step under ``schedule``, the
+    bytes its cuts carry, and where its stages' recomputed heads end (``heads``, ``whole``: see :class:`Candidate`)."""
+    return Candidate(tuple(starts), fig, step_time(schedule, fig), int(chain.cut_bytes[list(starts[1:])].sum()),
+                     dict(heads or {}), whole)
+
+
 def figures_for(
     chain: Chain, starts: Sequence[int], seconds: np.ndarray, in_flight: Sequence[int],
     memory: MemoryModel, comm: CommModel, device_kind: str, units: Sequence[float] | None = None,
@@ -231,7 +239,7 @@ def _candidates(
     for st in dict.fromkeys(starts):
         fig = figures_for(chain, st, seconds, in_flight, memory, comm, device_kind, units, ckpt,
                           split=split_stages(schedule))
-        cands.append(Candidate(st, fig, step_time(schedule, fig), int(sum(chain.cut_bytes[list(st[1:])]))))
+        cands.append(candidate(chain, schedule, st, fig))
     return cands
 
 
