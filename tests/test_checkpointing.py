@@ -135,6 +135,51 @@ def test_a_per_stage_checkpointed_step_equals_gradient_accumulation(schedule):
     assert_grads_close(prog.named_parameters(), model)
 
 
+class _UnusedOutput(nn.Module):
+    """Blocks, a head, and a second output no loss reaches (``tanh(h)``, which saves its result)."""
+
+    def __init__(self, d: int = 32):
+        super().__init__()
+        self.blocks = nn.Sequential(*[nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d)) for _ in range(4)])
+        self.head = nn.Linear(d, 10)
+
+    def forward(self, x):
+        h = self.blocks(x)
+        return self.head(h), torch.tanh(h)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])
+def test_a_checkpointed_stage_with_an_output_no_loss_reaches_keeps_nothing_after_the_step(schedule):
+    """The unused output's graph holds checkpoint's frame, which held the stage's forward closure and through it
+    the microbatch's record: a cycle through autograd's C++ nodes that Python's collector cannot see, so every
+    step kept its microbatches' recomputed values (69 kB a step here; 2 MiB a microbatch on a review's LM).
+    The step's gradients are the plain model's too."""
+    import gc
+
+    from pipesplit.bench.stage_memory import LiveBytes, counting_memory
+
+    torch.manual_seed(0)
+    model = _UnusedOutput()
+    prog = pipesplit.compile(model, torch.randn(4, 8, 32), split_points=["blocks.2"], schedule=schedule,
+                             num_microbatches=4, checkpoint=True, progress=False)
+    loss_fn = lambda out, y: torch.nn.functional.mse_loss(out[0], y)  # noqa: E731
+    pipe = pipesplit.Pipeline(prog, schedule, num_microbatches=4, loss_fn=loss_fn)
+    live = LiveBytes(2)
+    after = []
+    for i in range(3):
+        pipe.zero_grad(set_to_none=True)
+        xb, y = torch.randn(16, 8, 32), torch.randn(16, 8, 10)
+        with counting_memory(live):
+            pipe.step(xb, target=y)
+        gc.collect()
+        after.append(list(live.live))
+    assert after[0] == after[1] == after[2], after  # the gradients, made in step 0 and kept; nothing else
+    model.zero_grad(set_to_none=True)
+    want = sum(loss_fn(model(xm), ym) for xm, ym in zip(xb.chunk(4), y.chunk(4))) / 4
+    want.backward()
+    assert_grads_close(prog.named_parameters(), model)
+
+
 def test_bad_checkpoint_choices_are_refused_with_the_fix():
     model, x = Deep(d=8, depth=4), torch.randn(4, 8)
     with pytest.raises(PlanError, match="checkpoint must be 'auto', True, False, a list of stage indices"):

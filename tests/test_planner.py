@@ -145,8 +145,10 @@ def _independent_memory(gm, stages, in_flight, memory=MemoryModel(), counts=None
         last = s == len(stages) - 1
         ahead = (max(inputs, outputs) if not last else inputs) + grad
         if memory.checkpoint:
-            if last:
-                act -= sum(node_cost(n).held_bytes for n in nodes if any(u.op == "output" for u in n.users))
+            if last:  # a returned product only the output reads (a tanh saves its result: its recompute remakes it)
+                act -= sum(node_cost(n).held_bytes for n in nodes if n.users and all(u.op == "output" for u in n.users)
+                           and n.target in (torch.ops.aten.linear.default, torch.ops.aten.mm.default,
+                                            torch.ops.aten.addmm.default, torch.ops.aten.matmul.default))
             running = act * (1 + BACKWARD_WORKING_SET)
             held = sum(state.values()) + running + (inputs + outputs) * counts[s]
         else:

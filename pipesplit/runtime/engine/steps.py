@@ -60,8 +60,7 @@ def run_local_step(plan: Program, workers: dict[int, StageWorker], transport: An
             raise
     finally:
         transport.reset()
-        for w in workers.values():
-            w.saved.clear()
+        drop_records(workers)
     for s in (w.stream for w in workers.values() if w.stream is not None):
         s.synchronize()
     if errors:
@@ -77,6 +76,14 @@ def _caller_device() -> Iterator[None]:
         return
     with torch.cuda.device(torch.cuda.current_device()):
         yield
+
+
+def drop_records(workers: dict[int, StageWorker]) -> None:
+    """Let go of the microbatch records a failed step left (a finished one has let every record go)."""
+    for w in workers.values():
+        for record in w.saved.values():
+            record.release()
+        w.saved.clear()
 
 
 def run_distributed_step(prog: SplitProgram, coll: StepCollectives, turns: Sequence[Turn], comm: RankComm,
@@ -102,6 +109,7 @@ def run_distributed_step(prog: SplitProgram, coll: StepCollectives, turns: Seque
         coll.restore_statistics(stats)  # a step that failed leaves them as they were
         prog.defer_tied_gradients(False)
         comm.transport.reset()
+        drop_records(workers)
     if data.training:
         coll.reduce_tied()
         add_back_grads(params, earlier)
