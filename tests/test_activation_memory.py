@@ -173,10 +173,32 @@ def test_a_last_stage_recomputing_its_head_under_zero_bubble_lets_its_microbatch
 
     got = measure_pipeline(pipe, batch, optimizer=torch.optim.Adam(pipe.parameters()), memory_steps=1, timed_steps=0)
     assert list(prog.plan.checkpoint_partial) == [3]
-    # stage 3's, from above; 0.785 of it in one process, whose stage 3 reads stage 0's tied embedding (its
-    # weight and Adam's two moments, 1.5 of the figure's 7.4 MB) where a rank of its own holds a copy (under
-    # torchrun 0.95: tests/memory_check.py measures such a GPT in test_distributed.py)
-    assert 0.75 <= got.peak[3] / prog.plan.stage_memory_bytes[3] <= BAND[1]
+    # stage 3's, from above; 0.75 of it in one process, whose stage 3 reads stage 0's tied embedding (its
+    # weight and Adam's two moments, 1.5 of the figure's 6.4 MB) where a rank of its own holds a copy (under
+    # torchrun 0.94: tests/memory_check.py measures such a GPT in test_distributed.py)
+    assert 0.7 <= got.peak[3] / prog.plan.stage_memory_bytes[3] <= BAND[1]
     # stage 0 (an embedding of 4096 x 32 and little else) measured 1.05 of its figure under zb_h1 while the
     # weight gradient a backward makes before adding it into .grad left the tied embedding out
     assert got.peak[0] <= prog.plan.stage_memory_bytes[0]
+
+
+def test_the_last_stage_lets_its_logits_go_once_its_loss_has_what_it_needs():
+    """The last stage's backward starts from its loss, whose graph keeps what it needs of the logits (cross
+    entropy: its log-softmax); the runtime also kept every microbatch's logits until its backward, 8 of them
+    under gpipe: a GPT whose logits dominate (width 32, vocabulary 4096) measured 41.1 MB against a 27.7 MB
+    figure that counts the loss's keep; 25.1 MB now."""
+    from pipesplit.bench.stage_memory import measure_pipeline
+
+    torch.manual_seed(0)
+    model = gpt(layers=8, dim=32, vocab=4096, seq=32, heads=4)
+    prog = pipesplit.compile(model, torch.randint(0, 4096, (4, 32)), split_points=["blocks.2", "blocks.4", "blocks.6"],
+                             schedule="gpipe", num_microbatches=8, progress=False)
+    pipe = pipesplit.Pipeline(prog, "gpipe", num_microbatches=8,
+                              loss_fn=lambda o, y: torch.nn.functional.cross_entropy(o.flatten(0, 1), y.flatten()))
+
+    def batch(i):
+        g = torch.Generator().manual_seed(i)
+        return (torch.randint(0, 4096, (32, 32), generator=g),), torch.randint(0, 4096, (32, 32), generator=g)
+
+    got = measure_pipeline(pipe, batch, optimizer=torch.optim.Adam(pipe.parameters()), memory_steps=1, timed_steps=0)
+    assert BAND[0] <= got.peak[3] / prog.plan.stage_memory_bytes[3] <= BAND[1]

@@ -144,13 +144,14 @@ def _independent_memory(gm, stages, in_flight, memory=MemoryModel(), counts=None
         # its backward counts later (a checkpointed one's recompute, which does not make the returned logits again)
         last = s == len(stages) - 1
         ahead = (max(inputs, outputs) if not last else inputs) + grad
+        if last:  # a returned product only the output reads, let go of after the forward and not recomputed (a
+            # tanh saves its result: kept, and made again by a recompute)
+            act -= sum(node_cost(n).held_bytes for n in nodes if n.users and all(u.op == "output" for u in n.users)
+                       and n.target in (torch.ops.aten.linear.default, torch.ops.aten.mm.default,
+                                        torch.ops.aten.addmm.default, torch.ops.aten.matmul.default))
         if memory.checkpoint:
-            if last:  # a returned product only the output reads (a tanh saves its result: its recompute remakes it)
-                act -= sum(node_cost(n).held_bytes for n in nodes if n.users and all(u.op == "output" for u in n.users)
-                           and n.target in (torch.ops.aten.linear.default, torch.ops.aten.mm.default,
-                                            torch.ops.aten.addmm.default, torch.ops.aten.matmul.default))
             running = act * (1 + BACKWARD_WORKING_SET)
-            held = sum(state.values()) + running + (inputs + outputs) * counts[s]
+            held = sum(state.values()) + running + (inputs + (0 if last else outputs)) * counts[s]
         else:
             running = act * BACKWARD_WORKING_SET
             held = sum(state.values()) + act * in_flight[s] + inputs * counts[s]

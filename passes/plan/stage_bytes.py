@@ -52,17 +52,22 @@ def stage_bytes(
     # embedding is tied to its head measured its first stage at 1.05 of the figure under zb_h1)
     ahead += max(float((chain.mem[a:b] - act[a:b]).max(initial=0)),
                  float(max(chain.shared_in(a, b), default=0))) / memory.state_factor
-    made = float(act_sum[b] - act_sum[a])
+    # what the program returns and nothing saves (a head's logits): the last stage's backward starts from its loss,
+    # whose graph keeps what it needs of it, so the runtime lets it go after the forward (and a recompute, which
+    # stops once it has made what the backward reads, does not make it again); but a backward split into I and W
+    # keeps the weight ops' outputs, a head's logits among them, until W (a GPT whose logits dominate, zb_h1:
+    # 1.64 of the figure that left them out)
+    whole_split = split is not None and head is None and not checkpointed
+    returned = (chain.returned if last and chain.returned is not None and not whole_split
+                else np.zeros(chain.n, dtype=np.int64))
+    made = float(act_sum[b] - act_sum[a]) - float(returned[a:b].sum())
     if head is not None and not checkpointed:
-        tail = float(act_sum[b] - act_sum[head]) + float(chain.cut_bytes[head])
+        tail = float(act_sum[b] - act_sum[head]) - float(returned[head:b].sum()) + float(chain.cut_bytes[head])
         held = memory.partial_bytes(state, float(act_sum[head] - act_sum[a]), tail, inputs, in_flight, units)
         running = BACKWARD_WORKING_SET * tail + float(act_sum[head] - act_sum[a])
-    elif checkpointed:  # it keeps its outputs of each microbatch in flight too: its backward starts from them,
-        # and its recompute stops once it has made what the backward reads (torch's checkpoint stops early), so
-        # what the program returns (a head's logits, kept) is not made again
-        if last and chain.returned is not None:
-            made -= float(chain.returned[a:b].sum())
-        held = memory.held_bytes(state, made, inputs + outputs, in_flight, units, checkpointed=True)
+    elif checkpointed:  # it keeps its outputs of each microbatch in flight too (its backward starts from their
+        # gradients); the last stage, what its loss keeps of them (below)
+        held = memory.held_bytes(state, made, inputs + (0.0 if last else outputs), in_flight, units, checkpointed=True)
         running = made * (1 + BACKWARD_WORKING_SET)
     else:
         held = memory.held_bytes(state, made, 0.0, in_flight, units, checkpointed=False) + inputs * in_flight
