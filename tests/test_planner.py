@@ -144,17 +144,21 @@ def _independent_memory(gm, stages, in_flight, memory=MemoryModel(), counts=None
         # its backward counts later (a checkpointed one's recompute, which does not make the returned logits again)
         last = s == len(stages) - 1
         ahead = (max(inputs, outputs) if not last else inputs) + grad
-        if last:  # a returned product only the output reads, let go of after the forward and not recomputed (a
-            # tanh saves its result: kept, and made again by a recompute)
-            act -= sum(node_cost(n).held_bytes for n in nodes if n.users and all(u.op == "output" for u in n.users)
-                       and n.target in (torch.ops.aten.linear.default, torch.ops.aten.mm.default,
-                                        torch.ops.aten.addmm.default, torch.ops.aten.matmul.default))
+        let_go = [n for n in nodes if last and n.users and all(u.op == "output" for u in n.users)
+                  and n.target in (torch.ops.aten.linear.default, torch.ops.aten.mm.default,
+                                   torch.ops.aten.addmm.default, torch.ops.aten.matmul.default)]
+        # a returned product only the output reads, let go of after the forward and not recomputed (a tanh saves
+        # its result: kept, and made again by a recompute)
+        act -= sum(node_cost(n).held_bytes for n in let_go)
+        # a backward's working set: a quarter microbatch, at least the gradient of the largest activation
+        largest = max((node_cost(n).held_bytes for n in nodes if n not in let_go), default=0)
+        floor = max(0, largest - BACKWARD_WORKING_SET * act)
         if memory.checkpoint:
-            running = act * (1 + BACKWARD_WORKING_SET)
+            running = act * (1 + BACKWARD_WORKING_SET) + floor
             held = sum(state.values()) + running + (inputs + (0 if last else outputs)) * counts[s]
         else:
-            running = act * BACKWARD_WORKING_SET
-            held = sum(state.values()) + act * in_flight[s] + inputs * counts[s]
+            running = act * BACKWARD_WORKING_SET + floor
+            held = sum(state.values()) + act * in_flight[s] + floor + inputs * counts[s]
         loss = outputs * counts[s] + max(0, 2 * outputs - running) if last else 0
         out.append(held + loss + ahead)
     return out

@@ -18,10 +18,12 @@ gradient before it is added into the parameter's ``.grad`` (the largest node's p
 weight's among them).
 What it sends is let go of once its receiver has it (:mod:`pipesplit.schedules.releases`).
 
-Known not to hold from above: a stage whose activations are small beside its cuts (one block of width
-64 under torchrun: 1.068), which also holds the input gradient it last sent until its receiver has it
-and a working set of its largest activation's gradient. Loose where the loss keeps less than cross
-entropy (a regression's mean squared error: 0.61-0.66 of the figure).
+A backward's working set is a quarter of a microbatch's activations, and at least the gradient of the
+stage's largest activation (one block of width 64, whose 4x-wide hidden is 40% of its activations,
+measured 1.068 of the figure under torchrun that counted the quarter only; 1.00 now). Known not to hold
+from above by a hair there: such a stage also holds the input gradient it last sent until its receiver
+has it, which is not counted (a stage of two blocks or more covers it with its quarter). Loose where the
+loss keeps less than cross entropy (a regression's mean squared error: 0.61-0.66 of the figure).
 """
 
 from __future__ import annotations
@@ -68,17 +70,29 @@ def stage_bytes(
     returned = (chain.returned if last and chain.returned is not None and not whole_split
                 else np.zeros(chain.n, dtype=np.int64))
     made = float(act_sum[b] - act_sum[a]) - float(returned[a:b].sum())
+
+    def at_least(lo: int, hi: int, region: float) -> float:
+        """What a backward's working set over ``region`` bytes of ``[lo, hi)`` has beyond its quarter: the gradient
+        of the largest activation, made while it is still held (one block of width 64, its 4x-wide hidden 40% of
+        its activations, measured 1.07 of the figure that counted the quarter only)."""
+        largest = float((act[lo:hi] - returned[lo:hi]).max(initial=0))
+        return max(0.0, largest - BACKWARD_WORKING_SET * region)
+
     if head is not None and not checkpointed:
         tail = float(act_sum[b] - act_sum[head]) - float(returned[head:b].sum()) + float(chain.cut_bytes[head])
-        held = memory.partial_bytes(state, float(act_sum[head] - act_sum[a]), tail, inputs, in_flight, units)
-        running = BACKWARD_WORKING_SET * tail + float(act_sum[head] - act_sum[a])
+        floor = at_least(head, b, tail)
+        held = memory.partial_bytes(state, float(act_sum[head] - act_sum[a]), tail, inputs, in_flight, units) + floor
+        running = BACKWARD_WORKING_SET * tail + floor + float(act_sum[head] - act_sum[a])
     elif checkpointed:  # it keeps its outputs of each microbatch in flight too (its backward starts from their
         # gradients); the last stage, what its loss keeps of them (below)
-        held = memory.held_bytes(state, made, inputs + (0.0 if last else outputs), in_flight, units, checkpointed=True)
-        running = made * (1 + BACKWARD_WORKING_SET)
+        floor = at_least(a, b, made)
+        held = memory.held_bytes(state, made, inputs + (0.0 if last else outputs), in_flight, units,
+                                 checkpointed=True) + floor
+        running = made * (1 + BACKWARD_WORKING_SET) + floor
     else:
-        held = memory.held_bytes(state, made, 0.0, in_flight, units, checkpointed=False) + inputs * in_flight
-        running = BACKWARD_WORKING_SET * made if units is not None else 0.0
+        floor = at_least(a, b, made) if units is not None else 0.0
+        held = memory.held_bytes(state, made, 0.0, in_flight, units, checkpointed=False) + inputs * in_flight + floor
+        running = BACKWARD_WORKING_SET * made + floor if units is not None else 0.0
     if last:
         held += outputs * in_flight + max(0.0, 2 * outputs - running)
     return held + ahead
