@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import bisect
-
 import operator
 from dataclasses import dataclass, field
 from typing import Callable, Collection
@@ -44,8 +43,9 @@ class Chain:
     cut_tensors: np.ndarray | None = None
     # Bytes of the program's outputs: what the last stage's backward starts from (``cut_bytes[n]`` is 0).
     output_bytes: int = 0
-    # Per node (int64, n): its new storage where the program returns its value (a head's logits), else 0;
-    # what a checkpointed last stage keeps from its forward and does not recompute. None: not known.
+    # Per node (int64, n): its new storage where the program returns its value, nothing else reads it and its op
+    # does not save its result (a head's logits), else 0: what the last stage lets go of after its forward (its
+    # loss keeps what it needs) and a recompute does not make again. None: not known.
     returned: np.ndarray | None = None
 
     @property

@@ -67,19 +67,22 @@ def stage_bytes(
     # keeps the weight ops' outputs, a head's logits among them, until W (a GPT whose logits dominate, zb_h1:
     # 1.64 of the figure that left them out)
     whole_split = split is not None and head is None and not checkpointed
-    returned = (chain.returned if last and chain.returned is not None and not whole_split
-                else np.zeros(chain.n, dtype=np.int64))
-    made = float(act_sum[b] - act_sum[a]) - float(returned[a:b].sum())
+    returned = chain.returned if last and chain.returned is not None and not whole_split else None
+
+    def kept(lo: int, hi: int) -> np.ndarray:
+        """The activations of ``[lo, hi)`` a microbatch holds: less what the last stage lets go after its forward."""
+        return act[lo:hi] if returned is None else act[lo:hi] - returned[lo:hi]
 
     def at_least(lo: int, hi: int, region: float) -> float:
         """What a backward's working set over ``region`` bytes of ``[lo, hi)`` has beyond its quarter: the gradient
         of the largest activation, made while it is still held (one block of width 64, its 4x-wide hidden 40% of
         its activations, measured 1.07 of the figure that counted the quarter only)."""
-        largest = float((act[lo:hi] - returned[lo:hi]).max(initial=0))
-        return max(0.0, largest - BACKWARD_WORKING_SET * region)
+        return max(0.0, float(kept(lo, hi).max(initial=0)) - BACKWARD_WORKING_SET * region)
+
+    made = float(act_sum[b] - act_sum[a]) - (0.0 if returned is None else float(returned[a:b].sum()))
 
     if head is not None and not checkpointed:
-        tail = float(act_sum[b] - act_sum[head]) - float(returned[head:b].sum()) + float(chain.cut_bytes[head])
+        tail = float(kept(head, b).sum()) + float(chain.cut_bytes[head])
         floor = at_least(head, b, tail)
         held = memory.partial_bytes(state, float(act_sum[head] - act_sum[a]), tail, inputs, in_flight, units) + floor
         running = BACKWARD_WORKING_SET * tail + floor + float(act_sum[head] - act_sum[a])
