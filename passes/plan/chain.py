@@ -85,7 +85,7 @@ class Chain:
 # checkpointed last stage at 1.065 of the figure while every returned value was taken as not remade).
 _RESULT_NOT_SAVED = {torch.ops.aten.linear.default, torch.ops.aten.mm.default, torch.ops.aten.addmm.default,
                      torch.ops.aten.matmul.default, torch.ops.aten.bmm.default, torch.ops.aten.add.Tensor,
-                     torch.ops.aten.mul.Tensor, torch.ops.aten._to_copy.default, torch.ops.aten.to.dtype}
+                     torch.ops.aten.mul.Tensor, torch.ops.aten.to.dtype}
 
 
 def _kept_not_remade(node: fx.Node) -> bool:
