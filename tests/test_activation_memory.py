@@ -67,24 +67,27 @@ def test_views_and_in_place_writes_hold_nothing_new():
         assert views and all(c.held_bytes == 0 for c in views), (name, views, held)
 
 
-def _measured_against_planned(schedule, checkpoint, microbatches=4, layers=4, dim=128, rows=4, stages=2, seq=64):
+def _measured_against_planned(schedule, checkpoint, microbatches=4, layers=4, dim=128, rows=4, stages=2, seq=64,
+                              vocab=256, split_points=None):
     """Each stage's peak measured in a real Adam step (every storage its thread allocates, live until freed;
-    parameters and Adam's state) over its planned peak (``plan.stage_memory_bytes``)."""
+    parameters and Adam's state) over its planned peak (``plan.stage_memory_bytes``); ``split_points``: the
+    stages cut there, not ``stages`` planned."""
     from pipesplit.bench.stage_memory import measure_pipeline
 
     torch.manual_seed(0)
-    model = gpt(layers=layers, dim=dim, vocab=256, seq=seq, heads=4)
-    x = torch.randint(0, 256, (rows, seq))
-    prog = pipesplit.compile(model, x, num_stages=stages, schedule=schedule, num_microbatches=microbatches,
-                             checkpoint=checkpoint, progress=False)
+    model = gpt(layers=layers, dim=dim, vocab=vocab, seq=seq, heads=4)
+    x = torch.randint(0, vocab, (rows, seq))
+    split = dict(num_stages=stages) if split_points is None else dict(split_points=split_points)
+    prog = pipesplit.compile(model, x, schedule=schedule, num_microbatches=microbatches, checkpoint=checkpoint,
+                             progress=False, **split)
     pipe = pipesplit.Pipeline(prog, schedule, num_microbatches=microbatches,
                               loss_fn=lambda o, y: torch.nn.functional.cross_entropy(o.flatten(0, 1), y.flatten()))
     optimizer = torch.optim.Adam(pipe.parameters())
 
     def batch(i):
         g = torch.Generator().manual_seed(i)
-        return (torch.randint(0, 256, (rows * microbatches, seq), generator=g),), torch.randint(
-            0, 256, (rows * microbatches, seq), generator=g)
+        return (torch.randint(0, vocab, (rows * microbatches, seq), generator=g),), torch.randint(
+            0, vocab, (rows * microbatches, seq), generator=g)
 
     got = measure_pipeline(pipe, batch, optimizer=optimizer, memory_steps=1, timed_steps=0)
     return prog.plan, [m / p for p, m in zip(prog.plan.stage_memory_bytes, got.peak)]
@@ -153,33 +156,25 @@ def test_a_stage_recomputing_its_first_blocks_under_zero_bubble_holds_microbatch
     assert all(BAND[0] <= r <= BAND[1] for r in ratios), ratios
 
 
+# A GPT whose logits dominate its last stage and whose 4096-word embedding (tied to its head) dominates its first
+_LOGITS_DOMINATE = dict(microbatches=8, layers=8, dim=32, seq=32, vocab=4096,
+                        split_points=["blocks.2", "blocks.4", "blocks.6"])
+
+
 def test_a_last_stage_recomputing_its_head_under_zero_bubble_lets_its_microbatch_go_at_i():
     """Its whole backward runs in I, so nothing is left for W: the runtime let go of the microbatch's input
     leaves, logits and their gradients only at W, and the figure (counting until I) was 1.7x under the
     measured step (a GPT of width 32, vocabulary 4096, zb_h1, ``{3: 1}``: 9.0 MB against 5.25); let go at I,
     with the loss's gradients of the logits counted, under it."""
-    from pipesplit.bench.stage_memory import measure_pipeline
-
-    torch.manual_seed(0)
-    model = gpt(layers=8, dim=32, vocab=4096, seq=32, heads=4)
-    prog = pipesplit.compile(model, torch.randint(0, 4096, (2, 32)), split_points=["blocks.2", "blocks.4", "blocks.6"],
-                             schedule="zb_h1", num_microbatches=8, checkpoint={3: 1}, progress=False)
-    pipe = pipesplit.Pipeline(prog, "zb_h1", num_microbatches=8,
-                              loss_fn=lambda o, y: torch.nn.functional.cross_entropy(o.flatten(0, 1), y.flatten()))
-
-    def batch(i):
-        g = torch.Generator().manual_seed(i)
-        return (torch.randint(0, 4096, (16, 32), generator=g),), torch.randint(0, 4096, (16, 32), generator=g)
-
-    got = measure_pipeline(pipe, batch, optimizer=torch.optim.Adam(pipe.parameters()), memory_steps=1, timed_steps=0)
-    assert list(prog.plan.checkpoint_partial) == [3]
+    plan, ratios = _measured_against_planned("zb_h1", {3: 1}, **_LOGITS_DOMINATE, rows=2)
+    assert list(plan.checkpoint_partial) == [3]
     # stage 3's, from above; 0.75 of it in one process, whose stage 3 reads stage 0's tied embedding (its
     # weight and Adam's two moments, 1.5 of the figure's 6.4 MB) where a rank of its own holds a copy (under
     # torchrun 0.94: tests/memory_check.py measures such a GPT in test_distributed.py)
-    assert 0.7 <= got.peak[3] / prog.plan.stage_memory_bytes[3] <= BAND[1]
+    assert 0.7 <= ratios[3] <= BAND[1]
     # stage 0 (an embedding of 4096 x 32 and little else) measured 1.05 of its figure under zb_h1 while the
     # weight gradient a backward makes before adding it into .grad left the tied embedding out
-    assert got.peak[0] <= prog.plan.stage_memory_bytes[0]
+    assert ratios[0] <= 1.0
 
 
 def test_the_last_stage_lets_its_logits_go_once_its_loss_has_what_it_needs():
@@ -187,18 +182,5 @@ def test_the_last_stage_lets_its_logits_go_once_its_loss_has_what_it_needs():
     entropy: its log-softmax); the runtime also kept every microbatch's logits until its backward, 8 of them
     under gpipe: a GPT whose logits dominate (width 32, vocabulary 4096) measured 41.1 MB against a 27.7 MB
     figure that counts the loss's keep; 25.1 MB now."""
-    from pipesplit.bench.stage_memory import measure_pipeline
-
-    torch.manual_seed(0)
-    model = gpt(layers=8, dim=32, vocab=4096, seq=32, heads=4)
-    prog = pipesplit.compile(model, torch.randint(0, 4096, (4, 32)), split_points=["blocks.2", "blocks.4", "blocks.6"],
-                             schedule="gpipe", num_microbatches=8, progress=False)
-    pipe = pipesplit.Pipeline(prog, "gpipe", num_microbatches=8,
-                              loss_fn=lambda o, y: torch.nn.functional.cross_entropy(o.flatten(0, 1), y.flatten()))
-
-    def batch(i):
-        g = torch.Generator().manual_seed(i)
-        return (torch.randint(0, 4096, (32, 32), generator=g),), torch.randint(0, 4096, (32, 32), generator=g)
-
-    got = measure_pipeline(pipe, batch, optimizer=torch.optim.Adam(pipe.parameters()), memory_steps=1, timed_steps=0)
-    assert BAND[0] <= got.peak[3] / prog.plan.stage_memory_bytes[3] <= BAND[1]
+    _, ratios = _measured_against_planned("gpipe", None, **_LOGITS_DOMINATE, rows=4)
+    assert BAND[0] <= ratios[3] <= BAND[1]

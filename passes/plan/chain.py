@@ -79,18 +79,19 @@ class Chain:
         return int(self.mem.sum()) + sum(nbytes for nbytes, _ in self.shared)
 
 
-# Ops whose backward reads only their inputs: torch's checkpoint (stopping once it has made every tensor the
-# forward saved) does not make their result again where nothing else reads it. A log-softmax, softmax, sigmoid
-# or tanh saves its own result, so a recompute makes it again (a review measured such a returned value's
-# checkpointed last stage at 1.065 of the figure while every returned value was taken as not remade).
+# Ops whose backward reads only their inputs: where nothing else reads their result, no graph keeps it (the last
+# stage lets it go after its forward) and torch's checkpoint (stopping once it has made every tensor the forward
+# saved) does not make it again. A log-softmax, softmax, sigmoid or tanh saves its own result, so it is kept, and
+# a recompute makes it again (a review measured such a returned value's checkpointed last stage at 1.065 of the
+# figure while every returned value was taken as not remade).
 _RESULT_NOT_SAVED = {torch.ops.aten.linear.default, torch.ops.aten.mm.default, torch.ops.aten.addmm.default,
                      torch.ops.aten.matmul.default, torch.ops.aten.bmm.default, torch.ops.aten.add.Tensor,
                      torch.ops.aten.mul.Tensor, torch.ops.aten.to.dtype}
 
 
 def _kept_not_remade(node: fx.Node) -> bool:
-    """The program returns ``node``'s value and nothing else reads it, and its op does not save its result: a
-    checkpointed last stage keeps it from its forward and its recompute does not make it again."""
+    """The program returns ``node``'s value, nothing else reads it and its op does not save its result: the last
+    stage lets it go after its forward, and a recompute does not make it again."""
     return bool(node.users) and all(u.op == "output" for u in node.users) and node.target in _RESULT_NOT_SAVED
 
 
